@@ -1,0 +1,154 @@
+"""An async object-store client bound to one reader: a loop thread plus a fresh fsspec filesystem.
+
+Async backends (s3fs, gcsfs, HTTP on aiohttp) run natively on the loop; sync ones (local
+files, HDFS through pyarrow) run in a small thread pool so they overlap the same way.
+Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``_aio``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._aio import LoopThread
+from .config import FetchConfig
+from .errors import ShardFetchError, StreamDataError
+from .urls import filesystem, split_url, translate_error
+
+__all__ = ["AsyncClient", "ClientStats"]
+
+
+@dataclass
+class ClientStats:
+    """Request counters (read by benchmarks and tests)."""
+
+    requests: int = 0
+    retries: int = 0
+    bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+
+class AsyncClient:
+    """Ranged GETs with time-outs and retries for URLs of one protocol, on a private loop."""
+
+    def __init__(self, protocol: str, storage_options: dict | None = None,
+                 config: FetchConfig | None = None, *, name: str = "io") -> None:
+        self.protocol = protocol
+        self.config = config or FetchConfig()
+        self.stats = ClientStats()
+        self._options = dict(storage_options or {})
+        self._executor: ThreadPoolExecutor | None = None
+        self._fs: Any = None
+        self._opened: asyncio.Future | None = None
+        self.io = LoopThread(name)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def _open(self) -> Any:
+        """The filesystem, created on first use on the loop (concurrent callers share it)."""
+        if self._opened is None:
+            self._opened = asyncio.ensure_future(self._create())
+        return await asyncio.shield(self._opened)
+
+    async def _create(self) -> Any:
+        import fsspec
+
+        try:
+            cls = fsspec.get_filesystem_class(self.protocol)
+            is_async = bool(getattr(cls, "async_impl", False))
+        except (ImportError, ValueError):
+            is_async = False  # filesystem() below raises our error for these
+        extra = {"asynchronous": True, "loop": self.io.loop} if is_async else {}
+        fs = filesystem(self.protocol, self._options, **extra)
+        if is_async:
+            setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+            if setter is not None:
+                await setter()
+        else:
+            self._executor = ThreadPoolExecutor(self.config.max_requests,
+                                                thread_name_prefix="streamdata-fileio")
+        self._fs = fs
+        return fs
+
+    async def _close_fs(self) -> None:
+        fs, self._fs = self._fs, None
+        if fs is None or self._executor is not None:
+            return
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None and hasattr(creator, "__aexit__"):
+            await creator.__aexit__(None, None, None)
+        session = getattr(fs, "_session", None)
+        if session is not None and not session.closed:
+            await session.close()
+
+    def close(self) -> None:
+        """Cancel requests, close connections, join the loop thread and the file-I/O pool."""
+        self.io.close(cleanup=self._close_fs, timeout=5.0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    # ---- requests (coroutines, run on the loop) ----------------------------------------
+
+    async def _call(self, async_name: str, sync_name: str, *args: Any) -> Any:
+        fs = await self._open()
+        if self._executor is None:
+            return await getattr(fs, async_name)(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, getattr(fs, sync_name), *args)
+
+    async def size(self, url: str) -> int | None:
+        """The object's size (one HEAD / stat), for objects a listing did not size."""
+        try:
+            info = await asyncio.wait_for(self._call("_info", "info", split_url(url)[1]),
+                                          self.config.timeout)
+        except Exception as exc:
+            raise translate_error(exc, url, "stat") from None
+        return info.get("size")
+
+    async def get(self, url: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``url``; a failed try is retried with jittered backoff.
+
+        A retry re-requests only this range: ranges already delivered are never fetched again.
+        Missing objects and refused credentials fail at once (retrying cannot help).
+        """
+        cfg, path = self.config, split_url(url)[1]
+        last: BaseException | None = None
+        for attempt in range(cfg.retries + 1):
+            try:
+                self.stats.add(requests=1)
+                data = await asyncio.wait_for(
+                    self._call("_cat_file", "cat_file", path, start, end), cfg.timeout)
+                if end is not None and len(data) != end - start:
+                    raise ShardFetchError(
+                        f"short read of {url}: {len(data)} of {end - start} bytes at offset "
+                        f"{start}; the object is shorter than listed or changed", url=url)
+                self.stats.add(bytes=len(data))
+                return data
+            except (FileNotFoundError, PermissionError) as exc:
+                raise translate_error(exc, url) from None
+            except asyncio.CancelledError:
+                raise
+            except StreamDataError as exc:
+                if not isinstance(exc, ShardFetchError) or "short read" not in exc.message:
+                    raise
+                last = exc
+            except Exception as exc:
+                if "Credentials" in type(exc).__name__:
+                    raise translate_error(exc, url) from None
+                last = exc
+            if attempt < cfg.retries:
+                self.stats.add(retries=1)
+                await asyncio.sleep(cfg.backoff * 2 ** attempt * random.uniform(0.5, 1.5))
+        err = translate_error(last, url) if last is not None else ShardFetchError("no attempt", url=url)
+        err.message += f" (bytes {start}..{end}, after {cfg.retries + 1} attempts)"
+        raise err

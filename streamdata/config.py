@@ -1,0 +1,73 @@
+"""Tunables, as small frozen dataclasses; the only module that reads environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .errors import SpecError
+
+__all__ = ["FetchConfig", "env_int", "env_str"]
+
+MiB = 1 << 20
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Read ``name`` from the environment (the one place the package does so)."""
+    value = os.environ.get(name)
+    return default if value in (None, "") else value
+
+
+def env_int(name: str, default: int | None = None) -> int | None:
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How a worker's prefetcher keeps bytes in flight.
+
+    window:       shards ahead of the one being parsed whose bytes may be requested.
+    part_size:    bytes per ranged GET; a shard larger than this is fetched as several
+                  concurrent parts (and parsing starts on the first).
+    max_requests: concurrent GETs per worker.
+    byte_budget:  bytes fetched or in flight but not yet consumed; the fetcher holds at
+                  most ``max(byte_budget, one part)``.
+    retries:      attempts after the first for a failed part (jittered exponential backoff).
+    timeout:      seconds for one request before it counts as failed.
+    """
+
+    window: int = 4
+    part_size: int = 8 * MiB
+    max_requests: int = 8
+    byte_budget: int = 256 * MiB
+    retries: int = 4
+    backoff: float = 0.1
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "part_size", "max_requests", "byte_budget"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"FetchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0 or self.backoff < 0 or self.timeout <= 0:
+            raise SpecError("FetchConfig: retries and backoff must be >= 0 and timeout > 0")
+
+    def replace(self, **changes) -> FetchConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls) -> FetchConfig:
+        """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET."""
+        base = cls()
+        return base.replace(
+            window=env_int("STREAMDATA_WINDOW", base.window),
+            part_size=env_int("STREAMDATA_PART_SIZE", base.part_size),
+            max_requests=env_int("STREAMDATA_MAX_REQUESTS", base.max_requests),
+            byte_budget=env_int("STREAMDATA_BYTE_BUDGET", base.byte_budget),
+        )

@@ -1,0 +1,240 @@
+"""The per-worker prefetcher: keeps upcoming shards and byte ranges in flight.
+
+One ``Prefetcher`` serves one reader (a DataLoader worker, or the main process with
+``num_workers=0``).  It owns a ``LoopThread`` and a fresh async filesystem bound to it
+(LOOP-AFTER-FORK, see ``_aio``), and fetches the items it is given *in the order they will
+be consumed*, as parts of at most ``part_size`` bytes, so that remote first-byte latency
+overlaps parsing, decoding and training.
+
+Invariant (BYTE-BUDGET): ``reserved`` counts bytes requested or fetched but not yet
+released by the consumer.  A part is requested only while ``reserved + part <= byte_budget``
+or when nothing at all is reserved, so the fetcher never holds more than
+``max(byte_budget, one part)`` bytes.  Parts are requested in consumption order, so the
+part the consumer waits for is never queued behind later ones (no deadlock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+from ._aio import wait_future
+from .client import AsyncClient
+from .config import FetchConfig
+from .errors import StreamDataError
+from .urls import Shard, split_url, translate_error
+
+__all__ = ["FetchItem", "ItemReader", "Prefetcher"]
+
+Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
+
+
+class FetchItem(NamedTuple):
+    """An object to fetch: whole (``ranges=None``) or only the given byte ranges, in order."""
+
+    url: str
+    size: int | None = None
+    ranges: tuple[Range, ...] | None = None
+
+
+class _Plan(NamedTuple):
+    parts: list[Range]
+    futures: list[concurrent.futures.Future]
+
+
+def _split(ranges: Sequence[Range], part_size: int) -> list[Range]:
+    parts: list[Range] = []
+    for start, end in ranges:
+        if end is None:
+            parts.append((start, None))
+            continue
+        parts.extend((s, min(s + part_size, end)) for s in range(start, end, part_size))
+    return parts
+
+
+class Prefetcher:
+    """Fetch ``items`` ahead of the consumer; iterate to get one ``ItemReader`` per item.
+
+    Fetching starts at construction, so the first requests are on the wire before the first
+    byte is needed.  Always ``close()`` (or use as a context manager): it cancels requests,
+    closes connections and joins the I/O thread.
+    """
+
+    def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
+                 config: FetchConfig | None = None, *, where: str = "") -> None:
+        self.items = [i if isinstance(i, FetchItem) else FetchItem(i.url, i.size) for i in items]
+        self.config = config or FetchConfig()
+        self.where = where
+        protocols = {split_url(i.url)[0] for i in self.items}
+        if len(protocols) > 1:
+            from .errors import SpecError
+
+            raise SpecError(f"one dataset reads one protocol; got {sorted(protocols)}")
+        self.client = AsyncClient(protocols.pop() if protocols else "file", storage_options,
+                                  self.config, name="fetch")
+        self.stats = self.client.stats
+        self.peak_reserved = 0
+        self._plans: list[concurrent.futures.Future[_Plan]] = [
+            concurrent.futures.Future() for _ in self.items]
+        self._consumer = 0
+        self._reserved = 0
+        self._inflight = 0
+        self._closed = False
+        self._io = self.client.io
+        self._wake = asyncio.Event()
+        self._scheduler = self._io.submit(self._schedule())
+
+    # ---- consumer side (the reader's thread) -------------------------------------------
+
+    def __iter__(self) -> Iterator[ItemReader]:
+        for index in range(len(self.items)):
+            yield ItemReader(self, index)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the filesystem's connections, join the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.close()
+
+    def _check(self) -> None:
+        """Raise if the fetcher can no longer deliver (closed, or its scheduler failed)."""
+        if self._closed:
+            raise StreamDataError("the prefetcher was closed while a reader waited for bytes")
+        if self._scheduler.done() and not self._scheduler.cancelled() and self._scheduler.exception():
+            exc = self._scheduler.exception()
+            raise StreamDataError(f"the prefetcher's scheduler failed: {type(exc).__name__}: {exc}") from exc
+
+    def _wait_timeout(self) -> float:
+        c = self.config
+        return c.timeout * (c.retries + 1) + c.backoff * 2 ** (c.retries + 1) + 30.0
+
+    def _plan(self, index: int) -> _Plan:
+        self._io.call_soon(self._advance, index)
+        url = self.items[index].url
+        return wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
+                           url=url, check=self._check)
+
+    def _release_soon(self, nbytes: int) -> None:
+        self._io.call_soon(self._release, nbytes)
+
+    # ---- loop side --------------------------------------------------------------------
+
+    def _advance(self, index: int) -> None:
+        self._consumer = max(self._consumer, index)
+        self._wake.set()
+
+    def _release(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+        self._wake.set()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _schedule(self) -> None:
+        cfg = self.config
+        for index, item in enumerate(self.items):
+            await self._until(lambda: index < self._consumer + cfg.window)
+            try:
+                ranges = item.ranges
+                if ranges is None:
+                    size = item.size if item.size is not None else await self.client.size(item.url)
+                    ranges = ((0, size),)
+                parts = _split(ranges, cfg.part_size)
+            except Exception as exc:
+                self._plans[index].set_exception(translate_error(exc, item.url))
+                continue
+            futures = [concurrent.futures.Future() for _ in parts]
+            self._plans[index].set_result(_Plan(parts, futures))
+            for (start, end), fut in zip(parts, futures):
+                need = (end if end is not None else start + cfg.part_size) - start
+                await self._until(lambda: self._inflight < cfg.max_requests and (
+                    self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
+                self._reserved += need
+                self._inflight += 1
+                self.peak_reserved = max(self.peak_reserved, self._reserved)
+                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut))
+
+    async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
+                     fut: concurrent.futures.Future) -> None:
+        try:
+            data = await self.client.get(url, start, end)
+            if len(data) != reserved:  # only for open-ended parts: account for the real size
+                self._reserved += len(data) - reserved
+                fut.reserved_fix = len(data) - reserved  # type: ignore[attr-defined]
+            if not fut.set_running_or_notify_cancel():
+                self._reserved -= len(data)
+                return
+            fut.set_result(data)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+        finally:
+            self._inflight -= 1
+            self._wake.set()
+
+
+class ItemReader:
+    """The consumer's view of one fetched item: its bytes, part by part, in order."""
+
+    def __init__(self, fetcher: Prefetcher, index: int) -> None:
+        self._fetcher = fetcher
+        self.index = index
+        self.url = fetcher.items[index].url
+
+    def chunks(self) -> Iterator[bytes]:
+        """Yield the item's bytes in parts; each part's budget is released once the next is asked."""
+        f = self._fetcher
+        pending: list = []
+        try:
+            plan = f._plan(self.index)
+            pending = list(zip(plan.parts, plan.futures))
+            while pending:
+                (start, end), fut = pending[0]
+                data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
+                                   url=self.url, check=f._check)
+                pending.pop(0)
+                try:
+                    yield data
+                finally:
+                    f._release_soon(len(data))
+        except StreamDataError as exc:
+            if f.where and not exc.where:
+                exc.where = f.where
+            raise
+        finally:
+            for (start, end), fut in pending:  # abandoned mid-item: free the budget as parts land
+                need = (end if end is not None else start + f.config.part_size) - start
+                fut.add_done_callback(lambda fu, n=need: f._release_soon(
+                    n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
+
+    def read(self) -> bytes:
+        """The whole item as one ``bytes`` (for small objects and footers)."""
+        return b"".join(self.chunks())
+
+    def read_ranges(self) -> list[bytes]:
+        """One ``bytes`` per requested range (parts joined back), in the item's range order."""
+        item = self._fetcher.items[self.index]
+        ranges = item.ranges or ((0, item.size),)
+        out, buf, chunks = [], bytearray(), self.chunks()
+        for start, end in ranges:
+            if end is None:
+                out.append(b"".join(chunks))
+                continue
+            while len(buf) < end - start:
+                buf += next(chunks)
+            out.append(bytes(buf[: end - start]))
+            del buf[: end - start]
+        return out

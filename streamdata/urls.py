@@ -1,0 +1,228 @@
+"""Shard specs -> a list of ``Shard(url, size)``, through fsspec, with errors that say what to check.
+
+A spec is a brace pattern (``s3://bkt/train-{000000..000127}.tar``), a glob, a prefix
+(a directory, or the start of object names), a single object, or a list of any of these.
+Expansion happens once, in the process that builds the dataset, before any worker starts;
+sizes come from one listing per directory, so the fetcher needs no HEAD per shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import posixpath
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .errors import (
+    AccessDeniedError,
+    BackendMissingError,
+    ShardFetchError,
+    ShardNotFoundError,
+    SpecError,
+    StreamDataError,
+)
+
+__all__ = ["Shard", "brace_expand", "expand_spec", "filesystem", "split_url", "translate_error"]
+
+Spec = str | Sequence[str]
+
+# protocol -> the pip extra / package that provides it, for BackendMissingError
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
+             "https": "aiohttp", "hdfs": "pyarrow (and a Hadoop client: JAVA_HOME, HADOOP_HOME, CLASSPATH)"}
+_NO_LISTING = {"http", "https"}
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+class Shard(NamedTuple):
+    """One object to read: its full URL (with protocol) and its size in bytes, if known."""
+
+    url: str
+    size: int | None = None
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``"s3://bkt/key"`` -> ``("s3", "bkt/key")``; a plain path -> ``("file", "/abs/path")``."""
+    if "://" in url:
+        protocol, path = url.split("://", 1)
+        protocol = protocol.lower()
+        if protocol == "file":
+            return "file", path
+        return protocol, path
+    if url.startswith(("s3:", "gs:", "gcs:", "hdfs:")):
+        raise SpecError(f"malformed URL {url!r}: write the protocol as PROTOCOL://bucket/key")
+    return "file", os.path.abspath(url)
+
+
+def _join(protocol: str, path: str) -> str:
+    return path if protocol == "file" else f"{protocol}://{path}"
+
+
+def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, **extra: Any):
+    """A fresh fsspec filesystem for ``protocol`` (never the instance cache: see LOOP-AFTER-FORK)."""
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        need = _BACKENDS.get(protocol, "the fsspec backend for it")
+        raise BackendMissingError(
+            f"reading {protocol}:// URLs needs {need}: pip install 'streamdata' brings it, "
+            f"or install it directly ({exc})") from exc
+    except ValueError as exc:
+        raise SpecError(f"unknown protocol {protocol!r}: use s3://, gs://, hdfs://, http(s)://, "
+                        "file:// or a local path") from exc
+    options = dict(storage_options or {})
+    options.update(extra)
+    try:
+        return cls(skip_instance_cache=True, **options)
+    except TypeError as exc:
+        raise SpecError(f"storage_options not accepted by {cls.__name__}: {exc}") from exc
+    except ImportError as exc:
+        raise BackendMissingError(f"the {protocol}:// backend could not start: {exc}") from exc
+
+
+def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
+    """Map a backend exception to ours, naming the URL and what to check."""
+    if isinstance(exc, StreamDataError):
+        return exc
+    name = type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text:
+        err: StreamDataError = ShardNotFoundError(
+            f"cannot {action} {url}: no such bucket or object. Check the bucket name, the key, "
+            f"and the endpoint in storage_options ({name}: {text})", url=url)
+    elif isinstance(exc, PermissionError) or "Credentials" in name or "AccessDenied" in text \
+            or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        err = AccessDeniedError(
+            f"cannot {action} {url}: access denied. Check credentials (storage_options key/secret "
+            f"or token, AWS_PROFILE / AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS) and the "
+            f"bucket policy ({name}: {text})", url=url)
+    elif isinstance(exc, TimeoutError):
+        from .errors import FetchTimeoutError
+
+        err = FetchTimeoutError(f"cannot {action} {url}: timed out ({name}: {text})", url=url)
+    else:
+        err = ShardFetchError(f"cannot {action} {url}: {name}: {text}", url=url)
+    err.__cause__ = exc
+    return err
+
+
+def brace_expand(pattern: str) -> list[str]:
+    """Expand ``{a,b}`` lists and ``{000..127}`` ranges (zero padding kept), several per pattern."""
+    parts = _BRACE.split(pattern)
+    literals, groups = parts[0::2], parts[1::2]
+    if any(c in lit for lit in literals for c in "{}"):
+        raise SpecError(f"unbalanced or nested braces in {pattern!r}")
+    choices: list[list[str]] = []
+    for group in groups:
+        m = _RANGE.match(group)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if hi < lo:
+                raise SpecError(f"empty range {{{group}}} in {pattern!r}: the end is before the start")
+            width = len(m.group(1)) if m.group(1).startswith("0") else 0
+            choices.append([str(i).zfill(width) for i in range(lo, hi + 1)])
+        elif "," in group:
+            choices.append(group.split(","))
+        else:
+            raise SpecError(f"cannot expand {{{group}}} in {pattern!r}: use {{a,b,c}} or {{000..099}}")
+    out = []
+    for combo in itertools.product(*choices):
+        pieces = [literals[0]]
+        for value, lit in zip(combo, literals[1:]):
+            pieces += [value, lit]
+        out.append("".join(pieces))
+    return out
+
+
+def _list_sizes(fs, protocol: str, paths: list[str]) -> dict[str, int | None]:
+    """Sizes for ``paths`` from one listing per parent directory (object stores list flat)."""
+    if protocol in _NO_LISTING:
+        return {p: None for p in paths}
+    sizes: dict[str, int | None] = {}
+    for parent in sorted({posixpath.dirname(p) for p in paths}):
+        url = _join(protocol, parent)
+        try:
+            entries = fs.ls(parent, detail=True)
+        except Exception as exc:
+            raise translate_error(exc, url, "list") from None
+        for e in entries:
+            if e.get("type", "file") != "directory":
+                sizes[fs._strip_protocol(e["name"])] = e.get("size")
+    return sizes
+
+
+def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...]) -> list[Shard]:
+    _, path = split_url(item)
+    if "{" in path or "}" in path:
+        paths = [fs._strip_protocol(p) for p in brace_expand(path)]
+        sizes = _list_sizes(fs, protocol, paths)
+        if protocol not in _NO_LISTING:
+            missing = [p for p in paths if p not in sizes]
+            if missing:
+                raise ShardNotFoundError(
+                    f"{len(missing)} of {len(paths)} shards of {item!r} do not exist, first: "
+                    f"{_join(protocol, missing[0])}. Check the pattern's range and the bucket",
+                    url=_join(protocol, missing[0]))
+        return [Shard(_join(protocol, p), sizes.get(p)) for p in paths]
+    try:
+        if any(c in path for c in "*?["):
+            found = fs.glob(path, detail=True)
+            entries = [(n, e) for n, e in found.items() if e.get("type", "file") != "directory"]
+        elif protocol in _NO_LISTING:
+            return [Shard(item, None)]
+        elif path.endswith("/") or fs.isdir(path):
+            entries = list(fs.find(path, detail=True).items())
+        elif fs.isfile(path):
+            return [Shard(_join(protocol, fs._strip_protocol(path)), fs.size(path))]
+        else:  # the start of object names
+            parent = posixpath.dirname(fs._strip_protocol(path))
+            entries = [(e["name"], e) for e in fs.ls(parent, detail=True)
+                       if fs._strip_protocol(e["name"]).startswith(fs._strip_protocol(path))
+                       and e.get("type", "file") != "directory"]
+    except StreamDataError:
+        raise
+    except Exception as exc:
+        raise translate_error(exc, item, "list") from None
+    shards = sorted(Shard(_join(protocol, fs._strip_protocol(n)), e.get("size")) for n, e in entries)
+    if suffixes:
+        shards = [s for s in shards if s.url.endswith(suffixes)]
+    return shards
+
+
+def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
+                suffixes: Iterable[str] = ()) -> list[Shard]:
+    """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
+
+    ``suffixes`` filters what a prefix or glob lists (e.g. ``(".tar",)``); explicit names
+    and brace patterns are taken as given.
+    """
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not items:
+        raise SpecError("the shard spec is an empty list: name at least one URL")
+    suffixes = tuple(suffixes)
+    shards: list[Shard] = []
+    filesystems: dict[str, Any] = {}
+    for raw in items:
+        if isinstance(raw, Shard):
+            shards.append(raw)
+            continue
+        item = os.fspath(raw)
+        if not isinstance(item, str) or not item:
+            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+        protocol, _ = split_url(item)
+        if protocol not in filesystems:
+            filesystems[protocol] = filesystem(protocol, storage_options)
+        found = _expand_one(filesystems[protocol], protocol, item, suffixes)
+        if not found:
+            raise ShardNotFoundError(
+                f"{item!r} matched no objects{' ending in ' + '/'.join(suffixes) if suffixes else ''}: "
+                "check the prefix or glob, and the endpoint", url=item)
+        shards.extend(found)
+    dupes = len(shards) - len({s.url for s in shards})
+    if dupes:
+        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    return shards
