@@ -41,8 +41,9 @@ class AsyncClient:
     """Ranged GETs with time-outs and retries for URLs of one protocol, on a private loop."""
 
     def __init__(self, protocol: str, storage_options: dict | None = None,
-                 config: FetchConfig | None = None, *, name: str = "io") -> None:
+                 config: FetchConfig | None = None, *, name: str = "io", url: str | None = None) -> None:
         self.protocol = protocol
+        self.url = url  # an example URL: carries an HDFS name node's host and port
         self.config = config or FetchConfig()
         self.stats = ClientStats()
         self._options = dict(storage_options or {})
@@ -68,7 +69,7 @@ class AsyncClient:
         except (ImportError, ValueError):
             is_async = False  # filesystem() below raises our error for these
         extra = {"asynchronous": True, "loop": self.io.loop} if is_async else {}
-        fs = filesystem(self.protocol, self._options, **extra)
+        fs = filesystem(self.protocol, self._options, url=self.url, **extra)
         if is_async:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:

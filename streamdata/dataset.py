@@ -252,7 +252,7 @@ class ObjectDataset(torch.utils.data.Dataset):
 
         if self._client is None or self._pid != os.getpid():
             self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
-                                       name="objects")
+                                       name="objects", url=self.shards[0].url)
             self._pid = os.getpid()
         return self._client
 

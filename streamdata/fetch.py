@@ -73,7 +73,8 @@ class Prefetcher:
 
             raise SpecError(f"one dataset reads one protocol; got {sorted(protocols)}")
         self.client = AsyncClient(protocols.pop() if protocols else "file", storage_options,
-                                  self.config, name="fetch")
+                                  self.config, name="fetch",
+                                  url=self.items[0].url if self.items else None)
         self.stats = self.client.stats
         self.peak_reserved = 0
         self._plans: list[concurrent.futures.Future[_Plan]] = [

@@ -60,8 +60,12 @@ def _join(protocol: str, path: str) -> str:
     return path if protocol == "file" else f"{protocol}://{path}"
 
 
-def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, **extra: Any):
-    """A fresh fsspec filesystem for ``protocol`` (never the instance cache: see LOOP-AFTER-FORK)."""
+def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, *,
+               url: str | None = None, **extra: Any):
+    """A fresh fsspec filesystem for ``protocol`` (never the instance cache: see LOOP-AFTER-FORK).
+
+    ``url`` contributes what the URL itself carries (an HDFS name node's host and port).
+    """
     import fsspec
 
     try:
@@ -74,14 +78,18 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     except ValueError as exc:
         raise SpecError(f"unknown protocol {protocol!r}: use s3://, gs://, hdfs://, http(s)://, "
                         "file:// or a local path") from exc
-    options = dict(storage_options or {})
+    options = dict(cls._get_kwargs_from_urls(url)) if url else {}
+    options.update(storage_options or {})
     options.update(extra)
     try:
         return cls(skip_instance_cache=True, **options)
     except TypeError as exc:
         raise SpecError(f"storage_options not accepted by {cls.__name__}: {exc}") from exc
-    except ImportError as exc:
-        raise BackendMissingError(f"the {protocol}:// backend could not start: {exc}") from exc
+    except (ImportError, OSError) as exc:
+        need = _BACKENDS.get(protocol, "its client libraries")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BackendMissingError(f"the {protocol}:// backend could not start ({first}); it needs "
+                                  f"{need}", url=url) from exc
 
 
 def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
@@ -215,7 +223,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
             raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
         protocol, _ = split_url(item)
         if protocol not in filesystems:
-            filesystems[protocol] = filesystem(protocol, storage_options)
+            filesystems[protocol] = filesystem(protocol, storage_options, url=item)
         found = _expand_one(filesystems[protocol], protocol, item, suffixes)
         if not found:
             raise ShardNotFoundError(
