@@ -8,6 +8,7 @@ Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``_aio``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -100,12 +101,13 @@ class AsyncClient:
 
     # ---- requests (coroutines, run on the loop) ----------------------------------------
 
-    async def _call(self, async_name: str, sync_name: str, *args: Any) -> Any:
+    async def _call(self, async_name: str, sync_name: str, path: str, **kwargs: Any) -> Any:
+        # keywords, always: s3fs's _cat_file takes version_id before start and end
         fs = await self._open()
         if self._executor is None:
-            return await getattr(fs, async_name)(*args)
+            return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, getattr(fs, sync_name), *args)
+        return await loop.run_in_executor(self._executor, functools.partial(getattr(fs, sync_name), path, **kwargs))
 
     async def size(self, url: str) -> int | None:
         """The object's size (one HEAD / stat), for objects a listing did not size."""
@@ -128,7 +130,7 @@ class AsyncClient:
             try:
                 self.stats.add(requests=1)
                 data = await asyncio.wait_for(
-                    self._call("_cat_file", "cat_file", path, start, end), cfg.timeout)
+                    self._call("_cat_file", "cat_file", path, start=start, end=end), cfg.timeout)
                 if end is not None and len(data) != end - start:
                     raise ShardFetchError(
                         f"short read of {url}: {len(data)} of {end - start} bytes at offset "

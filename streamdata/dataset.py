@@ -113,7 +113,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose shuffle to read next (call before each epoch, as with
-        ``DistributedSampler``).  A persistent worker's copy advances by one per pass."""
+        ``DistributedSampler``).  A persistent worker's copy of the dataset cannot see this
+        call, so inside a DataLoader worker the epoch also advances by one per pass: calling
+        ``set_epoch(0), set_epoch(1), ...`` gives the same orders with or without persistence."""
         self._epoch = int(epoch)
         self._passes = 0
 
@@ -130,7 +132,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         world = World.current()
         epoch = self.epoch
-        self._passes += 1
+        if torch.utils.data.get_worker_info() is not None:
+            self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
         mine = assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         policy = ErrorPolicy(self.on_error)
         fetcher = self._prefetcher(mine, world)

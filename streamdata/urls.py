@@ -24,7 +24,8 @@ from .errors import (
     StreamDataError,
 )
 
-__all__ = ["Shard", "brace_expand", "expand_spec", "filesystem", "split_url", "translate_error"]
+__all__ = ["Shard", "brace_expand", "close_filesystem", "expand_spec", "filesystem", "split_url",
+           "translate_error"]
 
 Spec = str | Sequence[str]
 
@@ -90,6 +91,32 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BackendMissingError(f"the {protocol}:// backend could not start ({first}); it needs "
                                   f"{need}", url=url) from exc
+
+
+def close_filesystem(fs: Any) -> None:
+    """Close a sync fsspec filesystem's connections now, on its own loop.
+
+    Left to the garbage collector, s3fs closes them from whatever thread collects, which
+    may be another reader's loop thread ("attached to a different loop").
+    """
+    loop = getattr(fs, "loop", None)
+    if getattr(fs, "asynchronous", True) or loop is None or not loop.is_running():
+        return
+    from fsspec.asyn import sync
+
+    async def close() -> None:
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None and hasattr(creator, "__aexit__"):
+            await creator.__aexit__(None, None, None)
+            fs._s3creator = fs._s3 = None
+        session = getattr(fs, "_session", None)
+        if session is not None and not session.closed:
+            await session.close()
+
+    try:
+        sync(loop, close, timeout=5)
+    except Exception:  # best effort: the listing already succeeded
+        pass
 
 
 def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
@@ -230,6 +257,8 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
                 f"{item!r} matched no objects{' ending in ' + '/'.join(suffixes) if suffixes else ''}: "
                 "check the prefix or glob, and the endpoint", url=item)
         shards.extend(found)
+    for fs in filesystems.values():
+        close_filesystem(fs)
     dupes = len(shards) - len({s.url for s in shards})
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")

@@ -1,0 +1,192 @@
+"""The per-worker prefetcher: exact bytes in order, bounded memory, clean shutdown."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+
+import streamdata as sd
+from streamdata.config import FetchConfig
+from streamdata.fetch import FetchItem, Prefetcher
+from tests.helpers import UNEVEN, make_samples, tar_bytes, write_shards
+
+MiB = 1 << 20
+
+
+def _streamdata_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("streamdata")]
+
+
+@pytest.fixture
+def s3fs_fs(s3_bucket):
+    import s3fs
+
+    server, bucket = s3_bucket
+    return server, bucket, s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+
+
+def _proxied_options(server, proxy):
+    return {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
+
+
+def test_bytes_exact_and_in_order_through_a_splitting_delaying_proxy(s3fs_fs):
+    from urllib.parse import urlsplit
+
+    from benchmarks.proxy import LatencyProxy
+
+    server, bucket, fs = s3fs_fs
+    blobs = [os.urandom(n) for n in (0, 1, 70_000, 300_001, 5)]
+    for i, blob in enumerate(blobs):
+        fs.pipe_file(f"{bucket}/blob-{i}", blob)
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.01, split=977) as proxy:
+        shards = sd.expand_spec(f"s3://{bucket}/blob-{{0..4}}", server.storage_options)
+        config = FetchConfig(part_size=65_536, window=3, byte_budget=200_000)
+        with Prefetcher(shards, _proxied_options(server, proxy), config) as fetcher:
+            got = [b"".join(reader.chunks()) for reader in fetcher]
+        assert proxy.bytes_down > sum(map(len, blobs))
+    assert got == blobs
+    assert fetcher.peak_reserved <= config.byte_budget + config.part_size
+    assert not _streamdata_threads()
+
+
+def test_tar_parsed_from_partial_arrivals_equals_whole_parse(s3fs_fs):
+    from urllib.parse import urlsplit
+
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.formats.tar import samples_from_chunks
+
+    server, bucket, fs = s3fs_fs
+    data = tar_bytes(make_samples([30], floats=2000)[0])
+    fs.pipe_file(f"{bucket}/a.tar", data)
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.005, split=333) as proxy:
+        ds = sd.TarDataset(f"s3://{bucket}/a.tar", storage_options=_proxied_options(server, proxy),
+                           part_size=10_000, decode=False)
+        streamed = list(ds)
+    assert streamed == list(samples_from_chunks([data], f"s3://{bucket}/a.tar"))
+
+
+def test_byte_ranges_are_fetched_in_order(tmp_path):
+    blob = os.urandom(100_000)
+    (tmp_path / "b").write_bytes(blob)
+    items = [FetchItem(str(tmp_path / "b"), len(blob), ((10, 20), (50_000, 99_999), (0, 3)))]
+    with Prefetcher(items, None, FetchConfig(part_size=7_000)) as fetcher:
+        [reader] = list(fetcher)
+        assert reader.read_ranges() == [blob[10:20], blob[50_000:99_999], blob[0:3]]
+
+
+def test_memory_stays_within_budget_plus_one_part(tmp_path):
+    sizes = [3 * MiB, 5 * MiB, 1, 4 * MiB]
+    for i, n in enumerate(sizes):
+        (tmp_path / f"big-{i}").write_bytes(b"x" * n)
+    config = FetchConfig(byte_budget=1 * MiB, part_size=384 * 1024, window=4)
+    shards = sd.expand_spec(str(tmp_path / "big-{0..3}"))
+    with Prefetcher(shards, None, config) as fetcher:
+        total = 0
+        for reader in fetcher:
+            for chunk in reader.chunks():
+                total += len(chunk)
+                threading.Event().wait(0.002)  # a slow consumer lets the fetcher run ahead
+    assert total == sum(sizes)
+    assert config.byte_budget // 2 < fetcher.peak_reserved <= config.byte_budget + config.part_size
+
+
+def test_a_part_larger_than_the_budget_still_flows(tmp_path):
+    (tmp_path / "a").write_bytes(b"y" * 300_000)
+    config = FetchConfig(byte_budget=1000, part_size=100_000)
+    with Prefetcher(sd.expand_spec(str(tmp_path / "a")), None, config) as fetcher:
+        assert sum(len(c) for r in fetcher for c in r.chunks()) == 300_000
+    assert fetcher.peak_reserved <= config.byte_budget + config.part_size
+
+
+def test_abandoned_iterator_leaves_no_thread_or_connection(s3fs_fs):
+    import psutil
+
+    server, bucket, fs = s3fs_fs
+    write_shards(fs, f"{bucket}/d", counts=[20] * 6, floats=5000)
+    ds = sd.TarDataset(f"s3://{bucket}/d/", storage_options=server.storage_options, part_size=20_000)
+    port = int(server.endpoint_url.rsplit(":", 1)[1])
+
+    def open_conns():
+        return {c.laddr for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED} - before
+
+    before: set = set()
+    before = open_conns()  # the test's own s3fs client may keep some
+    it = iter(ds)
+    next(it)
+    assert _streamdata_threads() and open_conns()
+    del it  # abandoned mid-epoch, never closed explicitly
+    gc.collect()
+    assert not _streamdata_threads()
+    assert not open_conns()
+
+    it = iter(ds)  # created, never started: closing must still stop the fetcher
+    it.close()
+    assert not _streamdata_threads()
+
+
+def test_fetching_starts_when_the_iterator_is_created(tmp_path, monkeypatch):
+    from streamdata.client import AsyncClient
+
+    (tmp_path / "a.tar").write_bytes(tar_bytes(make_samples([2])[0]))
+    started = threading.Event()
+    real_get = AsyncClient.get
+
+    async def spy(self, url, start=0, end=None):
+        started.set()
+        return await real_get(self, url, start, end)
+
+    monkeypatch.setattr(AsyncClient, "get", spy)
+    it = iter(sd.TarDataset(str(tmp_path / "a.tar")))
+    try:
+        assert started.wait(10), "no request went out before the first sample was asked for"
+    finally:
+        it.close()
+
+
+def test_retries_then_a_clear_error_naming_the_url(tmp_path, monkeypatch):
+    from streamdata.client import AsyncClient
+
+    (tmp_path / "a.tar").write_bytes(tar_bytes(make_samples([2])[0]))
+    calls = []
+    real_call = AsyncClient._call
+
+    async def flaky(self, async_name, sync_name, path, **kwargs):
+        if async_name == "_cat_file":
+            calls.append(path)
+            if len(calls) <= 2:
+                raise ConnectionResetError("connection reset by peer")
+        return await real_call(self, async_name, sync_name, path, **kwargs)
+
+    monkeypatch.setattr(AsyncClient, "_call", flaky)
+    keys = [s["__key__"] for s in sd.TarDataset(str(tmp_path / "a.tar"), retries=2, backoff=0.01)]
+    assert keys == ["s000000", "s000001"] and len(calls) == 3
+    calls.clear()
+    ds = sd.TarDataset(str(tmp_path / "a.tar"), retries=1, backoff=0.01)
+    calls.extend([None, None, None])  # every call from now on fails
+    monkeypatch.setattr(AsyncClient, "_call", lambda self, *a, **k: (_ for _ in ()).throw(OSError("down")))
+    with pytest.raises(sd.ShardFetchError, match=r"a\.tar.*after 2 attempts"):
+        list(ds)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_object_dataset_fetches_batches_concurrently(s3fs_fs, context):
+    import numpy as np
+    import torch
+
+    server, bucket, fs = s3fs_fs
+    for i in range(40):
+        fs.pipe_file(f"{bucket}/obj/{i:04d}.cls", str(i).encode())
+    ds = sd.ObjectDataset(f"s3://{bucket}/obj/", storage_options=server.storage_options)
+    assert len(ds) == 40 and ds[3]["cls"] == 3
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context,
+                                         timeout=60)
+    got = torch.cat([b["cls"] for b in loader]).tolist()
+    assert got == list(range(40))
+    assert np.all(np.array(ds.__getitems__([5, 1, 9])[1]["cls"]) == 1)
+    ds.close()
