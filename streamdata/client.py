@@ -18,7 +18,7 @@ from typing import Any
 from ._aio import LoopThread
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
-from .urls import filesystem, split_url, translate_error
+from .urls import filesystem, translate_error
 
 __all__ = ["AsyncClient", "ClientStats"]
 
@@ -101,9 +101,10 @@ class AsyncClient:
 
     # ---- requests (coroutines, run on the loop) ----------------------------------------
 
-    async def _call(self, async_name: str, sync_name: str, path: str, **kwargs: Any) -> Any:
+    async def _call(self, async_name: str, sync_name: str, url: str, **kwargs: Any) -> Any:
         # keywords, always: s3fs's _cat_file takes version_id before start and end
         fs = await self._open()
+        path = fs._strip_protocol(url)  # HTTP keeps the whole URL, object stores drop "s3://"
         if self._executor is None:
             return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()
@@ -112,7 +113,7 @@ class AsyncClient:
     async def size(self, url: str) -> int | None:
         """The object's size (one HEAD / stat), for objects a listing did not size."""
         try:
-            info = await asyncio.wait_for(self._call("_info", "info", split_url(url)[1]),
+            info = await asyncio.wait_for(self._call("_info", "info", url),
                                           self.config.timeout)
         except Exception as exc:
             raise translate_error(exc, url, "stat") from None
@@ -124,13 +125,13 @@ class AsyncClient:
         A retry re-requests only this range: ranges already delivered are never fetched again.
         Missing objects and refused credentials fail at once (retrying cannot help).
         """
-        cfg, path = self.config, split_url(url)[1]
+        cfg = self.config
         last: BaseException | None = None
         for attempt in range(cfg.retries + 1):
             try:
                 self.stats.add(requests=1)
                 data = await asyncio.wait_for(
-                    self._call("_cat_file", "cat_file", path, start=start, end=end), cfg.timeout)
+                    self._call("_cat_file", "cat_file", url, start=start, end=end), cfg.timeout)
                 if end is not None and len(data) != end - start:
                     raise ShardFetchError(
                         f"short read of {url}: {len(data)} of {end - start} bytes at offset "
