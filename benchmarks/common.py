@@ -1,0 +1,225 @@
+"""Shared bits for the benchmarks: synthetic shards, uploads, timing, memory sampling."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Layout",
+    "RssSampler",
+    "mean_std",
+    "replace_in_options",
+    "sample_array",
+    "shard_pattern",
+    "upload_objects",
+    "upload_shards",
+    "tar_shard",
+]
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one synthetic dataset lives: shard URLs and one-object-per-sample URLs."""
+
+    bucket: str
+    n_samples: int
+    sample_bytes: int
+    shard_spec: str  # brace pattern naming the shards (one listing call)
+    shard_urls: list[str]
+    object_prefix: str = ""
+    object_urls: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_samples * self.sample_bytes
+
+
+def sample_array(index: int, sample_bytes: int) -> np.ndarray:
+    """A deterministic float32 array whose .npy payload is ``sample_bytes`` bytes."""
+    rng = np.random.default_rng(index)
+    return rng.random(sample_bytes // 4, dtype=np.float32)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def label_of(index: int) -> int:
+    return index % 10
+
+
+def tar_shard(indices: Iterable[int], sample_bytes: int, extra: Mapping[str, bytes] = ()) -> bytes:
+    """One WebDataset tar (written with webdataset's TarWriter): ``.npy`` + ``.cls`` per sample."""
+    import webdataset as wds
+
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as sink:
+        for i in indices:
+            sample = {
+                "__key__": f"{i:08d}",
+                "npy": _npy_bytes(sample_array(i, sample_bytes)),
+                "cls": str(label_of(i)).encode(),
+            }
+            sample.update(extra)
+            sink.write(sample)
+    return buf.getvalue()
+
+
+def _put_all(client: Any, bucket: str, items: list[tuple[str, Callable[[], bytes]]]) -> None:
+    def put(item: tuple[str, Callable[[], bytes]]) -> None:
+        key, make = item
+        client.put_object(Bucket=bucket, Key=key, Body=make())
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for _ in pool.map(put, items, timeout=600):
+            pass
+
+
+def shard_pattern(bucket: str, prefix: str, n_shards: int) -> str:
+    """The brace pattern of the shards ``upload_shards`` writes."""
+    return f"s3://{bucket}/{prefix}-{{000000..{n_shards - 1:06d}}}.tar"
+
+
+def upload_shards(
+    client: Any,
+    bucket: str,
+    prefix: str,
+    n_samples: int,
+    n_shards: int,
+    sample_bytes: int,
+) -> list[str]:
+    """Write ``n_samples`` in ``n_shards`` tar shards to ``s3://bucket/prefix-NNNNNN.tar``."""
+    per = math.ceil(n_samples / n_shards)
+    items = []
+    for s in range(n_shards):
+        idx = range(s * per, min(n_samples, (s + 1) * per))
+        items.append((f"{prefix}-{s:06d}.tar", lambda idx=idx: tar_shard(idx, sample_bytes)))
+    _put_all(client, bucket, items)
+    return [f"s3://{bucket}/{key}" for key, _ in items]
+
+
+def upload_objects(
+    client: Any, bucket: str, prefix: str, n_samples: int, sample_bytes: int
+) -> tuple[list[str], list[int]]:
+    """One ``.npy`` object per sample at ``prefix/<label>/<key>.npy`` (label in the path)."""
+    items, labels = [], []
+    for i in range(n_samples):
+        key = f"{prefix}/{label_of(i)}/{i:08d}.npy"
+        items.append((key, lambda i=i: _npy_bytes(sample_array(i, sample_bytes))))
+        labels.append(label_of(i))
+    _put_all(client, bucket, items)
+    return [f"s3://{bucket}/{key}" for key, _ in items], labels
+
+
+def replace_in_options(options: Any, old: str, new: str) -> Any:
+    """A copy of nested ``storage_options`` with every string equal to ``old`` set to ``new``."""
+    if isinstance(options, Mapping):
+        return {k: replace_in_options(v, old, new) for k, v in options.items()}
+    if isinstance(options, list):
+        return [replace_in_options(v, old, new) for v in options]
+    return new if options == old else options
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value); NaNs are ignored."""
+    vals = [v for v in values if v == v]
+    if not vals:
+        return float("nan"), float("nan")
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+class RssSampler:
+    """Samples the resident memory of this process and its descendants in a thread.
+
+    ``peak_total`` is the largest sum over main + descendants seen in one sample (RSS counts
+    pages shared after fork in every process, so the sum over-counts; compare like with like).
+    ``peak_child`` is the largest single descendant (a DataLoader worker), ``child_base`` the
+    smallest first-seen RSS of a descendant (its size before it did any work).
+    ``exclude`` names pids (and their descendants) to leave out, e.g. servers.
+    """
+
+    def __init__(self, interval: float = 0.05, exclude: Iterable[int] = ()) -> None:
+        self.interval = interval
+        self.exclude = set(exclude)
+        self.peak_total = 0
+        self.peak_main = 0
+        self.peak_child = 0
+        self.child_base = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _procs(self) -> Iterator[Any]:
+        import psutil
+
+        me = psutil.Process(os.getpid())
+        skip: set[int] = set()
+        for child in me.children(recursive=True):
+            if child.pid in self.exclude or child.ppid() in skip:
+                skip.add(child.pid)
+                continue
+            yield child
+
+    def sample(self) -> None:
+        import psutil
+
+        main = psutil.Process(os.getpid()).memory_info().rss
+        total = main
+        seen_base: list[int] = []
+        for proc in self._procs():
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            self.peak_child = max(self.peak_child, rss)
+            seen_base.append(rss)
+        self.peak_main = max(self.peak_main, main)
+        self.peak_total = max(self.peak_total, total)
+        if seen_base and not self.child_base:
+            self.child_base = min(seen_base)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sample()
+            except Exception:  # a process vanished mid-read: skip this sample
+                pass
+
+    def __enter__(self) -> RssSampler:
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.sample()
+
+
+class Stopwatch:
+    """``elapsed()`` since creation, in seconds (perf_counter)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
