@@ -36,6 +36,8 @@ class FetchConfig:
     window:       shards ahead of the one being parsed whose bytes may be requested.
     part_size:    bytes per ranged GET; a shard larger than this is fetched as several
                   concurrent parts (and parsing starts on the first).
+    first_part:   size of a shard's first part: small, so parsing starts after one round
+                  trip and a short transfer, while the rest of the shard is still arriving.
     max_requests: concurrent GETs per worker.
     byte_budget:  bytes fetched or in flight but not yet consumed; the fetcher holds at
                   most ``max(byte_budget, one part)``.
@@ -43,16 +45,17 @@ class FetchConfig:
     timeout:      seconds for one request before it counts as failed.
     """
 
-    window: int = 4
-    part_size: int = 8 * MiB
-    max_requests: int = 8
-    byte_budget: int = 256 * MiB
+    window: int = 32
+    part_size: int = 4 * MiB
+    first_part: int = 512 * 1024
+    max_requests: int = 16
+    byte_budget: int = 128 * MiB
     retries: int = 4
     backoff: float = 0.1
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("window", "part_size", "max_requests", "byte_budget"):
+        for name in ("window", "part_size", "first_part", "max_requests", "byte_budget"):
             if getattr(self, name) < 1:
                 raise SpecError(f"FetchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0 or self.backoff < 0 or self.timeout <= 0:

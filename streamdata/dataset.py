@@ -21,9 +21,6 @@ from .world import World
 
 __all__ = ["ObjectDataset", "ShardedDataset", "TarDataset"]
 
-_FETCH_KEYS = ("window", "part_size", "max_requests", "byte_budget", "retries", "backoff", "timeout")
-
-
 def _fetch_config(config: FetchConfig | None, overrides: dict[str, Any]) -> FetchConfig:
     base = config or FetchConfig.from_env()
     return base.replace(**{k: v for k, v in overrides.items() if v is not None})

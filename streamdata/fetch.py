@@ -16,6 +16,7 @@ part the consumer waits for is never queued behind later ones (no deadlock).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -39,17 +40,24 @@ class FetchItem(NamedTuple):
     ranges: tuple[Range, ...] | None = None
 
 
-class _Plan(NamedTuple):
-    parts: list[Range]
-    futures: list[concurrent.futures.Future]
+# an item's plan: its parts in order, each with the future that will hold its bytes
+_Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
 
 
-def _split(ranges: Sequence[Range], part_size: int) -> list[Range]:
+_DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
+
+
+def _split(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
+    """Cut ranges into parts of at most ``part_size`` (the very first at most ``first_part``)."""
     parts: list[Range] = []
     for start, end in ranges:
         if end is None:
             parts.append((start, None))
             continue
+        first = min(first_part or part_size, part_size)
+        if not parts and end - start > first:
+            parts.append((start, start + first))
+            start += first
         parts.extend((s, min(s + part_size, end)) for s in range(start, end, part_size))
     return parts
 
@@ -118,11 +126,15 @@ class Prefetcher:
         c = self.config
         return c.timeout * (c.retries + 1) + c.backoff * 2 ** (c.retries + 1) + 30.0
 
-    def _plan(self, index: int) -> _Plan:
+    def _take_plan(self, index: int) -> _Plan:
+        """Wait for item ``index``'s plan and drop the prefetcher's reference to it, so
+        that consumed parts are freed as soon as the reader lets go of them."""
         self._io.call_soon(self._advance, index)
         url = self.items[index].url
-        return wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
+        plan = wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
                            url=url, check=self._check)
+        self._plans[index] = _DONE
+        return plan
 
     def _release_soon(self, nbytes: int) -> None:
         self._io.call_soon(self._release, nbytes)
@@ -151,13 +163,16 @@ class Prefetcher:
                 if ranges is None:
                     size = item.size if item.size is not None else await self.client.size(item.url)
                     ranges = ((0, size),)
-                parts = _split(ranges, cfg.part_size)
+                parts = _split(ranges, cfg.part_size, cfg.first_part if item.ranges is None else None)
             except Exception as exc:
                 self._plans[index].set_exception(translate_error(exc, item.url))
                 continue
-            futures = [concurrent.futures.Future() for _ in parts]
-            self._plans[index].set_result(_Plan(parts, futures))
-            for (start, end), fut in zip(parts, futures):
+            todo = collections.deque((part, concurrent.futures.Future()) for part in parts)
+            # the reader gets its own queue of the same futures: each side drops a future
+            # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
+            self._plans[index].set_result(collections.deque(todo))
+            while todo:
+                (start, end), fut = todo.popleft()
                 need = (end if end is not None else start + cfg.part_size) - start
                 await self._until(lambda: self._inflight < cfg.max_requests and (
                     self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
@@ -165,6 +180,7 @@ class Prefetcher:
                 self._inflight += 1
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut))
+                del fut
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future) -> None:
@@ -198,19 +214,20 @@ class ItemReader:
     def chunks(self) -> Iterator[bytes]:
         """Yield the item's bytes in parts; each part's budget is released once the next is asked."""
         f = self._fetcher
-        pending: list = []
+        pending: collections.deque = collections.deque()
         try:
-            plan = f._plan(self.index)
-            pending = list(zip(plan.parts, plan.futures))
+            pending = f._take_plan(self.index)
             while pending:
                 (start, end), fut = pending[0]
                 data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
                                    url=self.url, check=f._check)
-                pending.pop(0)
+                pending.popleft()
+                del fut
                 try:
                     yield data
                 finally:
                     f._release_soon(len(data))
+                    del data
         except StreamDataError as exc:
             if f.where and not exc.where:
                 exc.where = f.where

@@ -228,6 +228,27 @@ def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...]) -> list
     return shards
 
 
+def _size_named_objects(filesystems: dict[str, Any], items: list[str]) -> dict[str, Shard]:
+    """Shards for plain object URLs of a list, sized by one listing per parent directory
+    (not a stat per URL). Names not found as files are left to the general path."""
+    plain = [i for i in items if not any(c in i for c in "{}*?[")]
+    if len(plain) < 2:
+        return {}
+    out: dict[str, Shard] = {}
+    for protocol in {split_url(i)[0] for i in plain}:
+        if protocol in _NO_LISTING:
+            continue
+        fs = filesystems[protocol]
+        mine = [i for i in plain if split_url(i)[0] == protocol]
+        paths = {i: fs._strip_protocol(split_url(i)[1]) for i in mine}
+        try:
+            sizes = _list_sizes(fs, protocol, sorted(set(paths.values())))
+        except StreamDataError:
+            continue  # e.g. a parent that is not listable: the general path reports it
+        out.update({i: Shard(_join(protocol, p), sizes[p]) for i, p in paths.items() if p in sizes})
+    return out
+
+
 def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
                 suffixes: Iterable[str] = ()) -> list[Shard]:
     """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
@@ -242,15 +263,19 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     shards: list[Shard] = []
     filesystems: dict[str, Any] = {}
     for raw in items:
-        if isinstance(raw, Shard):
-            shards.append(raw)
+        item = raw if isinstance(raw, Shard) else os.fspath(raw)
+        if not isinstance(item, (str, Shard)) or not item:
+            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+        protocol = split_url(item if isinstance(item, str) else item.url)[0]
+        if protocol not in filesystems:
+            filesystems[protocol] = filesystem(protocol, storage_options, url=item if isinstance(item, str) else item.url)
+    known = _size_named_objects(filesystems, [i for i in items if isinstance(i, str)])
+    for raw in items:
+        if isinstance(raw, Shard) or raw in known:
+            shards.append(raw if isinstance(raw, Shard) else known[raw])
             continue
         item = os.fspath(raw)
-        if not isinstance(item, str) or not item:
-            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
         protocol, _ = split_url(item)
-        if protocol not in filesystems:
-            filesystems[protocol] = filesystem(protocol, storage_options, url=item)
         found = _expand_one(filesystems[protocol], protocol, item, suffixes)
         if not found:
             raise ShardNotFoundError(
