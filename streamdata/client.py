@@ -70,7 +70,14 @@ class AsyncClient:
         except (ImportError, ValueError):
             is_async = False  # filesystem() below raises our error for these
         extra = {"asynchronous": True, "loop": self.io.loop} if is_async else {}
-        fs = filesystem(self.protocol, self._options, url=self.url, **extra)
+        options = dict(self._options)
+        if self.protocol in ("s3", "s3a"):
+            # botocore pools 10 connections by default: fewer than the requests we keep in flight
+            config = dict(options.get("config_kwargs") or {})
+            config["max_pool_connections"] = max(config.get("max_pool_connections", 10),
+                                                 self.config.max_requests)
+            options["config_kwargs"] = config
+        fs = filesystem(self.protocol, options, url=self.url, **extra)
         if is_async:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:

@@ -46,9 +46,9 @@ class FetchConfig:
     """
 
     window: int = 32
-    part_size: int = 4 * MiB
-    first_part: int = 512 * 1024
-    max_requests: int = 16
+    part_size: int = 2 * MiB
+    first_part: int = 256 * 1024
+    max_requests: int = 32
     byte_budget: int = 128 * MiB
     retries: int = 4
     backoff: float = 0.1
