@@ -20,8 +20,27 @@ from .world import World
 
 __version__ = "0.1.0"
 
+# pyarrow-backed names load on first use, so `import streamdata` stays light
+_LAZY = {"ArrowDataset": "parquet", "ParquetDataset": "parquet",
+         "write_arrow": "write", "write_parquet": "write"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'streamdata' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
     "AccessDeniedError",
+    "ArrowDataset",
     "BackendMissingError",
     "DecodeError",
     "FetchConfig",
@@ -29,6 +48,7 @@ __all__ = [
     "FetchTimeoutError",
     "FormatError",
     "ObjectDataset",
+    "ParquetDataset",
     "Prefetcher",
     "Shard",
     "ShardFetchError",
@@ -40,4 +60,6 @@ __all__ = [
     "TarDataset",
     "World",
     "expand_spec",
+    "write_arrow",
+    "write_parquet",
 ]

@@ -14,13 +14,14 @@ import concurrent.futures
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .errors import FetchTimeoutError, StreamDataError
 
-__all__ = ["LoopThread", "wait_future"]
+__all__ = ["LoopThread", "wait_future", "wait_threads_gone"]
 
 T = TypeVar("T")
 
@@ -75,6 +76,8 @@ class LoopThread:
             self._closed = True
             return
 
+        helpers: list[threading.Thread] = []
+
         async def shutdown() -> None:
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]
@@ -86,6 +89,9 @@ class LoopThread:
                     await asyncio.wait_for(cleanup(), timeout)
                 except Exception:  # closing is best effort; the loop is going away anyway
                     pass
+            executor = getattr(self.loop, "_default_executor", None)  # aiobotocore uses it
+            helpers.extend(getattr(executor, "_threads", ()))
+            await self.loop.shutdown_default_executor()
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout)
@@ -95,6 +101,7 @@ class LoopThread:
             self._closed = True
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
+            wait_threads_gone([self._thread, *helpers], timeout)
 
 
 def wait_future(fut: concurrent.futures.Future[T], timeout: float | None, *, what: str = "request",
@@ -116,6 +123,25 @@ def wait_future(fut: concurrent.futures.Future[T], timeout: float | None, *, wha
         if timeout is not None and waited >= timeout:
             fut.cancel()
             raise FetchTimeoutError(f"{what} did not complete within {timeout:.0f} s", url=url)
+
+
+def wait_threads_gone(threads: list[threading.Thread], timeout: float = 5.0) -> None:
+    """Join ``threads`` and wait until the OS has retired them too.
+
+    Invariant (FORK-AFTER-CLOSE): a thread that used OpenSSL runs OpenSSL's thread-exit
+    handler under a global lock *after* ``Thread.join`` has returned.  A DataLoader worker
+    forked in that instant inherits the lock held and hangs in its first ``SSLContext()``.
+    So closing a reader waits until its threads are gone from ``/proc/self/task`` (Linux;
+    elsewhere they are only joined).
+    """
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+    tids = [t.native_id for t in threads if t.native_id is not None]
+    while os.path.isdir("/proc/self/task") and time.monotonic() < deadline and any(
+            os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
+        time.sleep(0.001)
 
 
 def _after_fork_in_child() -> None:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._aio import LoopThread
+from ._aio import LoopThread, wait_threads_gone
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
 from .urls import filesystem, translate_error
@@ -103,7 +103,9 @@ class AsyncClient:
         """Cancel requests, close connections, join the loop thread and the file-I/O pool."""
         self.io.close(cleanup=self._close_fs, timeout=5.0)
         if self._executor is not None:
+            threads = list(getattr(self._executor, "_threads", ()))
             self._executor.shutdown(wait=True, cancel_futures=True)
+            wait_threads_gone(threads)
             self._executor = None
 
     # ---- requests (coroutines, run on the loop) ----------------------------------------

@@ -126,12 +126,16 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """The work units split across readers (shards here; row groups for Parquet)."""
         return self.shards
 
-    def __iter__(self) -> Iterator[Any]:
+    def _begin_pass(self) -> tuple[World, int, list[Any]]:
+        """This reader's world, the epoch of this pass, and its units in reading order."""
         world = World.current()
         epoch = self.epoch
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
-        mine = assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        return world, epoch, assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+
+    def __iter__(self) -> Iterator[Any]:
+        world, epoch, mine = self._begin_pass()
         policy = ErrorPolicy(self.on_error)
         fetcher = self._prefetcher(mine, world)
         samples = self._samples(fetcher, mine, policy)

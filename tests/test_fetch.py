@@ -11,7 +11,7 @@ import pytest
 import streamdata as sd
 from streamdata.config import FetchConfig
 from streamdata.fetch import FetchItem, Prefetcher
-from tests.helpers import UNEVEN, make_samples, tar_bytes, write_shards
+from tests.helpers import make_samples, tar_bytes, write_shards
 
 MiB = 1 << 20
 

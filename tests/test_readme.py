@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 
-from tests.helpers import UNEVEN, make_samples, tar_bytes
+from tests.helpers import make_samples, tar_bytes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

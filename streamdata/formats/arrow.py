@@ -1,0 +1,466 @@
+"""Arrow IPC and Parquet bytes -> Arrow tables -> dicts of tensors.
+
+Reading works on *fetched byte ranges*, never on a whole object: a ``SparseFile`` presents
+the ranges the fetcher delivered as a random-access file of the object's full size, and
+pyarrow decodes from it.  A read outside those ranges is a bug or a corrupt footer and
+raises ``FormatError`` instead of reaching for the network.
+
+- Parquet: the footer (``<metadata><len:4>PAR1``) is parsed alone; a row group is decoded from
+  the byte ranges of the column chunks asked for (``column_chunk_ranges``).
+- Arrow IPC file (``ARROW1 ... <footer><len:4>ARROW1``): the footer's flatbuffer lists each
+  record batch's block, so a batch is decoded from its block plus the dictionary blocks.
+- Arrow IPC stream: read sequentially from the fetcher's parts, one message at a time.
+
+``to_tensors`` maps a table to a dict of tensors (the table is in docs/arrow.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import itertools
+import struct
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from ..errors import DecodeError, FormatError, SpecError
+
+__all__ = [
+    "ChunkFile",
+    "SparseFile",
+    "TensorOptions",
+    "coalesce",
+    "column_chunk_ranges",
+    "ipc_blocks",
+    "ipc_footer_length",
+    "ipc_stream_batches",
+    "parquet_footer_length",
+    "parquet_leaves",
+    "parse_parquet_footer",
+    "read_ipc_batch",
+    "read_row_group",
+    "to_rows",
+    "to_tensors",
+]
+
+Range = tuple[int, int]  # [start, end) in bytes
+PARQUET_MAGIC = b"PAR1"
+IPC_MAGIC = b"ARROW1"
+_PARQUET_MR_PAD = 100  # old parquet-mr under-reports a chunk's dictionary page header (PARQUET-816)
+
+
+# ---- byte ranges as a file -----------------------------------------------------------------
+
+
+class SparseFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only the given ``(start, bytes)`` parts exist."""
+
+    def __init__(self, parts: Iterable[tuple[int, bytes]], size: int, url: str = "") -> None:
+        super().__init__()
+        self._parts = sorted(((s, memoryview(b)) for s, b in parts), key=lambda p: p[0])
+        self._starts = [s for s, _ in self._parts]
+        self._size = size
+        self._pos = 0
+        self.url = url
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def size(self) -> int:
+        return self._size
+
+    def read(self, n: int = -1) -> bytes | memoryview:
+        start = self._pos
+        n = self._size - start if n is None or n < 0 else min(n, self._size - start)
+        i = bisect.bisect_right(self._starts, start) - 1
+        if n > 0 and (i < 0 or start + n > self._starts[i] + len(self._parts[i][1])):
+            raise OSError(f"bytes {start}..{start + n} of {self.url} were not fetched "
+                          "(the footer's offsets do not match the object)")
+        self._pos += n
+        if n <= 0:
+            return b""
+        part_start, data = self._parts[i]
+        return data[start - part_start:start - part_start + n]
+
+    def pyarrow(self) -> pa.NativeFile:
+        return pa.PythonFile(self, mode="r")
+
+
+class ChunkFile(io.RawIOBase):
+    """A sequential, read-only file over an iterator of byte chunks (for IPC streams)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        super().__init__()
+        self._chunks = iter(chunks)
+        self._buf = memoryview(b"")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        pieces: list[memoryview] = []
+        want = n if n is not None and n >= 0 else None
+        got = 0
+        while want is None or got < want:
+            if not len(self._buf):
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self._buf = memoryview(chunk)
+            take = len(self._buf) if want is None else min(len(self._buf), want - got)
+            pieces.append(self._buf[:take])
+            self._buf = self._buf[take:]
+            got += take
+        self._pos += got
+        return pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+
+
+def coalesce(ranges: Iterable[Range], gap: int = 0) -> list[Range]:
+    """Sort and merge ranges that overlap, touch, or lie at most ``gap`` bytes apart."""
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start - merged[-1][1] <= gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+# ---- Parquet ------------------------------------------------------------------------------
+
+
+def parquet_footer_length(tail: bytes, size: int, url: str) -> int:
+    """Bytes at the end of the object holding the footer (metadata + 8), from any tail >= 8 bytes."""
+    if len(tail) < 8 or tail[-4:] != PARQUET_MAGIC:
+        raise FormatError(f"{url} is not a Parquet file or is truncated: it does not end in "
+                          f"'PAR1' (size {size} bytes)", url=url, key="footer")
+    length = int.from_bytes(tail[-8:-4], "little") + 8
+    if length > size - 4:
+        raise FormatError(f"corrupt Parquet footer in {url}: metadata of {length - 8} bytes "
+                          f"does not fit in {size} bytes", url=url, key="footer")
+    return length
+
+
+def parse_parquet_footer(footer: bytes, url: str) -> pq.FileMetaData:
+    """The file metadata from the footer bytes alone (``<metadata><len:4>PAR1``)."""
+    try:
+        return pq.read_metadata(pa.BufferReader(footer))
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise FormatError(f"corrupt Parquet footer in {url}: {exc}", url=url, key="footer") from exc
+
+
+def parquet_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None, url: str = "") -> list[int]:
+    """Leaf column indices for ``columns`` (top-level names, or dotted paths into structs)."""
+    paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    if columns is None:
+        return list(range(len(paths)))
+    by_prefix: dict[str, list[int]] = {}
+    for i, path in enumerate(paths):
+        parts = path.split(".")
+        for k in range(1, len(parts) + 1):
+            by_prefix.setdefault(".".join(parts[:k]), []).append(i)
+    leaves: list[int] = []
+    for name in columns:
+        if name not in by_prefix:
+            top = sorted({p.split(".")[0] for p in paths})
+            raise SpecError(f"column {name!r} is not in {url or 'the Parquet schema'}; "
+                            f"columns: {', '.join(top)}")
+        leaves.extend(by_prefix[name])
+    return sorted(set(leaves))
+
+
+def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[int],
+                        size: int) -> list[Range]:
+    """Byte ranges of the given leaf column chunks of a row group (as pyarrow will read them)."""
+    rg = meta.row_group(row_group)
+    pad = _PARQUET_MR_PAD if (meta.created_by or "").startswith("parquet-mr") else 0
+    out = []
+    for leaf in leaves:
+        cc = rg.column(leaf)
+        start = cc.data_page_offset
+        dict_at = cc.dictionary_page_offset
+        if cc.has_dictionary_page and dict_at and 0 < dict_at < start:
+            start = dict_at
+        out.append((start, min(size, start + cc.total_compressed_size + pad)))
+    return out
+
+
+def read_row_group(meta: pq.FileMetaData, parts: Iterable[tuple[int, bytes]], size: int,
+                   row_group: int, columns: Sequence[str] | None, url: str,
+                   use_threads: bool = False) -> pa.Table:
+    """Decode one row group from its fetched column-chunk bytes; FormatError names URL and group."""
+    try:
+        source = SparseFile(parts, size, url).pyarrow()
+        reader = pq.ParquetFile(source, metadata=meta, pre_buffer=False,
+                                page_checksum_verification=True)
+        return reader.read_row_group(row_group, columns=None if columns is None else list(columns),
+                                     use_threads=use_threads)
+    except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
+        raise FormatError(f"cannot read row group {row_group} of {url} (corrupt or truncated "
+                          f"object?): {type(exc).__name__}: {exc}", url=url,
+                          key=f"row group {row_group}") from exc
+
+
+# ---- Arrow IPC ----------------------------------------------------------------------------
+
+
+def ipc_footer_length(tail: bytes, size: int, url: str) -> int | None:
+    """Bytes at the end of an IPC *file* holding its footer (+10), or None: not the file format."""
+    if len(tail) < 10 or tail[-6:] != IPC_MAGIC:
+        return None
+    length = struct.unpack("<i", tail[-10:-6])[0] + 10
+    if length < 10 or length > size - 8:
+        raise FormatError(f"corrupt Arrow IPC footer in {url}: length {length - 10} does not fit "
+                          f"in {size} bytes", url=url, key="footer")
+    return length
+
+
+def _fb_field(buf: bytes, table: int, index: int) -> int | None:
+    """Position of field ``index`` of the flatbuffer table at ``table`` (None when absent)."""
+    vtable = table - struct.unpack_from("<i", buf, table)[0]
+    vsize = struct.unpack_from("<H", buf, vtable)[0]
+    if 4 + 2 * index >= vsize:
+        return None
+    offset = struct.unpack_from("<H", buf, vtable + 4 + 2 * index)[0]
+    return table + offset if offset else None
+
+
+def ipc_blocks(footer: bytes, url: str) -> tuple[list[Range], list[Range]]:
+    """``(dictionary blocks, record batch blocks)`` as byte ranges, from the footer flatbuffer.
+
+    ``footer`` is the object's tail (``<flatbuffer><len:4>ARROW1``).  Footer fields: 0 version,
+    1 schema, 2 dictionaries, 3 recordBatches; a Block is ``{offset: i64, metaDataLength: i32,
+    bodyLength: i64}`` (24 bytes with padding).
+    """
+    buf = footer[:-10]
+    try:
+        root = struct.unpack_from("<I", buf, 0)[0]
+
+        def blocks(index: int) -> list[Range]:
+            at = _fb_field(buf, root, index)
+            if at is None:
+                return []
+            vec = at + struct.unpack_from("<I", buf, at)[0]
+            count = struct.unpack_from("<I", buf, vec)[0]
+            out = []
+            for k in range(count):
+                offset, meta_len, body_len = struct.unpack_from("<qi4xq", buf, vec + 4 + 24 * k)
+                out.append((offset, offset + meta_len + body_len))
+            return out
+
+        return blocks(2), blocks(3)
+    except struct.error as exc:
+        raise FormatError(f"corrupt Arrow IPC footer in {url}: {exc}", url=url, key="footer") from exc
+
+
+def read_ipc_batch(parts: Iterable[tuple[int, bytes]], size: int, index: int, url: str) -> pa.RecordBatch:
+    """Decode record batch ``index`` from the footer, dictionary and batch blocks fetched."""
+    try:
+        reader = pa.ipc.open_file(SparseFile(parts, size, url).pyarrow())
+        return reader.get_batch(index)
+    except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
+        raise FormatError(f"cannot read record batch {index} of {url} (corrupt or truncated "
+                          f"object?): {type(exc).__name__}: {exc}", url=url,
+                          key=f"record batch {index}") from exc
+
+
+def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordBatch]:
+    """Record batches of an IPC stream, parsed as its bytes arrive (memory: about one batch)."""
+    index = 0
+    chunks = iter(chunks)
+    first = next(chunks, b"")
+    if first[:len(IPC_MAGIC)] == IPC_MAGIC:
+        raise FormatError(f"{url} starts as an Arrow IPC file but does not end with its footer "
+                          "(truncated?)", url=url, key="footer")
+    try:
+        reader = pa.ipc.open_stream(pa.PythonFile(ChunkFile(itertools.chain([first], chunks)), mode="r"))
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                return
+            yield batch
+            index += 1
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise FormatError(f"cannot read record batch {index} of Arrow IPC stream {url} (corrupt "
+                          f"or truncated object?): {type(exc).__name__}: {exc}", url=url,
+                          key=f"record batch {index}") from exc
+
+
+# ---- tables -> tensors --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    """How columns become tensors.
+
+    lists:     ``"padded"``: a variable-length list column ``x`` becomes ``x`` [rows, longest, ...]
+               padded with ``pad_value``, plus ``x_lengths`` (int64 [rows]); ``"offsets"``: ``x``
+               holds the values of all rows [total, ...] and ``x_offsets`` (int64 [rows + 1]) where
+               each row starts.
+    fill_null: a value (or ``{column: value}``) for nulls in integer/bool columns, which have no
+               NaN; without one such nulls raise ``DecodeError``.  Float nulls become NaN.
+    decoders:  ``{column: f}``; ``f(value)`` is applied to each value of the column (e.g. image
+               bytes -> tensor); equal-shaped tensor results are stacked.
+    """
+
+    lists: str = "padded"
+    pad_value: float = 0
+    fill_null: Any = None
+    decoders: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lists not in ("padded", "offsets"):
+            raise SpecError(f"lists must be 'padded' or 'offsets', got {self.lists!r}")
+
+    def null_fill(self, name: str) -> Any:
+        if isinstance(self.fill_null, Mapping):
+            return self.fill_null.get(name)
+        return self.fill_null
+
+
+def _is_numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) \
+        or pa.types.is_temporal(t)
+
+
+def _numeric(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor:
+    """A flat numeric (or temporal, as its integer) array -> 1-D tensor; zero-copy when no nulls."""
+    t = arr.type
+    if pa.types.is_temporal(t):
+        arr = arr.view(pa.int64() if t.bit_width == 64 else pa.int32())
+    if arr.null_count and not pa.types.is_floating(arr.type):
+        fill = opts.null_fill(name)
+        if fill is None:
+            raise DecodeError(f"column {name!r} has {arr.null_count} nulls and {arr.type} has no "
+                              f"NaN: pass fill_null={{{name!r}: value}}", key=name)
+        arr = pc.fill_null(arr, pa.scalar(fill, arr.type))
+    values = arr.to_numpy(zero_copy_only=False)
+    with warnings.catch_warnings():  # Arrow memory is read-only to numpy; the tensor aliases it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+def _dense(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor | None:
+    """Numeric, or (nested) fixed-size lists of numeric -> tensor [n, k, ...]; None otherwise."""
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        return _dense(arr.dictionary_decode(), name, opts)
+    if _is_numeric(t):
+        return _numeric(arr, name, opts)
+    if pa.types.is_fixed_size_list(t):
+        if arr.null_count:
+            raise DecodeError(f"column {name!r} has {arr.null_count} null fixed-size lists; "
+                              "fill them before writing, or read it with a decoder", key=name)
+        k = t.list_size
+        inner = _dense(arr.values.slice(arr.offset * k, len(arr) * k), name, opts)
+        return None if inner is None else inner.reshape(len(arr), k, *inner.shape[1:])
+    return None
+
+
+def _ragged(arr: pa.Array, name: str, opts: TensorOptions) -> dict[str, torch.Tensor] | None:
+    """A variable-length list column -> padded + lengths, or values + offsets; None if not numeric."""
+    lengths_arr = pc.fill_null(pc.list_value_length(arr), 0)
+    values = _dense(arr.flatten(), name, opts)
+    if values is None:
+        return None
+    lengths = torch.from_numpy(lengths_arr.to_numpy(zero_copy_only=False).astype(np.int64))
+    if opts.lists == "offsets":
+        offsets = torch.zeros(len(arr) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return {name: values, f"{name}_offsets": offsets}
+    n, longest = len(arr), int(lengths.max()) if len(arr) else 0
+    padded = torch.full((n, longest, *values.shape[1:]), opts.pad_value, dtype=values.dtype)
+    rows = torch.repeat_interleave(torch.arange(n), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(len(values)) - torch.repeat_interleave(starts, lengths)
+    padded[rows, cols] = values
+    return {name: padded, f"{name}_lengths": lengths}
+
+
+def _decoded(values: list, name: str) -> Any:
+    if values and all(isinstance(v, torch.Tensor) for v in values) \
+            and len({tuple(v.shape) for v in values}) == 1:
+        return torch.stack(values)
+    return values
+
+
+def _column(arr: pa.Array, name: str, opts: TensorOptions, out: dict[str, Any]) -> None:
+    """Convert one column into ``out`` (one key, two for list columns, one per struct field)."""
+    t = arr.type
+    if name in opts.decoders:
+        decode = opts.decoders[name]
+        try:
+            out[name] = _decoded([decode(v) for v in arr.to_pylist()], name)
+        except Exception as exc:
+            raise DecodeError(f"decoder for column {name!r} failed: {type(exc).__name__}: {exc}",
+                              key=name) from exc
+        return
+    if pa.types.is_struct(t):
+        for i in range(t.num_fields):
+            _column(pc.struct_field(arr, [i]), f"{name}.{t.field(i).name}", opts, out)
+        return
+    dense = _dense(arr, name, opts)
+    if dense is not None:
+        out[name] = dense
+        return
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        ragged = _ragged(arr, name, opts)
+        if ragged is not None:
+            for key in ragged:
+                if key in out:
+                    raise DecodeError(f"column {name!r} would write {key!r}, which already exists; "
+                                      "rename the column or use a decoder", key=name)
+            out.update(ragged)
+            return
+    out[name] = arr.to_pylist()  # strings, binary, decimals, nested ragged lists: Python values
+
+
+def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> dict[str, Any]:
+    """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md."""
+    opts = options or TensorOptions()
+    out: dict[str, Any] = {}
+    for name, col in zip(table.column_names, table.columns):
+        if isinstance(col, pa.ChunkedArray):
+            col = col.chunk(0) if col.num_chunks == 1 else (
+                col.combine_chunks() if col.num_chunks else pa.array([], col.type))
+        _column(col, name, opts, out)
+    return out
+
+
+def to_rows(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> Iterator[dict]:
+    """One dict per row (list columns as unpadded 1-D tensors); the slow, per-row path."""
+    opts = options or TensorOptions()
+    cols = to_tensors(table, TensorOptions("offsets", opts.pad_value, opts.fill_null, opts.decoders))
+    ragged = {k[:-len("_offsets")]: v.tolist() for k, v in cols.items()
+              if k.endswith("_offsets") and k[:-len("_offsets")] in cols}
+    plain = [(k, v) for k, v in cols.items() if k not in ragged and not
+             (k.endswith("_offsets") and k[:-len("_offsets")] in ragged)]
+    for i in range(table.num_rows):
+        row = {k: v[i] for k, v in plain}
+        for k, offsets in ragged.items():
+            row[k] = cols[k][offsets[i]:offsets[i + 1]]
+        yield row

@@ -1,0 +1,482 @@
+"""Parquet and Arrow IPC datasets: row groups and record batches as the units split across readers.
+
+Footers are read once, in ``__init__``, through a ``Prefetcher`` over the tails of the objects
+(sizes from the listing), and kept as bytes.  The units (a Parquet row group, an Arrow IPC
+file's record batch, or a whole IPC stream object) are then assigned to ranks and workers
+exactly like tar shards (EXACTLY-ONCE, see ``sharding``).  Each reader fetches only the byte
+ranges of its units (for Parquet: only the column chunks asked for, adjacent ranges merged),
+decodes them with pyarrow, and turns rows into batches with Arrow slicing, never per row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from torch.utils.data import get_worker_info
+
+from .config import FetchConfig
+from .dataset import ShardedDataset, _EpochIterator
+from .errors import FormatError, SpecError, StreamDataError
+from .fetch import FetchItem, Prefetcher
+from .formats import arrow as fmt
+from .sharding import reader_seed
+from .stages import ErrorPolicy
+from .urls import Shard, Spec, split_url
+from .world import World
+
+__all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup", "rebatch", "shuffle_rows"]
+
+KiB = 1024
+DEFAULT_SHUFFLE_ROWS = 16384
+UNIT_WINDOW = 16  # default units in flight per reader (FetchConfig.window is 4 shards)
+_FOOTER_WINDOW = 64  # objects whose tails are in flight at once while reading footers
+
+
+class RowGroup(NamedTuple):
+    """One Parquet row group: the unit split across ranks and workers."""
+
+    url: str
+    size: int
+    index: int
+    rows: int
+
+
+class RecordBatchUnit(NamedTuple):
+    """One record batch of an Arrow IPC file, or a whole IPC stream object (``index == -1``)."""
+
+    url: str
+    size: int
+    index: int
+
+
+# ---- table stages (Arrow slicing, no per-row Python) ----------------------------------------
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise SpecError(f"objects with incompatible schemas cannot share a batch: {exc}") from exc
+
+
+def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False) -> Iterator[pa.Table]:
+    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``)."""
+    pending: list[pa.Table] = []
+    have = 0
+    for table in tables:
+        start = 0
+        while start < table.num_rows:
+            take = min(batch_size - have, table.num_rows - start)
+            pending.append(table.slice(start, take))
+            have += take
+            start += take
+            if have == batch_size:
+                yield _concat(pending)
+                pending, have = [], 0
+    if have and not drop_last:
+        yield _concat(pending)
+
+
+def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int, rng: np.random.Generator) -> Iterator[pa.Table]:
+    """A row-level shuffle buffer: gather at least ``buffer_rows`` rows, permute them, emit all but
+    half a buffer, keep the rest to mix with what comes next.  A buffer of 0 or 1 passes through."""
+    if buffer_rows <= 1:
+        yield from tables
+        return
+    buf: list[pa.Table] = []
+    have = 0
+    for table in tables:
+        if not table.num_rows:
+            continue
+        buf.append(table)
+        have += table.num_rows
+        if have >= buffer_rows:
+            whole, perm, keep = _concat(buf), rng.permutation(have), buffer_rows // 2
+            yield whole.take(perm[keep:])
+            buf, have = [whole.take(perm[:keep])], keep
+    if have:
+        yield _concat(buf).take(rng.permutation(have))
+
+
+# ---- footers: tails of every object, through the fetcher ------------------------------------
+
+
+def _with_sizes(shards: list[Shard], storage_options: dict, config: FetchConfig) -> list[Shard]:
+    """Shards whose listing gave no size (HTTP) get one from a HEAD, all at once."""
+    missing = [s for s in shards if s.size is None]
+    if not missing:
+        return shards
+    from .client import AsyncClient
+
+    client = AsyncClient(split_url(missing[0].url)[0], storage_options, config, name="sizes")
+    try:
+        async def sizes() -> list[int | None]:
+            return await asyncio.gather(*(client.size(s.url) for s in missing))
+
+        found = dict(zip([s.url for s in missing],
+                         client.io.run(sizes(), config.timeout * 2 + 30, what="object sizes")))
+    finally:
+        client.close()  # FORK-AFTER-CLOSE: its threads are gone before workers fork
+    return [s if s.size is not None else Shard(s.url, found[s.url]) for s in shards]
+
+
+def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_options: dict,
+           config: FetchConfig) -> list[tuple[Shard, list[bytes] | StreamDataError]]:
+    """The bytes of each request's ranges (or the error that prevented them), in order.
+
+    Runs in the process that builds the dataset, just before DataLoader workers fork: see
+    FORK-AFTER-CLOSE in ``_aio``.
+    """
+    if not requests:
+        return []
+    items = [FetchItem(s.url, s.size, ranges) for s, ranges in requests]
+    cfg = config.replace(window=max(config.window, _FOOTER_WINDOW))
+    out: list[tuple[Shard, list[bytes] | StreamDataError]] = []
+    with Prefetcher(items, storage_options, cfg, where="footers") as fetcher:
+        for (shard, _), reader in zip(requests, fetcher):
+            try:
+                out.append((shard, reader.read_ranges()))
+            except StreamDataError as exc:
+                out.append((shard, exc))
+    return out
+
+
+def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchConfig, *,
+                 tail_bytes: int, footer_length: Callable[[bytes, Shard], int],
+                 policy: ErrorPolicy) -> dict[str, bytes]:
+    """``{url: footer bytes}``: one tail per object, a second read only for a footer larger than
+    ``tail_bytes``.  ``footer_length(tail, shard)`` says how many final bytes the footer needs."""
+    footers: dict[str, bytes] = {}
+    again: list[tuple[Shard, tuple[fmt.Range, ...]]] = []
+
+    def take(shard: Shard, data: list[bytes] | StreamDataError, second: bool) -> None:
+        try:
+            if isinstance(data, StreamDataError):
+                raise data
+            tail = data[-1]
+            need = footer_length(tail, shard)
+            if need <= len(tail):
+                footers[shard.url] = tail[len(tail) - need:]
+            elif second:
+                raise FormatError(f"corrupt footer in {shard.url}", url=shard.url, key="footer")
+            else:
+                again.append((shard, ((shard.size - need, shard.size),)))
+        except StreamDataError as exc:
+            if not policy.skip(exc):
+                raise
+
+    first = [(s, ((max(0, s.size - tail_bytes), s.size),)) for s in shards]
+    for shard, data in _fetch(first, storage_options, config):
+        take(shard, data, False)
+    for shard, data in _fetch(list(again), storage_options, config):
+        take(shard, data, True)
+    return footers
+
+
+# ---- the datasets -------------------------------------------------------------------------
+
+
+class _ArrowTables(ShardedDataset):
+    """Shared pipeline: units -> Arrow tables -> filter -> row shuffle -> batches -> tensors."""
+
+    def __init__(self, urls: Spec, columns: Sequence[str] | None = None, *,
+                 batch_size: int | None = None, shuffle: bool = False, seed: int = 0,
+                 storage_options: dict | None = None, filter: Any = None,
+                 shuffle_buffer: int | None = None, lists: str = "padded", pad_value: float = 0,
+                 fill_null: Any = None, decoders: Mapping[str, Callable[[Any], Any]] | None = None,
+                 footer_bytes: int = 64 * KiB, **options: Any) -> None:
+        if options.get("collate_fn") is not None:
+            raise SpecError(f"{type(self).__name__} builds batches from Arrow tables; "
+                            "use map= to transform each batch instead of collate_fn")
+        options.pop("collate_fn", None)
+        if isinstance(columns, str):
+            raise SpecError(f"columns must be a list of names, got the string {columns!r}")
+        if filter is not None and not isinstance(filter, pc.Expression):
+            raise SpecError(f"filter must be a pyarrow.compute.Expression (e.g. pc.field('x') > 0), "
+                            f"got {type(filter).__name__}")
+        if footer_bytes < 16:
+            raise SpecError(f"footer_bytes must be >= 16, got {footer_bytes}")
+        super().__init__(urls, storage_options=storage_options, shuffle=shuffle, seed=seed,
+                         batch_size=batch_size, shuffle_buffer=0, **options)
+        if options.get("window") is None and options.get("fetch_config") is None \
+                and self.fetch_config.window == FetchConfig().window:
+            # units are row groups / record batches, smaller than shards: keep more in flight
+            # (the byte budget still bounds memory)
+            self.fetch_config = self.fetch_config.replace(window=UNIT_WINDOW)
+        self.shuffle_buffer = (DEFAULT_SHUFFLE_ROWS if shuffle else 0) if shuffle_buffer is None \
+            else shuffle_buffer
+        self.columns = None if columns is None else list(columns)
+        self.filter = filter
+        self.tensor_options = fmt.TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
+        self.footer_bytes = footer_bytes
+        self.shards = _with_sizes(self.shards, self.storage_options, self.fetch_config)
+        self._footers: dict[str, bytes] = {}
+        self._units: list[Any] = []
+
+    def units(self) -> Sequence[Any]:
+        return self._units
+
+    def __iter__(self) -> Iterator[Any]:
+        world, epoch, mine = self._begin_pass()
+        policy = ErrorPolicy(self.on_error)
+        fetcher = self._prefetcher(mine, world)
+        tables = self._checked(self._tables(fetcher, mine), policy, fetcher.where)
+        tables = (self._finish(t) for t in tables)
+        rng = np.random.default_rng(reader_seed(world, seed=self.seed, epoch=epoch))
+        tables = shuffle_rows(tables, self.shuffle_buffer, rng)
+        if self.batch_size is not None:
+            tables = rebatch(tables, self.batch_size, self.drop_last)
+        items = self._converted(tables, policy, fetcher.where)
+        if self.map is not None:
+            items = (self.map(item) for item in items)
+        return _EpochIterator(items, fetcher.close)
+
+    @staticmethod
+    def _checked(units: Iterator[Iterator[pa.Table]], policy: ErrorPolicy,
+                 where: str) -> Iterator[pa.Table]:
+        """Each unit's tables; on an error the rest of that unit is skipped or the error raised,
+        per ``on_error`` (as for a tar shard, what was delivered before the error stays)."""
+        for unit in units:
+            try:
+                yield from unit
+            except StreamDataError as exc:
+                if not policy.skip(exc):
+                    exc.where = exc.where or where
+                    raise
+
+    def _converted(self, tables: Iterator[pa.Table], policy: ErrorPolicy, where: str) -> Iterator[Any]:
+        """Tables -> dicts of tensors (one per batch, or one per row without ``batch_size``);
+        a batch that cannot be converted (nulls without ``fill_null``, a failing decoder) is
+        skipped or raised per ``on_error``."""
+        opts = self.tensor_options
+        for table in tables:
+            try:
+                if self.batch_size is not None:
+                    converted: Any = fmt.to_tensors(table, opts)
+                else:
+                    converted = list(fmt.to_rows(table, opts))
+            except StreamDataError as exc:
+                if not policy.skip(exc):
+                    exc.where = exc.where or where
+                    raise
+                continue
+            if self.batch_size is not None:
+                yield converted
+            else:
+                yield from converted
+
+    def _finish(self, table: pa.Table) -> pa.Table:
+        """Apply the filter, then keep the requested columns."""
+        return table if self.filter is None else table.filter(self.filter)
+
+    def fetch_item(self, unit: Any) -> FetchItem:
+        """What to fetch for ``unit``: its object and byte ranges."""
+        raise NotImplementedError
+
+    def _prefetcher(self, mine: Sequence[Any], world: World) -> Prefetcher:
+        items = [self.fetch_item(u) for u in mine]
+        return Prefetcher(items, self.storage_options, self.fetch_config, where=world.describe())
+
+    def _tables(self, fetcher: Prefetcher, mine: Sequence[Any]) -> Iterator[Iterator[pa.Table]]:
+        """One iterator of tables per unit, in ``mine``'s order."""
+        raise NotImplementedError
+
+    def _samples(self, fetcher: Prefetcher, mine: Sequence[Any], policy: ErrorPolicy) -> Iterator[Any]:
+        raise NotImplementedError("Arrow datasets iterate through tables; see __iter__")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "
+                f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle})")
+
+
+def _use_threads() -> bool:
+    """pyarrow's own threads only in the main process; DataLoader workers are the parallelism."""
+    return get_worker_info() is None
+
+
+class ParquetDataset(_ArrowTables):
+    """Parquet objects at any fsspec URL, split by row group across ranks and workers.
+
+    ``columns`` (top-level names, or dotted paths into structs) limits both what is decoded and
+    what is fetched: only those column chunks' byte ranges are requested.  ``filter`` is a
+    ``pyarrow.compute`` expression applied to each row group (its columns are fetched too, and
+    dropped after filtering).  ``batch_size=N`` yields dicts of tensors of N rows (across row
+    group boundaries); ``None`` yields one dict per row.  See docs/arrow.md.
+    """
+
+    suffixes = (".parquet", ".pq", ".parq")
+
+    def __init__(self, urls: Spec, columns: Sequence[str] | None = None, *,
+                 coalesce_gap: int = 0, **options: Any) -> None:
+        super().__init__(urls, columns, **options)
+        self.coalesce_gap = coalesce_gap
+        policy = ErrorPolicy(self.on_error)
+        self._footers = read_footers(
+            self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
+            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, s.size, s.url), policy=policy)
+        self._meta_cache: dict[str, Any] = {}
+        self._leaf_cache: dict[str, list[int]] = {}
+        self._extra: list[str] = []
+        for shard in self.shards:
+            if shard.url not in self._footers:
+                continue  # skipped under on_error
+            try:
+                meta = self._meta(shard.url)
+            except FormatError as exc:
+                if not policy.skip(exc):
+                    raise
+                continue
+            fmt.parquet_leaves(meta, self.columns, shard.url)  # SpecError for a missing column
+            for index in range(meta.num_row_groups):
+                rows = meta.row_group(index).num_rows
+                if rows:
+                    self._units.append(RowGroup(shard.url, shard.size, index, rows))
+        self.num_rows = sum(u.rows for u in self._units)
+        if self.filter is not None and self._units:
+            self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
+                                          self.filter, self.columns)
+        self._read_columns = None if self.columns is None else self.columns + self._extra
+
+    def _meta(self, url: str) -> Any:
+        meta = self._meta_cache.get(url)
+        if meta is None:
+            meta = self._meta_cache[url] = fmt.parse_parquet_footer(self._footers[url], url)
+        return meta
+
+    def _finish(self, table: pa.Table) -> pa.Table:
+        table = super()._finish(table)
+        return table.drop_columns(self._extra) if self._extra else table
+
+    def fetch_item(self, unit: RowGroup) -> FetchItem:
+        """The coalesced byte ranges of ``unit``'s requested column chunks."""
+        meta = self._meta(unit.url)
+        leaves = self._leaf_cache.get(unit.url)
+        if leaves is None:
+            leaves = self._leaf_cache[unit.url] = fmt.parquet_leaves(meta, self._read_columns, unit.url)
+        ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size)
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
+
+    def _tables(self, fetcher: Prefetcher, mine: Sequence[RowGroup]) -> Iterator[Iterator[pa.Table]]:
+        threads = _use_threads()
+        for unit, item, reader in zip(mine, fetcher.items, fetcher):
+            yield self._read(unit, item, reader, threads)
+
+    def _read(self, unit: RowGroup, item: FetchItem, reader: Any, threads: bool) -> Iterator[pa.Table]:
+        parts = zip([start for start, _ in item.ranges or ()], reader.read_ranges())
+        yield fmt.read_row_group(self._meta(unit.url), parts, unit.size, unit.index,
+                                 self._read_columns, unit.url, threads)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_meta_cache"] = {}  # parsed again, lazily, in the process that reads
+        state["_leaf_cache"] = {}
+        return state
+
+
+def _filter_columns(schema: pa.Schema, expr: Any, columns: list[str] | None) -> list[str]:
+    """Columns ``expr`` needs beyond ``columns`` (found by binding it to schemas without each)."""
+    empty = schema.empty_table()
+    try:
+        empty.filter(expr)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError) as exc:
+        raise SpecError(f"the filter {expr} does not apply to the schema: {exc}") from exc
+    if columns is None:
+        return []
+    covered = {c.split(".")[0] for c in columns}
+    extra = []
+    for name in schema.names:
+        if name in covered:
+            continue
+        try:
+            empty.drop_columns([name]).filter(expr)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError):
+            extra.append(name)
+    return extra
+
+
+class ArrowDataset(_ArrowTables):
+    """Arrow IPC objects (the file format, ``.arrow``/``.feather`` v2, and the stream format).
+
+    A file's record batches are the units (addressed through its footer); a stream object is
+    one unit, parsed as its bytes arrive.  Whole record batches are fetched (the IPC layout
+    has no per-column chunks to skip); ``columns`` and ``filter`` apply after decoding.
+    """
+
+    suffixes = (".arrow", ".arrows", ".feather", ".ipc")
+
+    def __init__(self, urls: Spec, columns: Sequence[str] | None = None, **options: Any) -> None:
+        super().__init__(urls, columns, **options)
+        policy = ErrorPolicy(self.on_error)
+        self._footers = read_footers(
+            self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
+            footer_length=lambda tail, s: fmt.ipc_footer_length(tail, s.size, s.url) or 0,
+            policy=policy)
+        self._blocks: dict[str, tuple[list[fmt.Range], list[fmt.Range]]] = {}
+        for shard in self.shards:
+            footer = self._footers.get(shard.url)
+            if footer is None:
+                continue  # skipped under on_error
+            if not footer:  # no IPC file magic at the end: a stream, read whole
+                self._units.append(RecordBatchUnit(shard.url, shard.size, -1))
+                continue
+            try:
+                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url)
+                self._check_columns(footer, shard)
+            except FormatError as exc:
+                if not policy.skip(exc):
+                    raise
+                continue
+            self._units.extend(RecordBatchUnit(shard.url, shard.size, i) for i in range(len(batches)))
+
+    def _check_columns(self, footer: bytes, shard: Shard) -> None:
+        parts = [(shard.size - len(footer), footer)]
+        try:
+            schema = pa.ipc.open_file(fmt.SparseFile(parts, shard.size, shard.url).pyarrow()).schema
+        except (OSError, pa.ArrowException) as exc:
+            raise FormatError(f"corrupt Arrow IPC footer in {shard.url}: {exc}", url=shard.url,
+                              key="footer") from exc
+        missing = [c for c in self.columns or () if c not in schema.names]
+        if missing:
+            raise SpecError(f"column {missing[0]!r} is not in {shard.url}; columns: "
+                            f"{', '.join(schema.names)}")
+        if self.filter is not None:
+            _filter_columns(schema, self.filter, None)
+
+    def fetch_item(self, unit: RecordBatchUnit) -> FetchItem:
+        """A stream object whole; a file's record batch block plus its dictionary blocks."""
+        if unit.index < 0:
+            return FetchItem(unit.url, unit.size)
+        dicts, batches = self._blocks[unit.url]
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])))
+
+    def _tables(self, fetcher: Prefetcher, mine: Sequence[RecordBatchUnit]) -> Iterator[Iterator[pa.Table]]:
+        for unit, item, reader in zip(mine, fetcher.items, fetcher):
+            yield self._read(unit, item, reader)
+
+    def _read(self, unit: RecordBatchUnit, item: FetchItem, reader: Any) -> Iterator[pa.Table]:
+        if unit.index < 0:
+            batches: Iterable[pa.RecordBatch] = fmt.ipc_stream_batches(reader.chunks(), unit.url)
+        else:
+            footer = self._footers[unit.url]
+            starts = [start for start, _ in item.ranges or ()]
+            parts = [*zip(starts, reader.read_ranges()), (unit.size - len(footer), footer)]
+            batches = [fmt.read_ipc_batch(parts, unit.size, unit.index, unit.url)]
+        for batch in batches:
+            table = pa.Table.from_batches([batch])
+            missing = [c for c in self.columns or () if c not in table.column_names]
+            if missing:
+                raise FormatError(f"column {missing[0]!r} is not in {unit.url}; columns: "
+                                  f"{', '.join(table.column_names)}", url=unit.url,
+                                  key=f"record batch {max(unit.index, 0)}")
+            yield table
+
+    def _finish(self, table: pa.Table) -> pa.Table:
+        table = super()._finish(table)
+        return table if self.columns is None else table.select(self.columns)
