@@ -82,6 +82,8 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     options = dict(cls._get_kwargs_from_urls(url)) if url else {}
     options.update(storage_options or {})
     options.update(extra)
+    if protocol in ("s3", "s3a") and not {"session", "profile"} & set(options):
+        options["session"] = _s3_session()
     try:
         return cls(skip_instance_cache=True, **options)
     except TypeError as exc:
@@ -117,6 +119,25 @@ def close_filesystem(fs: Any) -> None:
         sync(loop, close, timeout=5)
     except Exception:  # best effort: the listing already succeeded
         pass
+
+
+_S3_SESSION: Any = None
+
+
+def _s3_session() -> Any:
+    """One aiobotocore session per process, shared by its S3 filesystems.
+
+    A session holds parsed botocore models but no connection and no loop (clients do). Made
+    in the main process by the listing, it is inherited by forked DataLoader workers, which
+    then skip re-parsing botocore's JSON (measured 0.7 s per worker on a busy 2-core machine,
+    all of it before the first request could go out).
+    """
+    global _S3_SESSION
+    if _S3_SESSION is None:
+        from aiobotocore.session import AioSession
+
+        _S3_SESSION = AioSession()
+    return _S3_SESSION
 
 
 def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
