@@ -1,6 +1,7 @@
 """streamdata: stream WebDataset tar and Arrow/Parquet shards from cloud buckets into PyTorch."""
 
 from .config import FetchConfig
+from .cuda import CudaPrefetcher, PinAhead, pin_batch
 from .dataset import ObjectDataset, ShardedDataset, TarDataset
 from .errors import (
     AccessDeniedError,
@@ -15,6 +16,7 @@ from .errors import (
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
+from .loader import Loader, loader
 from .urls import Shard, expand_spec
 from .world import World
 
@@ -42,13 +44,16 @@ __all__ = [
     "AccessDeniedError",
     "ArrowDataset",
     "BackendMissingError",
+    "CudaPrefetcher",
     "DecodeError",
     "FetchConfig",
     "FetchItem",
     "FetchTimeoutError",
     "FormatError",
+    "Loader",
     "ObjectDataset",
     "ParquetDataset",
+    "PinAhead",
     "Prefetcher",
     "Shard",
     "ShardFetchError",
@@ -60,6 +65,8 @@ __all__ = [
     "TarDataset",
     "World",
     "expand_spec",
+    "loader",
+    "pin_batch",
     "write_arrow",
     "write_parquet",
 ]

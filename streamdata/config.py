@@ -36,8 +36,8 @@ class FetchConfig:
     window:       shards ahead of the one being parsed whose bytes may be requested.
     part_size:    bytes per ranged GET; a shard larger than this is fetched as several
                   concurrent parts (and parsing starts on the first).
-    first_part:   size of a shard's first part: small, so parsing starts after one round
-                  trip and a short transfer, while the rest of the shard is still arriving.
+    first_part:   size of the first part of a reader's first shard: small, so the first
+                  batch costs one round trip and a short transfer, while the rest arrives.
     max_requests: concurrent GETs per worker.
     byte_budget:  bytes fetched or in flight but not yet consumed; the fetcher holds at
                   most ``max(byte_budget, one part)``.
@@ -46,7 +46,7 @@ class FetchConfig:
     """
 
     window: int = 32
-    part_size: int = 2 * MiB
+    part_size: int = 8 * MiB
     first_part: int = 256 * 1024
     max_requests: int = 32
     byte_budget: int = 128 * MiB

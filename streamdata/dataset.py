@@ -27,9 +27,9 @@ def _fetch_config(config: FetchConfig | None, overrides: dict[str, Any]) -> Fetc
 
 
 def _default_collate(batch: list) -> Any:
-    from torch.utils.data import default_collate
+    from .collate import collate  # shared-memory tensors built in the worker, /dev/shm checked
 
-    return default_collate(batch)
+    return collate(batch)
 
 
 class _EpochIterator:

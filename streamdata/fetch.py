@@ -48,17 +48,18 @@ _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for 
 
 
 def _split(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
-    """Cut ranges into parts of at most ``part_size`` (the very first at most ``first_part``)."""
+    """Cut ranges into parts of at most ``part_size``; with ``first_part``, the parts start at
+    that size and double up to ``part_size`` (the first batch needs only the first bytes)."""
     parts: list[Range] = []
+    size = min(first_part or part_size, part_size)
     for start, end in ranges:
         if end is None:
             parts.append((start, None))
             continue
-        first = min(first_part or part_size, part_size)
-        if not parts and end - start > first:
-            parts.append((start, start + first))
-            start += first
-        parts.extend((s, min(s + part_size, end)) for s in range(start, end, part_size))
+        while start < end:
+            parts.append((start, min(start + size, end)))
+            start += size
+            size = min(size * 2, part_size)
     return parts
 
 
@@ -166,7 +167,11 @@ class Prefetcher:
                 if ranges is None:
                     size = item.size if item.size is not None else await self.client.size(item.url)
                     ranges = ((0, size),)
-                parts = _split(ranges, cfg.part_size, cfg.first_part if item.ranges is None else None)
+                # only the reader's first shard starts with a small part: it is what the first
+                # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
+                # cost the client and the server less CPU per byte
+                small = cfg.first_part if index == 0 and item.ranges is None else None
+                parts = _split(ranges, cfg.part_size, small)
             except Exception as exc:
                 self._plans[index].set_exception(translate_error(exc, item.url))
                 continue

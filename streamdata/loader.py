@@ -1,0 +1,163 @@
+"""``sd.loader``: a DataLoader preset choosing workers, prefetch, pinning and the GPU feed together."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from torch.utils.data import DataLoader
+
+from .collate import collate, to_tensors
+from .cuda import CudaPrefetcher
+from .errors import SpecError
+
+__all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
+
+DEFAULT_PREFETCH_FACTOR = 2  # batches per worker in flight; more only absorbs jitter (see docs/gpu.md)
+_MAX_DEFAULT_WORKERS = 4
+_JOIN_TIMEOUT = 10.0  # seconds close() waits for each worker that is still ending
+_UNSET: Any = object()
+
+
+def default_num_workers() -> int:
+    """Workers used when the caller does not say: one per usable CPU core, at most four."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return min(_MAX_DEFAULT_WORKERS, cpus)
+
+
+class _WorkerInit:
+    """A picklable ``worker_init_fn``: set the sharing strategy, then call the user's function.
+
+    Needed because spawned (and forkserver) workers start with the default strategy, and
+    the strategy that matters is the sending worker's.
+    """
+
+    def __init__(self, strategy: str, user_fn: Callable[[int], None] | None) -> None:
+        self.strategy, self.user_fn = strategy, user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        torch.multiprocessing.set_sharing_strategy(self.strategy)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class Loader:
+    """What :func:`loader` returns: iterate it once per epoch.
+
+    ``len()`` works when the DataLoader's does; ``set_epoch`` reaches the dataset in this
+    process (persistent workers hold their own copy: the dataset must make the epoch reach
+    them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
+    """
+
+    def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None) -> None:
+        self.dataloader = dataloader
+        self.dataset = dataloader.dataset
+        self.prefetcher = feed
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.prefetcher if self.prefetcher is not None else self.dataloader)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch to ``dataset.set_epoch``; call it before iterating the epoch."""
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no set_epoch()")
+        set_epoch(epoch)
+
+    def close(self) -> None:
+        """Stop the prefetcher's thread and shut the DataLoader's persistent workers down."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        iterator = getattr(self.dataloader, "_iterator", None)  # torch keeps persistent workers here
+        if iterator is not None:
+            self.dataloader._iterator = None
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except RuntimeError as exc:
+                    # A spawned worker stopped mid-epoch can abort in its own interpreter
+                    # teardown ("killed by signal: Aborted"); it was ending anyway, as in
+                    # DataLoader's __del__, which ignores this too.
+                    if "killed by signal" not in str(exc):
+                        raise
+                    for worker in getattr(iterator, "_workers", ()):  # reap the rest
+                        worker.join(timeout=_JOIN_TIMEOUT)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def loader(
+    dataset: Any,
+    *,
+    batch_size: int | None = _UNSET,
+    num_workers: int | None = None,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[Any], Any] | None = None,
+    sharing_strategy: str | None = None,
+    device: str | torch.device | None = None,
+    depth: int = 1,
+    transform: Callable[[Any], Any] | None = None,
+    **dataloader_kwargs: Any,
+) -> Loader:
+    """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
+
+    Defaults: ``num_workers`` one per core (at most 4); with workers, ``persistent_workers``
+    and ``prefetch_factor=2``; ``pin_memory`` when CUDA is available; ``batch_size=None``
+    when the dataset batches itself (a ``batch_size`` attribute that is not ``None``), else
+    DataLoader's 1; a ``collate_fn`` that builds tensors in the workers' shared memory and
+    checks ``/dev/shm`` first.  ``sharing_strategy="file_system"`` sets that strategy here and
+    in every worker.  ``device`` wraps the loader in a :class:`CudaPrefetcher` (``depth``,
+    ``transform``).  Other keyword arguments go to ``DataLoader`` unchanged.
+    """
+    if batch_size is _UNSET:
+        batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if num_workers > 0:
+        prefetch_factor = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
+        persistent_workers = True if persistent_workers is None else persistent_workers
+    else:
+        persistent_workers = bool(persistent_workers)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    if collate_fn is None:
+        in_flight = max(1, num_workers * (prefetch_factor or 0))
+        collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
+                                       in_flight=in_flight)
+    if sharing_strategy is not None:
+        if sharing_strategy not in torch.multiprocessing.get_all_sharing_strategies():
+            raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "
+                            f"{sorted(torch.multiprocessing.get_all_sharing_strategies())}")
+        torch.multiprocessing.set_sharing_strategy(sharing_strategy)
+        if num_workers > 0:
+            user_init = dataloader_kwargs.pop("worker_init_fn", None)
+            dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init)
+    dataloader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+        **dataloader_kwargs,
+    )
+    feed = CudaPrefetcher(dataloader, device, depth, transform) if device is not None else None
+    return Loader(dataloader, feed)

@@ -1,0 +1,187 @@
+"""The sd.loader preset: defaults, overrides, len / set_epoch / close, sharing strategy."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing
+from torch.utils.data import IterableDataset
+
+from streamdata import collate as C
+from streamdata import cuda as K
+from streamdata.cuda import CudaPrefetcher
+from streamdata.errors import SpecError
+from streamdata.loader import DEFAULT_PREFETCH_FACTOR, Loader, _WorkerInit, default_num_workers, loader
+
+
+class Numbers(IterableDataset):
+    """Per-sample items; no len."""
+
+    def __init__(self, n: int = 6):
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield {"x": np.full(3, float(i)), "i": i}
+
+
+class SelfBatched(IterableDataset):
+    """A dataset that batches itself, as the streamdata datasets do with batch_size=..."""
+
+    batch_size = 4
+
+    def __iter__(self):
+        for b in range(3):
+            yield {"x": np.arange(8.0).reshape(4, 2) + b, "keys": [f"k{b}{j}" for j in range(4)]}
+
+
+class EpochTagged(IterableDataset):
+    """Keeps its epoch in a shared-memory tensor, so persistent workers see set_epoch."""
+
+    def __init__(self):
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __iter__(self):
+        for i in range(3):
+            yield {"value": int(self.epoch) * 100 + i, "pid": os.getpid()}
+
+
+class ReportStrategy(IterableDataset):
+    def __iter__(self):
+        yield torch.multiprocessing.get_sharing_strategy()
+
+
+@pytest.fixture
+def restore_sharing_strategy():
+    before = torch.multiprocessing.get_sharing_strategy()
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_defaults_with_workers():
+    with loader(Numbers(), num_workers=2, batch_size=2) as feed:
+        dl = feed.dataloader
+        assert dl.num_workers == 2 and dl.persistent_workers
+        assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
+        assert dl.pin_memory == torch.cuda.is_available()
+        assert isinstance(dl.collate_fn, functools.partial) and dl.collate_fn.func is C.collate
+        assert dl.collate_fn.keywords == {"in_flight": 2 * DEFAULT_PREFETCH_FACTOR}
+        assert feed.prefetcher is None and feed.dataset is dl.dataset
+
+
+def test_defaults_without_workers_and_the_default_worker_count():
+    feed = loader(Numbers(), num_workers=0)
+    dl = feed.dataloader
+    assert dl.prefetch_factor is None and not dl.persistent_workers and dl.batch_size == 1
+    assert 1 <= default_num_workers() <= 4
+    assert loader(Numbers()).dataloader.num_workers == default_num_workers()
+
+
+def test_everything_is_overridable():
+    def mine(batch):
+        return batch
+
+    dl = loader(Numbers(), num_workers=1, prefetch_factor=6, persistent_workers=False,
+                pin_memory=False, collate_fn=mine, batch_size=3, drop_last=True).dataloader
+    assert (dl.prefetch_factor, dl.persistent_workers, dl.pin_memory) == (6, False, False)
+    assert dl.collate_fn is mine and dl.batch_size == 3 and dl.drop_last
+
+
+def test_a_dataset_that_batches_itself_gets_batch_size_none_and_tensors():
+    feed = loader(SelfBatched(), num_workers=0)
+    assert feed.dataloader.batch_size is None
+    batches = list(feed)
+    assert len(batches) == 3
+    assert batches[1]["x"].dtype == torch.float64 and torch.equal(
+        batches[1]["x"], torch.arange(8.0).reshape(4, 2) + 1)
+    assert batches[2]["keys"] == ["k20", "k21", "k22", "k23"]
+
+
+def test_per_sample_items_are_collated_into_batches():
+    batches = list(loader(Numbers(5), num_workers=0, batch_size=2))
+    assert [b["i"].tolist() for b in batches] == [[0, 1], [2, 3], [4]]
+    assert batches[0]["x"].shape == (2, 3)
+
+
+def test_len_passes_through_when_the_dataloader_has_one():
+    assert len(loader(list(range(10)), batch_size=3, num_workers=0)) == 4
+    with pytest.raises(TypeError):
+        len(loader(Numbers(), num_workers=0))
+
+
+def test_set_epoch_passes_through_or_says_the_dataset_has_none():
+    dataset = EpochTagged()
+    feed = loader(dataset, num_workers=0)
+    feed.set_epoch(3)
+    assert int(dataset.epoch) == 3
+    with pytest.raises(AttributeError, match="Numbers has no set_epoch"):
+        loader(Numbers(), num_workers=0).set_epoch(1)
+
+
+def test_persistent_workers_see_set_epoch_and_close_ends_them():
+    with loader(EpochTagged(), num_workers=1, batch_size=None, multiprocessing_context="fork") as feed:
+        epochs = []
+        for epoch in range(2):
+            feed.set_epoch(epoch)
+            epochs.append(list(feed))
+        assert [[b["value"] for b in e] for e in epochs] == [[0, 1, 2], [100, 101, 102]]
+        pids = {b["pid"] for e in epochs for b in e}
+        assert len(pids) == 1 and pids != {os.getpid()}  # the same worker served both epochs
+    assert feed.dataloader._iterator is None  # close() shut the workers down
+
+
+def test_close_in_the_middle_of_an_epoch_ends_the_workers():
+    feed = loader(Numbers(10_000), num_workers=2, batch_size=8, multiprocessing_context="fork")
+    batches = iter(feed)
+    assert next(batches)["x"].shape == (8, 3)
+    workers = list(feed.dataloader._iterator._workers)
+    feed.close()
+    assert feed.dataloader._iterator is None
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_real_workers_deliver_self_batched_numpy_as_tensors():
+    with loader(SelfBatched(), num_workers=1, multiprocessing_context="fork") as feed:
+        batches = list(feed)
+    assert [b["x"][0, 0].item() for b in batches] == [0.0, 1.0, 2.0]
+    assert all(isinstance(b["x"], torch.Tensor) for b in batches)
+
+
+def test_device_wraps_the_loader_in_the_prefetcher(monkeypatch):
+    monkeypatch.setattr(K, "_cuda_available", lambda: False)
+    feed = loader(Numbers(4), num_workers=0, batch_size=2, device="cpu",
+                  transform=lambda b: {**b, "x": b["x"] * 10})
+    assert isinstance(feed.prefetcher, CudaPrefetcher) and feed.prefetcher.device.type == "cpu"
+    assert [b["x"][:, 0].tolist() for b in feed] == [[0.0, 10.0], [20.0, 30.0]]
+    feed.close()
+
+
+def test_sharing_strategy_is_set_here_and_in_every_worker(restore_sharing_strategy):
+    with loader(ReportStrategy(), num_workers=1, batch_size=None, sharing_strategy="file_system",
+                multiprocessing_context="fork") as feed:
+        assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+        # a worker that does not inherit it (spawn, or a later change here) still gets it
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+        assert list(feed) == ["file_system"]
+
+
+def test_worker_init_keeps_the_users_function(restore_sharing_strategy):
+    called = []
+    _WorkerInit("file_system", called.append)(3)
+    assert called == [3] and torch.multiprocessing.get_sharing_strategy() == "file_system"
+
+
+def test_an_unknown_sharing_strategy_is_refused():
+    with pytest.raises(SpecError, match="unknown sharing_strategy"):
+        loader(Numbers(), sharing_strategy="carrier_pigeon")
+
+
+def test_loader_returns_a_loader():
+    assert isinstance(loader(Numbers(), num_workers=0), Loader)
