@@ -1,0 +1,37 @@
+"""Slow: the benchmark scripts still run end to end and read every sample (numbers not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def test_latency_benchmark_quick_reads_every_sample(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.latency", "--quick", "--methods", "wire,streamdata,webdataset",
+           "--sweep-workers", "", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result] = tmp_path.glob("latency-*.json")
+    rows = json.loads(result.read_text())["results"]
+    by_method = {(r["method"], r["delay_ms"]): r for r in rows}
+    for (method, delay), row in by_method.items():
+        assert "error" not in row, (method, delay, row.get("error"))
+    sd_rows = [r for (m, _), r in by_method.items() if m == "streamdata"]
+    assert sd_rows and all(r["samples"] == 512 for r in sd_rows)
+
+
+def test_latency_benchmark_rss_mode(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.latency", "--rss", "--rss-sizes", "1,16", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result] = tmp_path.glob("rss-*.json")
+    rows = json.loads(result.read_text())["rss"]
+    assert [r["shard_mb"] for r in rows] == [1, 16]
