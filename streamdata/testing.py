@@ -176,6 +176,21 @@ class _Managed:
 # --------------------------------------------------------------------------- S3
 
 
+class _Subprocess(_Managed):
+    """A server running in a ``_ServerProcess``; ``port`` goes back to the requested one on stop."""
+
+    _process: Any = None
+    _requested_port: int | None = None
+    port: int | None = None
+
+    def stop(self) -> None:
+        """Stop the subprocess (terminate, then kill after 5 s)."""
+        if self._process is not None:
+            self._process.stop()
+            self._process = None
+            self.port = self._requested_port
+
+
 class _S3Access(_Managed):
     """What a client needs to reach one S3-compatible endpoint, and bucket helpers."""
 
@@ -267,7 +282,7 @@ def _env(name: str, default: str) -> str:
     return env_str(name) or default
 
 
-class S3Server(_S3Access):
+class S3Server(_Subprocess, _S3Access):
     """moto's S3 in a subprocess, on loopback, keeping HTTP/1.1 connections alive.
 
     ``latency`` (seconds) is slept before every response, to mimic a far-away bucket.
@@ -315,12 +330,6 @@ class S3Server(_S3Access):
         self._process = process
         return self
 
-    def stop(self) -> None:
-        """Stop the subprocess (terminate, then kill after 5 s)."""
-        if self._process is not None:
-            self._process.stop()
-            self._process = None
-            self.port = self._requested_port
 
     def __repr__(self) -> str:
         return f"S3Server(port={self.port}, running={self._process is not None})"
@@ -492,7 +501,7 @@ def _use_plain_gcsfs() -> None:
             fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
 
 
-class GCSServer(_Managed):
+class GCSServer(_Subprocess):
     """fake-gcs-server (in-memory, plain HTTP) in a subprocess, on loopback.
 
     ``storage_options`` are for gcsfs (``endpoint_url``, anonymous token).  Unless
@@ -559,12 +568,6 @@ class GCSServer(_Managed):
             break
         return self
 
-    def stop(self) -> None:
-        """Stop the subprocess (terminate, then kill after 5 s)."""
-        if self._process is not None:
-            self._process.stop()
-            self._process = None
-            self.port = self._requested_port
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None

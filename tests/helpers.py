@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 
@@ -42,13 +43,26 @@ def write_shards(fs, prefix: str, counts: list[int] = UNEVEN, floats: int = 8) -
     return keys
 
 
-def read_keys(ds, num_workers: int, context: str | None = "fork", rank: int | None = None,
-              world_size: int | None = None) -> list[str]:
-    """All keys one rank reads through a DataLoader (RANK/WORLD_SIZE set for the read)."""
+@contextlib.contextmanager
+def rank_env(rank: int | None, world_size: int | None):
+    """RANK/WORLD_SIZE set for the block (a simulated DDP rank), restored after."""
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
     if rank is not None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def read_keys(ds, num_workers: int, context: str | None = "fork", rank: int | None = None,
+              world_size: int | None = None) -> list[str]:
+    """All keys one rank reads through a DataLoader (RANK/WORLD_SIZE set for the read)."""
+    with rank_env(rank, world_size):
         loader = torch.utils.data.DataLoader(
             ds, batch_size=None, num_workers=num_workers,
             multiprocessing_context=context if num_workers else None, timeout=60 if num_workers else 0)
@@ -56,9 +70,3 @@ def read_keys(ds, num_workers: int, context: str | None = "fork", rank: int | No
         for item in loader:
             keys += item["__key__"] if isinstance(item["__key__"], list) else [item["__key__"]]
         return keys
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -19,6 +19,7 @@ from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.formats.arrow import TensorOptions, coalesce, to_rows, to_tensors
 from streamdata.parquet import ArrowDataset, ParquetDataset, rebatch, shuffle_rows
 from streamdata.write import write_arrow, write_parquet
+from tests.helpers import rank_env
 
 ROWS = [700, 100, 1300, 0, 450]  # rows per file: 7, 1, 13, 0 and 5 row groups of 100
 
@@ -30,19 +31,11 @@ def _ids_table(start: int, n: int) -> pa.Table:
 
 
 def _read_ids(ds, num_workers: int, rank: int, world_size: int) -> list[int]:
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    try:
+    with rank_env(rank, world_size):
         loader = torch.utils.data.DataLoader(
             ds, batch_size=None, num_workers=num_workers, timeout=60 if num_workers else 0,
             multiprocessing_context="fork" if num_workers else None)
         return [i for batch in loader for i in batch["id"].tolist()]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
