@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 .PHONY: setup demo test test-slow test-all bench clean
 
 # torch is pinned and installed first: an unpinned torch pulls gigabytes of CUDA wheels.
-$(STAMP): pyproject.toml
+# constraints.txt pins the versions the suite was last run with: reproducible, and pip
+# does not spend minutes backtracking through boto3/botocore releases.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
