@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +40,97 @@ class ClientStats:
                 setattr(self, name, getattr(self, name) + n)
 
 
+# storage options under which a presigned GET would not be the same request as s3fs's
+_S3_SLOW_OPTIONS = ("requester_pays", "version_aware", "s3_additional_kwargs")
+
+
+class _PresignedS3:
+    """S3 ranged GETs as presigned URLs on a plain aiohttp session.
+
+    botocore's response pipeline costs about 1.6 ms of CPU per MB read on this project's
+    2-core test machine (0.27 vs 0.11 ms per 96 KiB sample against local files); a presigned
+    GET is the same signed request with none of that. One URL per object, signed by the
+    filesystem's own botocore client (same credentials, endpoint and addressing), reused
+    until half its lifetime has passed.
+    """
+
+    LIFETIME = 3600
+
+    def __init__(self, fs: Any, max_requests: int) -> None:
+        import aiohttp
+
+        self.fs = fs
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
+        self._urls: dict[str, tuple[str, float]] = {}
+
+    async def _url(self, path: str) -> str:
+        loop = asyncio.get_running_loop()
+        hit = self._urls.get(path)
+        if hit is not None and hit[1] > loop.time():
+            return hit[0]
+        bucket, key, _ = self.fs.split_path(path)
+        client = await self.fs.get_s3(bucket)
+        url = await client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=self.LIFETIME)
+        self._urls[path] = (url, loop.time() + self.LIFETIME / 2)
+        return url
+
+    async def cat_file(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        start = start or 0
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        async with self.session.get(await self._url(path), headers=headers) as resp:
+            data = await resp.read()
+            if resp.status == 206 or (resp.status == 200 and not headers):
+                return data
+            if resp.status == 200:  # a server that ignores Range
+                return data[start:end]
+            if resp.status == 416 and end is not None and start >= end:
+                return b""
+            detail = data[:300].decode("utf-8", "replace")
+            if resp.status == 404:
+                raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
+            if resp.status == 403:
+                raise PermissionError(f"{path}: HTTP 403 {detail}")
+            raise OSError(f"{path}: HTTP {resp.status} {detail}")
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+
+def _forget_session(session: Any) -> None:
+    """Drop an aiohttp session inherited through fork without touching its connections:
+    finalising it in the child closes the parent's keep-alive sockets under the parent
+    (seen: the parent's next request hung until its time-out)."""
+    connector = getattr(session, "_connector", None)
+    if connector is not None:
+        session._connector = None
+        connector._closed = True
+        connector._conns.clear()
+
+
+_live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
+
+
+def _forget_inherited() -> None:
+    for client in list(_live_clients):
+        if client._presigned is not None:
+            _forget_session(client._presigned.session)
+        _forget_session(getattr(client._fs, "_session", None))
+    _live_clients.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
 class AsyncClient:
     """Ranged GETs with time-outs and retries for URLs of one protocol, on a private loop."""
 
     def __init__(self, protocol: str, storage_options: dict | None = None,
-                 config: FetchConfig | None = None, *, name: str = "io", url: str | None = None) -> None:
+                 config: FetchConfig | None = None, *, name: str = "io", url: str | None = None,
+                 fast_s3: bool = True) -> None:
         self.protocol = protocol
         self.url = url  # an example URL: carries an HDFS name node's host and port
         self.config = config or FetchConfig()
@@ -50,8 +138,11 @@ class AsyncClient:
         self._options = dict(storage_options or {})
         self._executor: ThreadPoolExecutor | None = None
         self._fs: Any = None
+        self._presigned: _PresignedS3 | None = None
+        self.fast_s3 = fast_s3
         self._opened: asyncio.Future | None = None
         self.io = LoopThread(name)
+        _live_clients.add(self)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -85,10 +176,15 @@ class AsyncClient:
         else:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
+        if self.protocol in ("s3", "s3a") and self.fast_s3 and not set(_S3_SLOW_OPTIONS) & set(options):
+            self._presigned = _PresignedS3(fs, self.config.max_requests)
         self._fs = fs
         return fs
 
     async def _close_fs(self) -> None:
+        presigned, self._presigned = self._presigned, None
+        if presigned is not None:
+            await presigned.close()
         fs, self._fs = self._fs, None
         if fs is None or self._executor is not None:
             return
@@ -114,6 +210,8 @@ class AsyncClient:
         # keywords, always: s3fs's _cat_file takes version_id before start and end
         fs = await self._open()
         path = fs._strip_protocol(url)  # HTTP keeps the whole URL, object stores drop "s3://"
+        if self._presigned is not None and async_name == "_cat_file":
+            return await self._presigned.cat_file(path, **kwargs)
         if self._executor is None:
             return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()

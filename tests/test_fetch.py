@@ -189,7 +189,30 @@ def test_object_dataset_fetches_batches_concurrently(s3fs_fs, context):
     got = torch.cat([b["cls"] for b in loader]).tolist()
     assert got == list(range(40))
     assert np.all(np.array(ds.__getitems__([5, 1, 9])[1]["cls"]) == 1)
+    # forked workers must not close this process's pooled connections under it
+    assert ds._client.stats.retries == 0
     ds.close()
+
+
+def test_s3_reads_use_presigned_gets_and_map_errors(s3fs_fs):
+    from streamdata.client import AsyncClient
+
+    server, bucket, fs = s3fs_fs
+    fs.pipe_file(f"{bucket}/a.bin", b"0123456789")
+    url = f"s3://{bucket}/a.bin"
+    for options, fast in ((server.storage_options, True),
+                          ({**server.storage_options, "version_aware": False}, False)):
+        client = AsyncClient("s3", options)
+        try:
+            assert client.io.run(client.get(url, 2, 5), 30) == b"234"
+            assert client.io.run(client.get(url), 30) == b"0123456789"
+            assert (client._presigned is not None) is fast
+            fs.rm(f"{bucket}/a.bin")
+            with pytest.raises(sd.ShardNotFoundError, match="a.bin"):
+                client.io.run(client.get(url, 0, 4), 30)
+            fs.pipe_file(f"{bucket}/a.bin", b"0123456789")
+        finally:
+            client.close()
 
 
 def test_consumed_parts_are_freed(tmp_path):
