@@ -80,20 +80,24 @@ class _PresignedS3:
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        async with self.session.get(await self._url(path), headers=headers) as resp:
-            data = await resp.read()
-            if resp.status == 206 or (resp.status == 200 and not headers):
-                return data
-            if resp.status == 200:  # a server that ignores Range
-                return data[start:end]
-            if resp.status == 416 and end is not None and start >= end:
-                return b""
-            detail = data[:300].decode("utf-8", "replace")
-            if resp.status == 404:
-                raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
-            if resp.status == 403:
-                raise PermissionError(f"{path}: HTTP 403 {detail}")
-            raise OSError(f"{path}: HTTP {resp.status} {detail}")
+        for attempt in range(2):
+            cached = path in self._urls
+            async with self.session.get(await self._url(path), headers=headers) as resp:
+                status, data = resp.status, await resp.read()
+            if status == 403 and cached and attempt == 0:
+                self._urls.pop(path, None)  # temporary credentials may have rotated: re-sign once
+                continue
+            break
+        if status == 206 or (status == 200 and not headers):
+            return data
+        if status == 200:  # a server that ignores Range
+            return data[start:end]
+        detail = data[:300].decode("utf-8", "replace")
+        if status == 404:
+            raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
+        if status == 403:
+            raise PermissionError(f"{path}: HTTP 403 {detail}")
+        raise OSError(f"{path}: HTTP {status} {detail}")
 
     async def close(self) -> None:
         await self.session.close()
