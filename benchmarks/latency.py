@@ -490,6 +490,18 @@ def format_sweep(sweep: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+
+def _plot_methods(ax: Any, rows_in: list[dict[str, Any]], x: str) -> None:
+    """One error-bar line of steady samples/s per method against ``x`` (delay or workers)."""
+    for method in METHODS:
+        rows = sorted((r for r in rows_in if r["method"] == method and "error" not in r),
+                      key=lambda r: r[x])
+        if rows:
+            ax.errorbar([r[x] for r in rows], [r["steady_sps"] for r in rows],
+                        yerr=[r["steady_sps_std"] for r in rows], marker="o", capsize=3,
+                        label=method, linestyle="--" if method.startswith("wire") else "-",
+                        color=COLORS[method])
+
 def plot(results: list[dict], sweep: list[dict], path: Path, title: str) -> None:
     """Throughput vs. delay and vs. num_workers, error bars = std over repetitions."""
     import matplotlib
@@ -498,27 +510,13 @@ def plot(results: list[dict], sweep: list[dict], path: Path, title: str) -> None
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for method in METHODS:
-        rows = sorted((r for r in results if r["method"] == method and "error" not in r),
-                      key=lambda r: r["delay_ms"])
-        if rows:
-            ax1.errorbar([r["delay_ms"] for r in rows], [r["steady_sps"] for r in rows],
-                         yerr=[r["steady_sps_std"] for r in rows], marker="o", capsize=3,
-                         label=method, linestyle="--" if method.startswith("wire") else "-",
-                         color=COLORS[method])
+    _plot_methods(ax1, results, "delay_ms")
     ax1.set(xlabel="one-way delay (ms)", ylabel="samples/s (96 KiB each)", yscale="log",
             title="throughput vs. delay")
     ax1.grid(True, which="both", alpha=0.3)
     if ax1.get_legend_handles_labels()[0]:
         ax1.legend()
-    for method in METHODS:
-        rows = sorted((r for r in sweep if r["method"] == method and "error" not in r),
-                      key=lambda r: r["workers"])
-        if rows:
-            ax2.errorbar([r["workers"] for r in rows], [r["steady_sps"] for r in rows],
-                         yerr=[r["steady_sps_std"] for r in rows], marker="o", capsize=3,
-                         label=method, linestyle="--" if method.startswith("wire") else "-",
-                         color=COLORS[method])
+    _plot_methods(ax2, sweep, "workers")
     ax2.set_xticks(sorted({r["workers"] for r in sweep}) or [1])
     delays = sorted({r["delay_ms"] for r in sweep})
     ax2.set(xlabel="num_workers", ylabel="samples/s", yscale="log",

@@ -20,7 +20,7 @@ from typing import Any
 from ._aio import LoopThread, wait_threads_gone
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
-from .urls import filesystem, translate_error
+from .urls import close_sessions, filesystem, translate_error
 
 __all__ = ["AsyncClient", "ClientStats"]
 
@@ -190,14 +190,8 @@ class AsyncClient:
         if presigned is not None:
             await presigned.close()
         fs, self._fs = self._fs, None
-        if fs is None or self._executor is not None:
-            return
-        creator = getattr(fs, "_s3creator", None)
-        if creator is not None and hasattr(creator, "__aexit__"):
-            await creator.__aexit__(None, None, None)
-        session = getattr(fs, "_session", None)
-        if session is not None and not session.closed:
-            await session.close()
+        if fs is not None and self._executor is None:
+            await close_sessions(fs)
 
     def close(self) -> None:
         """Cancel requests, close connections, join the loop thread and the file-I/O pool."""

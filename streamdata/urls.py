@@ -24,7 +24,7 @@ from .errors import (
     StreamDataError,
 )
 
-__all__ = ["Shard", "brace_expand", "close_filesystem", "expand_spec", "filesystem", "split_url",
+__all__ = ["Shard", "brace_expand", "close_filesystem", "close_sessions", "expand_spec", "filesystem", "split_url",
            "translate_error"]
 
 Spec = str | Sequence[str]
@@ -95,6 +95,18 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
                                   f"{need}", url=url) from exc
 
 
+async def close_sessions(fs: Any) -> None:
+    """Close an fsspec async backend's connections: s3fs's botocore client, or the aiohttp
+    session of gcsfs and HTTP. Run on the filesystem's own loop."""
+    creator = getattr(fs, "_s3creator", None)
+    if creator is not None and hasattr(creator, "__aexit__"):
+        await creator.__aexit__(None, None, None)
+        fs._s3creator = fs._s3 = None
+    session = getattr(fs, "_session", None)
+    if session is not None and not session.closed:
+        await session.close()
+
+
 def close_filesystem(fs: Any) -> None:
     """Close a sync fsspec filesystem's connections now, on its own loop.
 
@@ -106,17 +118,8 @@ def close_filesystem(fs: Any) -> None:
         return
     from fsspec.asyn import sync
 
-    async def close() -> None:
-        creator = getattr(fs, "_s3creator", None)
-        if creator is not None and hasattr(creator, "__aexit__"):
-            await creator.__aexit__(None, None, None)
-            fs._s3creator = fs._s3 = None
-        session = getattr(fs, "_session", None)
-        if session is not None and not session.closed:
-            await session.close()
-
     try:
-        sync(loop, close, timeout=5)
+        sync(loop, close_sessions, fs, timeout=5)
     except Exception:  # best effort: the listing already succeeded
         pass
 
