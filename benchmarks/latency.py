@@ -88,7 +88,7 @@ def _drain(make_loader: Callable[[], Iterable[Any]], max_seconds: float) -> dict
         elif now - first_at >= max_seconds:
             break
     end = time.perf_counter()
-    shutdown = getattr(it, "_shutdown_workers", None)
+    shutdown = getattr(it, "_shutdown_workers", None) or getattr(loader, "close", None)
     if shutdown is not None:
         shutdown()
     del it
@@ -131,9 +131,9 @@ def _label_from_url(url: str) -> int:
 
 def _loader_streamdata(cfg: dict) -> Any:
     import streamdata as sd
-    from torch.utils.data import DataLoader
 
     opts = dict(cfg.get("sd_options") or {})
+    loader_opts = opts.pop("loader", {})
     ds = sd.TarDataset(
         cfg["shard_spec"],
         storage_options=cfg["storage_options"],
@@ -141,7 +141,7 @@ def _loader_streamdata(cfg: dict) -> Any:
         decode=opts.pop("decode", True),
         **opts,
     )
-    return DataLoader(ds, batch_size=None, num_workers=cfg["workers"])
+    return sd.loader(ds, num_workers=cfg["workers"], pin_memory=False, **loader_opts)
 
 
 class _WdsOpener:
@@ -219,10 +219,9 @@ def _with_label(sample: dict) -> dict:
 
 def _loader_objects(cfg: dict) -> Any:
     import streamdata as sd
-    from torch.utils.data import DataLoader
 
     ds = sd.ObjectDataset(cfg["object_spec"], storage_options=cfg["storage_options"], map=_with_label)
-    return DataLoader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"])
+    return sd.loader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"], pin_memory=False)
 
 
 class _OneItem:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import recycle
 from .errors import DecodeError, SharedMemoryError
 
 __all__ = [
@@ -153,15 +154,21 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tens
     if not shared:
         return torch.empty(tuple(shape), dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pool = recycle.active_pool()  # sd.loader's workers reuse storages the main process freed
+    storage = pool.storage(nbytes, _new_shared) if pool is not None else _new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+
+def _new_shared(nbytes: int) -> torch.UntypedStorage:
+    """A new storage in ``/dev/shm``; a full filesystem raises :class:`SharedMemoryError`."""
     try:
-        storage = torch.UntypedStorage._new_shared(nbytes)  # allocated in /dev/shm, no copy
+        return torch.UntypedStorage._new_shared(nbytes)  # allocated in /dev/shm, no copy
     except RuntimeError as exc:  # torch >= 2.1 fallocates and reports ENOSPC here
         if "shared memory" not in str(exc) and "No space" not in str(exc):
             raise
         worker = _worker()
         raise SharedMemoryError(_advice(nbytes, 1, shared_memory_space()),
                                 where=worker[0] if worker else None) from exc
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
 
 def _nbytes(obj: Any) -> tuple[int, int]:
@@ -197,8 +204,10 @@ def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool) -> boo
     if in_flight is None:
         in_flight = num_workers * _DEFAULT_PREFETCH_FACTOR
     total, unshared = _nbytes(obj)
-    check_shared_memory(total, in_flight=in_flight, new_bytes=total if copies_all else unshared,
-                        where=where)
+    new_bytes = total if copies_all else unshared
+    if recycle.active_pool() is not None:
+        new_bytes = 0  # storages may come from the pool; a new one that does not fit still raises
+    check_shared_memory(total, in_flight=in_flight, new_bytes=new_bytes, where=where)
     return True
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing
 from torch.utils.data import DataLoader
 
+from . import recycle
 from .collate import collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
@@ -33,19 +34,47 @@ def default_num_workers() -> int:
 
 
 class _WorkerInit:
-    """A picklable ``worker_init_fn``: set the sharing strategy, then call the user's function.
+    """A picklable ``worker_init_fn``: set the sharing strategy, install the buffer pool,
+    then call the user's function.
 
-    Needed because spawned (and forkserver) workers start with the default strategy, and
-    the strategy that matters is the sending worker's.
+    The strategy is set in every worker because spawned (and forkserver) workers start with
+    the default one, and the strategy that matters is the sending worker's.
     """
 
-    def __init__(self, strategy: str, user_fn: Callable[[int], None] | None) -> None:
-        self.strategy, self.user_fn = strategy, user_fn
+    def __init__(self, strategy: str | None, user_fn: Callable[[int], None] | None,
+                 board: recycle.Board | None = None) -> None:
+        self.strategy, self.user_fn, self.board = strategy, user_fn, board
 
     def __call__(self, worker_id: int) -> None:
-        torch.multiprocessing.set_sharing_strategy(self.strategy)
+        if self.strategy is not None:
+            torch.multiprocessing.set_sharing_strategy(self.strategy)
+        if self.board is not None:
+            recycle.install(self.board, worker_id)
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+class _Lending:
+    """A picklable ``collate_fn``: the caller's, its batch then wrapped with its pool slots."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: Any) -> Any:
+        return recycle.lend(self.collate_fn(samples))
+
+
+class _Unwrapped:
+    """The DataLoader's batches as the user sees them (see :func:`recycle.unwrap`)."""
+
+    def __init__(self, dataloader: DataLoader) -> None:
+        self.dataloader = dataloader
+
+    def __iter__(self) -> Iterator[Any]:
+        return recycle.unwrap(self.dataloader)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
 
 
 class Loader:
@@ -56,13 +85,17 @@ class Loader:
     them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
     """
 
-    def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None) -> None:
+    def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
+                 board: recycle.Board | None = None) -> None:
         self.dataloader = dataloader
         self.dataset = dataloader.dataset
         self.prefetcher = feed
+        self.board = board
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.prefetcher if self.prefetcher is not None else self.dataloader)
+        if self.prefetcher is not None:
+            return iter(self.prefetcher)
+        return recycle.unwrap(self.dataloader) if self.board is not None else iter(self.dataloader)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -78,6 +111,8 @@ class Loader:
         """Stop the prefetcher's thread and shut the DataLoader's persistent workers down."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.board is not None:
+            self.board.close()
         iterator = getattr(self.dataloader, "_iterator", None)  # torch keeps persistent workers here
         if iterator is not None:
             self.dataloader._iterator = None
@@ -114,6 +149,7 @@ def loader(
     device: str | torch.device | None = None,
     depth: int = 1,
     transform: Callable[[Any], Any] | None = None,
+    recycle_buffers: bool = True,
     **dataloader_kwargs: Any,
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
@@ -124,7 +160,9 @@ def loader(
     DataLoader's 1; a ``collate_fn`` that builds tensors in the workers' shared memory and
     checks ``/dev/shm`` first.  ``sharing_strategy="file_system"`` sets that strategy here and
     in every worker.  ``device`` wraps the loader in a :class:`CudaPrefetcher` (``depth``,
-    ``transform``).  Other keyword arguments go to ``DataLoader`` unchanged.
+    ``transform``).  ``recycle_buffers`` (with workers): a worker reuses the shared memory of
+    batches the main process has dropped (:mod:`streamdata.recycle`); iterate the returned
+    ``Loader``, not its ``dataloader``.  Other keyword arguments go to ``DataLoader`` unchanged.
     """
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
@@ -146,9 +184,12 @@ def loader(
             raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "
                             f"{sorted(torch.multiprocessing.get_all_sharing_strategies())}")
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
-        if num_workers > 0:
-            user_init = dataloader_kwargs.pop("worker_init_fn", None)
-            dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init)
+    board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
+    if board is not None:
+        collate_fn = _Lending(collate_fn)
+    if num_workers > 0 and (sharing_strategy is not None or board is not None):
+        user_init = dataloader_kwargs.pop("worker_init_fn", None)
+        dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board)
     dataloader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -159,5 +200,6 @@ def loader(
         collate_fn=collate_fn,
         **dataloader_kwargs,
     )
-    feed = CudaPrefetcher(dataloader, device, depth, transform) if device is not None else None
-    return Loader(dataloader, feed)
+    batches = _Unwrapped(dataloader) if board is not None else dataloader
+    feed = CudaPrefetcher(batches, device, depth, transform) if device is not None else None
+    return Loader(dataloader, feed, board)

@@ -43,8 +43,10 @@ if TYPE_CHECKING:
 pytest_plugins = ("pytester",)  # test_servers.py checks the leak guard in a sub-run
 
 _LEAK_GRACE_S = 2.0  # time a finished test's threads and processes get to wind down
-# Helpers multiprocessing starts once per interpreter and keeps until exit: not leaks.
-_PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Helpers multiprocessing (and torch's file_system sharing strategy) start once per
+# interpreter and keep until exit: not leaks.
+_PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                       "torch_shm_manager")
 _S3_FIXTURES = {"s3_server", "s3_bucket"}
 _GCS_FIXTURES = {"gcs_server", "gcs_bucket"}
 
@@ -253,3 +255,13 @@ def _no_leaked_threads_or_processes(request: pytest.FixtureRequest) -> Iterator[
         warnings.warn(f"{message}\n(after the test failed)", stacklevel=1)
         return
     pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture
+def restore_sharing_strategy():
+    """Put torch's sharing strategy back after a test that changes it."""
+    import torch.multiprocessing
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)

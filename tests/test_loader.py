@@ -15,7 +15,14 @@ from streamdata import collate as C
 from streamdata import cuda as K
 from streamdata.cuda import CudaPrefetcher
 from streamdata.errors import SpecError
-from streamdata.loader import DEFAULT_PREFETCH_FACTOR, Loader, _WorkerInit, default_num_workers, loader
+from streamdata.loader import (
+    DEFAULT_PREFETCH_FACTOR,
+    Loader,
+    _Lending,
+    _WorkerInit,
+    default_num_workers,
+    loader,
+)
 
 
 class Numbers(IterableDataset):
@@ -58,21 +65,16 @@ class ReportStrategy(IterableDataset):
         yield torch.multiprocessing.get_sharing_strategy()
 
 
-@pytest.fixture
-def restore_sharing_strategy():
-    before = torch.multiprocessing.get_sharing_strategy()
-    yield
-    torch.multiprocessing.set_sharing_strategy(before)
-
-
 def test_defaults_with_workers():
     with loader(Numbers(), num_workers=2, batch_size=2) as feed:
         dl = feed.dataloader
         assert dl.num_workers == 2 and dl.persistent_workers
         assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
         assert dl.pin_memory == torch.cuda.is_available()
-        assert isinstance(dl.collate_fn, functools.partial) and dl.collate_fn.func is C.collate
-        assert dl.collate_fn.keywords == {"in_flight": 2 * DEFAULT_PREFETCH_FACTOR}
+        assert isinstance(dl.collate_fn, _Lending) and feed.board is not None  # buffers recycled
+        collate_fn = dl.collate_fn.collate_fn
+        assert isinstance(collate_fn, functools.partial) and collate_fn.func is C.collate
+        assert collate_fn.keywords == {"in_flight": 2 * DEFAULT_PREFETCH_FACTOR}
         assert feed.prefetcher is None and feed.dataset is dl.dataset
 
 
@@ -88,10 +90,13 @@ def test_everything_is_overridable():
     def mine(batch):
         return batch
 
-    dl = loader(Numbers(), num_workers=1, prefetch_factor=6, persistent_workers=False,
-                pin_memory=False, collate_fn=mine, batch_size=3, drop_last=True).dataloader
+    feed = loader(Numbers(), num_workers=1, prefetch_factor=6, persistent_workers=False,
+                  pin_memory=False, collate_fn=mine, batch_size=3, drop_last=True,
+                  recycle_buffers=False)
+    dl = feed.dataloader
     assert (dl.prefetch_factor, dl.persistent_workers, dl.pin_memory) == (6, False, False)
-    assert dl.collate_fn is mine and dl.batch_size == 3 and dl.drop_last
+    assert dl.collate_fn is mine and dl.batch_size == 3 and dl.drop_last and feed.board is None
+    assert loader(Numbers(), num_workers=1, collate_fn=mine).dataloader.collate_fn.collate_fn is mine
 
 
 def test_a_dataset_that_batches_itself_gets_batch_size_none_and_tensors():

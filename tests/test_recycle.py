@@ -1,0 +1,202 @@
+"""Recycled shared-memory batch buffers (streamdata/recycle.py, RECYCLE-HANDOFF).
+
+Real DataLoader workers throughout: the property that matters is that a storage is reused
+only after the main process let go of it, so a batch the training loop keeps is never
+overwritten, and that storages are in fact reused when batches are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from streamdata import recycle
+from streamdata.loader import loader
+
+WIDTH = 2048  # float64 per sample: 16 KiB, a batch of 8 is 128 KiB
+
+
+class Stamped(IterableDataset):
+    """Samples whose every value is the sample's index, split between the workers."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, self.n, step):
+            yield {"x": np.full(WIDTH, float(i)), "i": i}
+
+
+def storage_inode(tensor: torch.Tensor) -> int:
+    """The /dev/shm file behind a tensor received from a worker."""
+    fd, _ = tensor.untyped_storage()._share_fd_cpu_()  # already shared: returns its own fd
+    return os.fstat(fd).st_ino
+
+
+def intact(batch: dict) -> bool:
+    """Every row still holds the index it was made with."""
+    return bool((batch["x"] == batch["i"].double()[:, None]).all())
+
+
+def make(n_batches: int, **kwargs):
+    kwargs = {"num_workers": 2, "pin_memory": False, "batch_size": 8, **kwargs}
+    return loader(Stamped(8 * n_batches), **kwargs)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_storage_of_dropped_batches_is_reused(context):
+    n = 30
+    with make(n, multiprocessing_context=context) as feed:
+        inodes = []
+        for batch in feed:
+            assert intact(batch)
+            inodes.append(storage_inode(batch["x"]))
+    assert len(inodes) == n
+    # Each worker keeps about prefetch_factor + 2 batches out at a time; the rest reuse.
+    assert len(set(inodes)) <= 12, f"{len(set(inodes))} distinct storages for {n} batches"
+
+
+def test_without_recycling_every_batch_has_a_new_storage():
+    n = 12
+    with make(n, recycle_buffers=False) as feed:
+        inodes = {storage_inode(batch["x"]) for batch in feed}
+    assert len(inodes) == n
+
+
+@pytest.mark.parametrize("strategy", [None, "file_system"])
+def test_batches_the_loop_keeps_are_never_overwritten(strategy, restore_sharing_strategy):
+    n = 40
+    with make(n, sharing_strategy=strategy) as feed:
+        kept = []
+        for k, batch in enumerate(feed):
+            if k % 3 == 0:
+                kept.append(batch)  # held until the end while the workers go on
+    assert len(kept) == (n + 2) // 3
+    assert all(intact(batch) for batch in kept)
+    seen = sorted(int(i) for batch in kept for i in batch["i"])
+    assert len(set(seen)) == len(seen)
+
+
+def test_views_keep_a_batch_alive():
+    """A view (a slice) of a batch tensor keeps its storage out of the pool."""
+    n = 24
+    with make(n) as feed:
+        views = [(batch["x"][2:5], batch["i"][2:5].clone()) for batch in feed]
+    assert all(bool((x == i.double()[:, None]).all()) for x, i in views)
+
+
+def test_restarted_workers_do_not_free_the_old_workers_slots():
+    """Without persistent workers each epoch has new worker processes, which hand out the
+    same slot indexes: dropping epoch 0's batches during epoch 1 must not free the slots of
+    epoch 1's batches that the loop keeps."""
+    with make(10, persistent_workers=False) as feed:
+        first = list(feed)
+        assert all(intact(batch) for batch in first)
+        second = []
+        for k, batch in enumerate(feed):
+            second.append(batch)
+            if k == 2:
+                first.clear()  # the old workers' slots are released from here on
+        del batch
+    assert len(second) == 10 and all(intact(batch) for batch in second)
+
+
+def test_an_early_break_then_a_new_epoch_keeps_reusing():
+    n = 20
+    with make(n) as feed:
+        for k, batch in enumerate(feed):
+            if k == 3:
+                break
+        del batch
+        inodes = [storage_inode(batch["x"]) for batch in feed if intact(batch)]
+    assert len(inodes) == n  # every batch of the second epoch arrived intact
+    assert len(set(inodes)) <= 14
+
+
+def test_user_collate_fn_is_wrapped_and_a_plain_batch_passes_through():
+    def plain(samples):
+        return [s["i"] for s in samples]  # no tensors: nothing to lend
+
+    with make(4, collate_fn=plain) as feed:
+        batches = list(feed)
+    assert sorted(i for b in batches for i in b) == list(range(32))
+
+
+# --- the pool on its own (in this process, a board of one worker) ----------------------------
+
+@pytest.fixture
+def pool():
+    board = recycle.Board(1, slots=3)
+    made = []
+
+    def allocate(nbytes):
+        made.append(nbytes)
+        return torch.UntypedStorage(nbytes)
+
+    p = recycle.BufferPool(board, 0)
+    yield p, board, allocate, made
+    board.close()
+
+
+def test_pool_reuses_only_free_slots_of_a_fitting_size(pool):
+    p, board, allocate, made = pool
+    a = p.storage(1000, allocate)
+    assert board.states[0].count_nonzero() == 1  # lent
+    b = p.storage(1000, allocate)
+    assert a.data_ptr() != b.data_ptr() and made == [1000, 1000]
+    token = int(board.states[0][0])
+    assert board.release(0, 0, token) and not board.release(0, 0, token)
+    assert p.storage(900, allocate).data_ptr() == a.data_ptr()  # free and big enough
+    assert p.storage(300, allocate).data_ptr() not in (a.data_ptr(), b.data_ptr())  # too big to waste
+    assert made == [1000, 1000, 300]
+    assert p.stats == {"reused": 1, "allocated": 3, "unpooled": 0}
+
+
+def test_pool_allocates_unpooled_storage_when_every_slot_is_out(pool):
+    p, board, allocate, made = pool
+    for _ in range(4):
+        p.storage(10, allocate)
+    assert p.stats == {"reused": 0, "allocated": 3, "unpooled": 1}
+    assert board.states[0].count_nonzero() == 3
+
+
+def test_lend_names_the_slots_in_the_batch_and_frees_storages_dropped_unsent(pool):
+    p, board, allocate, _ = pool
+    used = torch.empty(0, dtype=torch.uint8).set_(p.storage(64, allocate), 0, (64,))
+    p.storage(64, allocate)  # handed out, then dropped without being sent
+    lent = p.lend({"x": used, "label": "cat"})
+    assert isinstance(lent, recycle._Lent) and lent.batch["x"] is used
+    assert [(pos, slot) for pos, slot, _ in lent.tickets] == [(0, 0)]
+    assert int(board.states[0][1]) == recycle.FREE and int(board.states[0][0]) != recycle.FREE
+    plain = {"y": torch.zeros(2)}
+    assert p.lend(plain) is plain  # nothing pending: no wrapper
+
+
+def test_unpickling_registers_and_reclaim_releases_when_the_storage_is_gone(pool):
+    p, board, allocate, _ = pool
+    storage = p.storage(64, allocate)
+    lent = p.lend(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (64,)))
+    received = pickle.loads(pickle.dumps(lent))  # a copy: its own storage, as in another process
+    batch = next(recycle.unwrap([received]))
+    assert int(board.states[0][0]) != recycle.FREE
+    assert recycle.reclaim() == 0  # still referenced here
+    del batch, received
+    assert recycle.reclaim() == 1
+    assert int(board.states[0][0]) == recycle.FREE
+
+
+@pytest.mark.cuda
+def test_pinned_batches_release_their_shared_memory_at_once():
+    """DataLoader(pin_memory=True): the pinning thread copies each batch out of shared
+    memory, so every slot is free again right away; the pinned batches stay intact."""
+    n = 30
+    with make(n, pin_memory=True) as feed:
+        kept = list(feed)
+    assert len(kept) == n and all(batch["x"].is_pinned() and intact(batch) for batch in kept)
