@@ -12,6 +12,7 @@ import itertools
 import os
 import posixpath
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -102,9 +103,21 @@ async def close_sessions(fs: Any) -> None:
     if creator is not None and hasattr(creator, "__aexit__"):
         await creator.__aexit__(None, None, None)
         fs._s3creator = fs._s3 = None
+        _detach_finalizers(fs)
     session = getattr(fs, "_session", None)
     if session is not None and not session.closed:
         await session.close()
+
+
+def _detach_finalizers(fs: Any) -> None:
+    """Drop the ``weakref.finalize`` hooks s3fs registered to close ``fs``'s client: it is
+    closed already. Left in place, the hook runs when ``fs`` is collected, and in a forked
+    DataLoader worker it waits on the parent's loop, which looks running there but is not:
+    measured, a worker stalled one second per such filesystem before its first request."""
+    for hook in list(getattr(weakref.finalize, "_registry", {})):
+        info = hook.peek()
+        if info is not None and info[0] is fs:
+            hook.detach()
 
 
 def close_filesystem(fs: Any) -> None:

@@ -237,3 +237,24 @@ def test_consumed_parts_are_freed(tmp_path):
         tracemalloc.stop()
     # budget + one part, plus the part just handed over and a little bookkeeping
     assert peak <= config.byte_budget + 2 * config.part_size + 512 * 1024, peak / MiB
+
+
+def test_a_closed_listing_filesystem_leaves_no_close_hook_for_forked_workers(s3_bucket):
+    """s3fs registers a weakref.finalize hook that closes its client on the loop it was made
+    on. In a forked DataLoader worker that loop looks running but is not, and the hook
+    waited a second per filesystem collected there (seen: the first batch 3.4 s late after
+    four datasets had been built). Once streamdata has closed the client, no hook remains."""
+    import weakref
+
+    from streamdata.urls import close_filesystem, filesystem
+
+    server, bucket = s3_bucket
+    fs = filesystem("s3", server.storage_options)
+    fs.ls(bucket)  # creates the botocore client, and s3fs's hook with it
+
+    def hooks():
+        return [h for h in list(weakref.finalize._registry) if (i := h.peek()) and i[0] is fs]
+
+    assert hooks(), "s3fs no longer registers a close hook: _detach_finalizers can go"
+    close_filesystem(fs)
+    assert hooks() == []
