@@ -143,7 +143,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             samples = (self.map(s) for s in samples)
         rng = random.Random(str(reader_seed(world, seed=self.seed, epoch=epoch)))
         samples = shuffled(samples, self.shuffle_buffer, rng)
-        if self.batch_size is not None:
+        if self.batch_size is not None and self.collate_fn is _default_collate:
+            from .incremental import batched_incrementally  # each sample into the batch as it comes
+
+            samples = batched_incrementally(samples, self.batch_size, self.drop_last)
+        elif self.batch_size is not None:
             samples = batched(samples, self.batch_size, self.collate_fn, self.drop_last)
         return _EpochIterator(samples, fetcher.close)
 

@@ -7,9 +7,11 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import math
+
 import torch
 import torch.multiprocessing
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from . import recycle
 from .collate import collate, to_tensors
@@ -64,6 +66,31 @@ class _Lending:
         return recycle.lend(self.collate_fn(samples))
 
 
+class _BatchedInWorkers(IterableDataset):
+    """A per-sample IterableDataset batched inside each worker, each sample collated into
+    the batch as it arrives (:mod:`streamdata.incremental`): what ``sd.loader`` hands the
+    DataLoader (with ``batch_size=None``) when the caller keeps the default collation."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, drop_last: bool,
+                 in_flight: int) -> None:
+        self.dataset, self.batch_size, self.drop_last, self.in_flight = (
+            dataset, batch_size, drop_last, in_flight)
+
+    def __iter__(self) -> Iterator[Any]:
+        from .incremental import batched_incrementally
+
+        return batched_incrementally(iter(self.dataset), self.batch_size, self.drop_last,
+                                     in_flight=self.in_flight)
+
+    def __len__(self) -> int:  # as DataLoader counts batches of an IterableDataset
+        n = len(self.dataset)  # type: ignore[arg-type]  # TypeError when it has no len
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
 class _Unwrapped:
     """The DataLoader's batches as the user sees them (see :func:`recycle.unwrap`)."""
 
@@ -86,9 +113,9 @@ class Loader:
     """
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
-                 board: recycle.Board | None = None) -> None:
+                 board: recycle.Board | None = None, *, dataset: Any = None) -> None:
         self.dataloader = dataloader
-        self.dataset = dataloader.dataset
+        self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
         self.board = board
 
@@ -158,7 +185,9 @@ def loader(
     and ``prefetch_factor=2``; ``pin_memory`` when CUDA is available; ``batch_size=None``
     when the dataset batches itself (a ``batch_size`` attribute that is not ``None``), else
     DataLoader's 1; a ``collate_fn`` that builds tensors in the workers' shared memory and
-    checks ``/dev/shm`` first.  ``sharing_strategy="file_system"`` sets that strategy here and
+    checks ``/dev/shm`` first (with workers, a per-sample IterableDataset is batched in the
+    workers, each sample copied into its batch as it arrives: :mod:`streamdata.incremental`;
+    ``loader.dataloader`` then has ``batch_size=None``).  ``sharing_strategy="file_system"`` sets that strategy here and
     in every worker.  ``device`` wraps the loader in a :class:`CudaPrefetcher` (``depth``,
     ``transform``).  ``recycle_buffers`` (with workers): a worker reuses the shared memory of
     batches the main process has dropped (:mod:`streamdata.recycle`); iterate the returned
@@ -175,10 +204,16 @@ def loader(
         persistent_workers = bool(persistent_workers)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
+    served = dataset
     if collate_fn is None:
         in_flight = max(1, num_workers * (prefetch_factor or 0))
-        collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
-                                       in_flight=in_flight)
+        if batch_size is not None and num_workers > 0 and isinstance(dataset, IterableDataset):
+            served = _BatchedInWorkers(dataset, batch_size,
+                                       bool(dataloader_kwargs.pop("drop_last", False)), in_flight)
+            batch_size, collate_fn = None, _as_is
+        else:
+            collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
+                                           in_flight=in_flight)
     if sharing_strategy is not None:
         if sharing_strategy not in torch.multiprocessing.get_all_sharing_strategies():
             raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "
@@ -191,7 +226,7 @@ def loader(
         user_init = dataloader_kwargs.pop("worker_init_fn", None)
         dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board)
     dataloader = DataLoader(
-        dataset,
+        served,
         batch_size=batch_size,
         num_workers=num_workers,
         prefetch_factor=prefetch_factor,
@@ -202,4 +237,4 @@ def loader(
     )
     batches = _Unwrapped(dataloader) if board is not None else dataloader
     feed = CudaPrefetcher(batches, device, depth, transform) if device is not None else None
-    return Loader(dataloader, feed, board)
+    return Loader(dataloader, feed, board, dataset=dataset)

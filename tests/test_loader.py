@@ -18,6 +18,7 @@ from streamdata.errors import SpecError
 from streamdata.loader import (
     DEFAULT_PREFETCH_FACTOR,
     Loader,
+    _BatchedInWorkers,
     _Lending,
     _WorkerInit,
     default_num_workers,
@@ -34,6 +35,13 @@ class Numbers(IterableDataset):
     def __iter__(self):
         for i in range(self.n):
             yield {"x": np.full(3, float(i)), "i": i}
+
+
+class Sized(Numbers):
+    """Per-sample items with a len."""
+
+    def __len__(self) -> int:
+        return self.n
 
 
 class SelfBatched(IterableDataset):
@@ -72,10 +80,27 @@ def test_defaults_with_workers():
         assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
         assert dl.pin_memory == torch.cuda.is_available()
         assert isinstance(dl.collate_fn, _Lending) and feed.board is not None  # buffers recycled
-        collate_fn = dl.collate_fn.collate_fn
+        # a per-sample IterableDataset is batched in the workers, sample by sample
+        assert isinstance(dl.dataset, _BatchedInWorkers) and dl.batch_size is None
+        assert (dl.dataset.batch_size, dl.dataset.in_flight) == (2, 2 * DEFAULT_PREFETCH_FACTOR)
+        assert feed.prefetcher is None and feed.dataset is dl.dataset.dataset
+        assert [b["i"].tolist() for b in feed] == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]
+    with loader(list(range(6)), num_workers=2, batch_size=2) as feed:  # map-style: DataLoader batches
+        collate_fn = feed.dataloader.collate_fn.collate_fn
         assert isinstance(collate_fn, functools.partial) and collate_fn.func is C.collate
         assert collate_fn.keywords == {"in_flight": 2 * DEFAULT_PREFETCH_FACTOR}
-        assert feed.prefetcher is None and feed.dataset is dl.dataset
+        assert feed.dataloader.batch_size == 2 and len(feed) == 3
+
+
+def test_batching_in_the_workers_keeps_drop_last_and_len():
+    feed = loader(Sized(7), num_workers=1, batch_size=3, drop_last=True)
+    assert len(feed) == 2 and [b["i"].tolist() for b in feed] == [[0, 1, 2], [3, 4, 5]]
+    feed.close()
+    feed = loader(Sized(7), num_workers=1, batch_size=3)
+    assert len(feed) == 3 and [len(b["i"]) for b in feed] == [3, 3, 1]
+    feed.close()
+    with pytest.raises(TypeError):
+        len(loader(Numbers(), num_workers=1, batch_size=3))
 
 
 def test_defaults_without_workers_and_the_default_worker_count():

@@ -1,0 +1,120 @@
+"""Collation as samples arrive (streamdata/incremental.py): the same batches as collate()."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+
+from streamdata import collate as C
+from streamdata.errors import DecodeError
+from streamdata.incremental import BatchBuilder, batched_incrementally
+
+
+def same(a, b) -> bool:
+    """Structural equality of two collated batches: containers, tensor values and dtypes."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and same(dataclasses.asdict(a), dataclasses.asdict(b))
+    return a == b
+
+
+def build(samples, capacity=None):
+    builder = BatchBuilder(capacity or len(samples))
+    for s in samples:
+        builder.add(s)
+    return builder.finish()
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Rec:
+    x: np.ndarray
+    name: str
+
+
+CASES = {
+    "dict of arrays, ints, floats, strings": [
+        {"x": np.full((2, 3), i, dtype=np.float32), "cls": i, "w": i / 2, "__key__": f"k{i}"}
+        for i in range(5)],
+    "nested tuple and list": [
+        (np.arange(4) + i, [torch.full((2,), float(i)), f"s{i}"]) for i in range(3)],
+    "bare arrays": [np.arange(6, dtype=np.int16).reshape(2, 3) * i for i in range(4)],
+    "tensors": [torch.arange(3, dtype=torch.float64) + i for i in range(4)],
+    "dtype changes mid-batch (promoted as collate does)": [
+        {"x": np.ones(3, dtype=np.float32 if i < 2 else np.float64) * i} for i in range(4)],
+    "big-endian arrays": [{"x": np.arange(3, dtype=">f4") + i} for i in range(3)],
+    "numpy scalars and bools": [{"s": np.float32(i), "b": i % 2 == 0} for i in range(3)],
+    "namedtuple (collate() rebuilds it)": [Pair(np.ones(2) * i, i) for i in range(3)],
+    "dataclass (collate() rebuilds it)": [Rec(np.ones(2) * i, f"r{i}") for i in range(3)],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_batch_equals_collate_of_the_samples(name):
+    samples = CASES[name]
+    assert same(build(samples), C.collate(samples))
+
+
+def test_a_short_batch_in_a_bigger_builder_is_the_first_rows_only():
+    samples = [{"x": np.arange(3) + i, "i": i} for i in range(3)]
+    batch = build(samples, capacity=8)
+    assert batch["x"].shape == (3, 3) and same(batch, C.collate(samples))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([{"x": np.zeros(3)}, {"x": np.zeros(4)}], ["batch['x']", "shape"]),
+    ([{"x": np.zeros(3)}, {"y": np.zeros(3)}], ["no key 'x'"]),
+    ([(np.zeros(2), 1), (np.zeros(2),)], ["2 items"]),
+])
+def test_mismatched_samples_raise_decode_error_naming_the_field(bad, words):
+    with pytest.raises(DecodeError) as info:
+        build(bad)
+    assert all(w in str(info.value) for w in words)
+
+
+def test_each_sample_can_be_freed_once_added():
+    """The builder keeps no reference to a sample's arrays after copying them."""
+    builder = BatchBuilder(4)
+    refs = []
+    for i in range(4):
+        sample = {"x": np.full(1000, float(i)), "i": i}
+        refs.append(weakref.ref(sample["x"]))
+        builder.add(sample)
+        del sample
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    assert builder.finish()["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_in_a_worker_the_batch_is_in_shared_memory(monkeypatch):
+    monkeypatch.setattr(C, "_worker", lambda: ("DataLoader worker 0/2", 2))
+    batch = build([{"x": np.ones(4) * i, "i": i} for i in range(3)])
+    assert batch["x"].is_shared() and batch["x"][:, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_batched_incrementally_groups_and_keeps_or_drops_the_tail():
+    items = [{"i": i, "x": np.full(2, i)} for i in range(7)]
+    kept = list(batched_incrementally(iter(items), 3))
+    assert [b["i"].tolist() for b in kept] == [[0, 1, 2], [3, 4, 5], [6]]
+    dropped = list(batched_incrementally(iter(items), 3, drop_last=True))
+    assert [b["i"].tolist() for b in dropped] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_full_builder_refuses_more():
+    builder = BatchBuilder(1)
+    builder.add(1)
+    with pytest.raises(ValueError, match="full"):
+        builder.add(2)
