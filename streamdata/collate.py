@@ -330,8 +330,31 @@ def to_tensors(batch: Any, *, in_flight: int | None = None) -> Any:
     In a worker, arrays and tensors are copied once into shared memory (after
     :func:`check_shared_memory`); in the main process arrays are wrapped without a copy.
     """
+    in_worker = _worker() is not None
+    if not _needs_conversion(batch, in_worker):
+        return batch  # streamdata's own batches: tensors already in shared memory, and lists
     shared = _prepare_shared(batch, in_flight, copies_all=False)
     return _map_leaves(lambda leaf: _leaf_to_tensor(leaf, shared), batch)
+
+
+def _needs_conversion(obj: Any, in_worker: bool) -> bool:
+    """Whether ``to_tensors`` would change anything: a NumPy array or scalar, or (in a
+    worker) a CPU tensor not yet in shared memory, anywhere in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return in_worker and obj.device.type == "cpu" and not obj.is_shared()
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.dtype.kind in _NUMERIC_KINDS
+    if isinstance(obj, (str, bytes, bytearray)) or obj is None:
+        return False
+    if isinstance(obj, Mapping):
+        return any(_needs_conversion(v, in_worker) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        if obj and all(type(v) is str for v in obj):  # keys and URLs: the common case, fast
+            return False
+        return any(_needs_conversion(v, in_worker) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_needs_conversion(getattr(obj, f.name), in_worker) for f in dataclasses.fields(obj))
+    return False
 
 
 def _leaf_to_tensor(leaf: Any, shared: bool) -> Any:

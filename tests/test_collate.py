@@ -313,3 +313,15 @@ def test_a_real_small_dev_shm_gives_shared_memory_error_not_a_crash(tmp_path):
     assert "LOADER" in result.stdout, result.stderr
     assert "a batch of 153.6 MB does not fit in shared memory" in result.stdout
     assert "ALLOC RuntimeError" in result.stdout and "67.1 MB" in result.stdout
+
+
+def test_to_tensors_leaves_a_finished_batch_alone(in_worker):
+    """streamdata's own batches (shared tensors, lists of keys) need no conversion and no
+    /dev/shm check; one NumPy leaf anywhere, or an unshared tensor, still converts."""
+    done = {"x": torch.zeros(2, 3).share_memory_(), "__key__": ["a", "b"], "n": [None, None]}
+    assert C.to_tensors(done) is done and in_worker == []
+    for leaf in (np.zeros(2), np.float32(1.0), torch.zeros(2)):
+        batch = {**done, "extra": [leaf]}
+        out = C.to_tensors(batch)
+        assert out is not batch and isinstance(out["extra"][0], torch.Tensor)
+        assert out["extra"][0].is_shared() or out["extra"][0].dim() == 0  # scalars stay small
