@@ -20,7 +20,7 @@ from typing import Any
 from ._aio import LoopThread, wait_threads_gone
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
-from .urls import close_sessions, filesystem, translate_error
+from .urls import close_sessions, filesystem, inherited_signer, translate_error
 
 __all__ = ["AsyncClient", "ClientStats"]
 
@@ -56,10 +56,11 @@ class _PresignedS3:
 
     LIFETIME = 3600
 
-    def __init__(self, fs: Any, max_requests: int) -> None:
+    def __init__(self, fs: Any, max_requests: int, signer: Any = None) -> None:
         import aiohttp
 
         self.fs = fs
+        self.signer = signer  # an inherited client (SIGNER-REUSE in urls), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
         self._urls: dict[str, tuple[str, float]] = {}
 
@@ -69,9 +70,19 @@ class _PresignedS3:
         if hit is not None and hit[1] > loop.time():
             return hit[0]
         bucket, key, _ = self.fs.split_path(path)
-        client = await self.fs.get_s3(bucket)
-        url = await client.generate_presigned_url(
-            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=self.LIFETIME)
+        params = {"Bucket": bucket, "Key": key}
+        url = None
+        if self.signer is not None:
+            try:
+                url = await self.signer.generate_presigned_url("get_object", Params=params,
+                                                               ExpiresIn=self.LIFETIME)
+            except Exception:  # e.g. refreshable credentials bound to the parent's loop
+                self.signer = None
+        if url is None:
+            await self.fs.set_session()  # builds the fs's own client on first use, once
+            client = await self.fs.get_s3(bucket)
+            url = await client.generate_presigned_url("get_object", Params=params,
+                                                      ExpiresIn=self.LIFETIME)
         self._urls[path] = (url, loop.time() + self.LIFETIME / 2)
         return url
 
@@ -84,8 +95,11 @@ class _PresignedS3:
             cached = path in self._urls
             async with self.session.get(await self._url(path), headers=headers) as resp:
                 status, data = resp.status, await resp.read()
-            if status == 403 and cached and attempt == 0:
-                self._urls.pop(path, None)  # temporary credentials may have rotated: re-sign once
+            if status == 403 and (cached or self.signer is not None) and attempt == 0:
+                # temporary credentials may have rotated (or the inherited signer's are older
+                # than ours): re-sign once, with the filesystem's own client
+                self._urls.pop(path, None)
+                self.signer = None
                 continue
             break
         if status == 206 or (status == 200 and not headers):
@@ -173,15 +187,17 @@ class AsyncClient:
                                                  self.config.max_requests)
             options["config_kwargs"] = config
         fs = filesystem(self.protocol, options, url=self.url, **extra)
-        if is_async:
+        fast = self.protocol in ("s3", "s3a") and self.fast_s3 and not set(_S3_SLOW_OPTIONS) & set(options)
+        signer = inherited_signer(self.protocol, self._options) if fast else None
+        if is_async and signer is None:  # with a signer, s3fs builds its client only if needed
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:
                 await setter()
-        else:
+        elif not is_async:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
-        if self.protocol in ("s3", "s3a") and self.fast_s3 and not set(_S3_SLOW_OPTIONS) & set(options):
-            self._presigned = _PresignedS3(fs, self.config.max_requests)
+        if fast:
+            self._presigned = _PresignedS3(fs, self.config.max_requests, signer)
         self._fs = fs
         return fs
 

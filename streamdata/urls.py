@@ -9,6 +9,7 @@ sizes come from one listing per directory, so the fetcher needs no HEAD per shar
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import posixpath
 import re
@@ -86,7 +87,9 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     if protocol in ("s3", "s3a") and not {"session", "profile"} & set(options):
         options["session"] = _s3_session()
     try:
-        return cls(skip_instance_cache=True, **options)
+        fs = cls(skip_instance_cache=True, **options)
+        fs._streamdata_signer_key = signer_key(protocol, storage_options)
+        return fs
     except TypeError as exc:
         raise SpecError(f"storage_options not accepted by {cls.__name__}: {exc}") from exc
     except (ImportError, OSError) as exc:
@@ -101,12 +104,41 @@ async def close_sessions(fs: Any) -> None:
     session of gcsfs and HTTP. Run on the filesystem's own loop."""
     creator = getattr(fs, "_s3creator", None)
     if creator is not None and hasattr(creator, "__aexit__"):
+        key = getattr(fs, "_streamdata_signer_key", None)
+        if key is not None and getattr(fs, "_s3", None) is not None:
+            _SIGNERS.setdefault(key, fs._s3)  # still signs once closed: see inherited_signer
         await creator.__aexit__(None, None, None)
         fs._s3creator = fs._s3 = None
         _detach_finalizers(fs)
     session = getattr(fs, "_session", None)
     if session is not None and not session.closed:
         await session.close()
+
+
+# SIGNER-REUSE: the botocore S3 client of a closed listing filesystem, kept by the storage
+# options it was made with. Presigning a URL is CPU work only (no connection, no loop of its
+# own), so the process that listed, and every DataLoader worker forked from it, signs with
+# this client instead of building one: building it cost each worker 0.1-0.2 s of CPU per
+# pass (botocore parses S3's endpoint rules anew for every client), all of it before the
+# first request. Spawned workers start without it and build their own, as before.
+_SIGNERS: dict[str, Any] = {}
+
+
+def signer_key(protocol: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The key of :data:`_SIGNERS` for these options; ``None`` where a signer is not shared."""
+    options = dict(storage_options or {})
+    if protocol not in ("s3", "s3a") or {"session", "cache_regions"} & set(options):
+        return None
+    try:
+        return json.dumps(options, sort_keys=True)
+    except (TypeError, ValueError):  # options that are not plain data (a credentials object...)
+        return None
+
+
+def inherited_signer(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """A closed S3 client that can presign URLs for these options, if this process has one."""
+    key = signer_key(protocol, storage_options)
+    return _SIGNERS.get(key) if key is not None else None
 
 
 def _detach_finalizers(fs: Any) -> None:

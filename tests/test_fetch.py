@@ -258,3 +258,115 @@ def test_a_closed_listing_filesystem_leaves_no_close_hook_for_forked_workers(s3_
     assert hooks(), "s3fs no longer registers a close hook: _detach_finalizers can go"
     close_filesystem(fs)
     assert hooks() == []
+
+
+@pytest.fixture
+def client_builds(monkeypatch):
+    """Count the botocore S3 clients built in this process (and in children forked from it)."""
+    from aiobotocore.session import AioSession
+
+    built = []
+    real = AioSession._create_client
+
+    async def counting(self, *args, **kwargs):
+        built.append(os.getpid())
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AioSession, "_create_client", counting)
+    return built
+
+
+def _read_all_in_child(options, urls, out):
+    """In a forked child: read the objects with a Prefetcher; report the bytes and whether
+    the child had to build a botocore client of its own."""
+    from aiobotocore.session import AioSession
+
+    builds = []
+    real = AioSession._create_client
+
+    async def counting(self, *args, **kwargs):
+        builds.append(1)
+        return await real(self, *args, **kwargs)
+
+    AioSession._create_client = counting
+    with Prefetcher([FetchItem(u, size) for u, size in urls], options) as fetcher:
+        data = [reader.read() for reader in fetcher]
+    out.send((data, len(builds)))
+
+
+def test_readers_sign_with_the_listing_client_instead_of_building_one(s3fs_fs, client_builds):
+    """SIGNER-REUSE: the client that listed the shards signs the readers' GETs, in this
+    process and in forked workers; nothing else changes (same bytes, same errors)."""
+    import multiprocessing
+
+    from streamdata.urls import _SIGNERS, inherited_signer, signer_key
+
+    server, bucket, fs = s3fs_fs
+    for i, samples in enumerate(make_samples([2, 2, 2])):
+        fs.pipe_file(f"{bucket}/s-{i}.tar", tar_bytes(samples))
+    options = {**server.storage_options}
+    _SIGNERS.pop(signer_key("s3", options), None)
+    before = len(client_builds)
+    ds = sd.TarDataset(f"s3://{bucket}/s-{{0..2}}.tar", storage_options=options)
+    assert inherited_signer("s3", options) is not None
+    assert len(client_builds) == before + 1  # the listing's
+    assert len(list(ds)) == 6 and len(client_builds) == before + 1  # read here: no other client
+
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(
+        target=_read_all_in_child, args=(options, [(s.url, s.size) for s in ds.shards], child))
+    proc.start()
+    data, built_in_child = parent.recv()
+    proc.join(30)
+    assert data == [fs.cat_file(s.url) for s in ds.shards] and built_in_child == 0
+
+
+def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_fs, client_builds):
+    """A 403 on a URL signed by the inherited client (its credentials rotated since) re-signs
+    once with a client of the reader's own; so does a signer that cannot sign at all."""
+    import http.server
+    import threading
+
+    from streamdata.client import AsyncClient
+    from streamdata.urls import _SIGNERS, signer_key
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(403)
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"AccessDenied!")
+
+        def log_message(self, *args):
+            pass
+
+    refusing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    serving = threading.Thread(target=refusing.serve_forever, daemon=True)
+    serving.start()
+
+    class Stale:  # signs, but with credentials the server no longer accepts
+        async def generate_presigned_url(self, *args, **kwargs):
+            return f"http://127.0.0.1:{refusing.server_address[1]}/x?Signature=old"
+
+    class Broken:  # cannot sign in this process at all
+        async def generate_presigned_url(self, *args, **kwargs):
+            raise RuntimeError("bound to a different event loop")
+
+    server, bucket, fs = s3fs_fs
+    fs.pipe_file(f"{bucket}/a.bin", b"0123456789")
+    options = {**server.storage_options}
+    try:
+        for bad in (Stale(), Broken()):
+            _SIGNERS[signer_key("s3", options)] = bad
+            before = len(client_builds)
+            client = AsyncClient("s3", options)
+            try:
+                assert client.io.run(client.get(f"s3://{bucket}/a.bin", 2, 5), 30) == b"234"
+                assert client._presigned.signer is None and len(client_builds) == before + 1
+            finally:
+                client.close()
+    finally:
+        _SIGNERS.pop(signer_key("s3", options), None)
+        refusing.shutdown()
+        refusing.server_close()
+        serving.join(5)
