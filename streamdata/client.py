@@ -62,29 +62,32 @@ class _PresignedS3:
         self.fs = fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in urls), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
-        self._urls: dict[str, tuple[str, float]] = {}
+        self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
+        self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
-    async def _url(self, path: str) -> str:
+    async def _url(self, path: str) -> tuple[str, bool]:
+        """A presigned URL for ``path`` and whether the inherited signer made it."""
         loop = asyncio.get_running_loop()
         hit = self._urls.get(path)
         if hit is not None and hit[1] > loop.time():
-            return hit[0]
+            return hit[0], hit[2]
         bucket, key, _ = self.fs.split_path(path)
         params = {"Bucket": bucket, "Key": key}
-        url = None
+        url, inherited = None, self.signer is not None
         if self.signer is not None:
             try:
                 url = await self.signer.generate_presigned_url("get_object", Params=params,
                                                                ExpiresIn=self.LIFETIME)
             except Exception:  # e.g. refreshable credentials bound to the parent's loop
-                self.signer = None
+                self.signer, inherited = None, False
         if url is None:
-            await self.fs.set_session()  # builds the fs's own client on first use, once
+            async with self._own_client:
+                await self.fs.set_session()  # builds the fs's own client on first use, once
             client = await self.fs.get_s3(bucket)
             url = await client.generate_presigned_url("get_object", Params=params,
                                                       ExpiresIn=self.LIFETIME)
-        self._urls[path] = (url, loop.time() + self.LIFETIME / 2)
-        return url
+        self._urls[path] = (url, loop.time() + self.LIFETIME / 2, inherited)
+        return url, inherited
 
     async def cat_file(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         start = start or 0
@@ -93,13 +96,16 @@ class _PresignedS3:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         for attempt in range(2):
             cached = path in self._urls
-            async with self.session.get(await self._url(path), headers=headers) as resp:
+            url, inherited = await self._url(path)
+            async with self.session.get(url, headers=headers) as resp:
                 status, data = resp.status, await resp.read()
-            if status == 403 and (cached or self.signer is not None) and attempt == 0:
-                # temporary credentials may have rotated (or the inherited signer's are older
-                # than ours): re-sign once, with the filesystem's own client
+            if attempt == 0 and ((status == 403 and cached) or (inherited and status >= 300)):
+                # temporary credentials may have rotated; or the inherited signer does not
+                # fit this process (other credentials, endpoint or region from the
+                # environment): re-sign once, with the filesystem's own client
                 self._urls.pop(path, None)
-                self.signer = None
+                if inherited:
+                    self.signer = None
                 continue
             break
         if status == 206 or (status == 200 and not headers):

@@ -57,6 +57,14 @@ class _Rows:
             self.out[self.n].copy_(leaf)
         self.n += 1
 
+    def rows_tensor(self) -> torch.Tensor:
+        """The filled rows; a short batch gets storage of its own size (the full-size one
+        goes back to the pool, or is freed)."""
+        if self.n == len(self.out):
+            return self.out
+        short = C._empty((self.n, *self.shape), self.dtype, self.out.is_shared())
+        return short.copy_(self.out[: self.n])
+
     def rows(self) -> list[Any]:
         """The rows so far, as separate values (when the field falls back to a list)."""
         rows = self.out[: self.n]
@@ -84,7 +92,8 @@ class BatchBuilder:
         elif self._samples is not None:
             self._samples.append(sample)
         else:
-            for index, leaf in enumerate(_leaves(self._template, sample, "batch")):
+            leaves = list(_leaves(self._template, sample, "batch"))  # checked whole, then written
+            for index, leaf in enumerate(leaves):
                 self._add_leaf(index, leaf)
         self.count += 1
 
@@ -121,7 +130,7 @@ class BatchBuilder:
         else:
             shared = C._worker() is not None
             paths = _leaves(self._template, self._template, "batch")
-            columns = iter([field.out[: field.n] if isinstance(field, _Rows)
+            columns = iter([field.rows_tensor() if isinstance(field, _Rows)
                             else C._collate(field, path, shared)
                             for field, path in zip(self._fields, paths)])
             batch = _rebuild(self._template, columns)
@@ -145,9 +154,12 @@ def batched_incrementally(items: Iterable[Any], batch_size: int, drop_last: bool
 # --- walking samples: plain dicts, lists and tuples; anything else goes to collate() ----------
 
 def _is_array(leaf: Any) -> bool:
+    """A field copied row by row: numeric arrays and plain dense CPU tensors. Tensors that
+    require grad, sparse tensors and tensor subclasses go to collate() at the end."""
     if isinstance(leaf, np.ndarray):
         return leaf.dtype.kind in C._NUMERIC_KINDS
-    return isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+    return (type(leaf) is torch.Tensor and leaf.device.type == "cpu"
+            and leaf.layout == torch.strided and not leaf.requires_grad)
 
 
 def _walkable(sample: Any) -> bool:
@@ -180,8 +192,11 @@ def _leaves(template: Any, sample: Any, path: str) -> Iterator[Any]:
                 raise DecodeError(f"cannot collate {path}: a sample has no key {key!r}")
             yield from _leaves(value, sample[key], f"{path}[{key!r}]")
     elif type(template) in (list, tuple):
-        if not isinstance(sample, (list, tuple)) or len(sample) != len(template):
-            got = len(sample) if isinstance(sample, (list, tuple)) else type(sample).__name__
+        try:  # any sized sequence lines up, as in collate() (a later sample may be an array)
+            got: Any = len(sample)
+        except TypeError:
+            got = type(sample).__name__
+        if got != len(template) or isinstance(sample, (str, bytes, Mapping)):
             raise DecodeError(f"cannot collate {path}: sample 0 has {len(template)} items, "
                               f"a later one has {got}")
         for i, (t, s) in enumerate(zip(template, sample)):

@@ -76,6 +76,19 @@ class _BatchedInWorkers(IterableDataset):
         self.dataset, self.batch_size, self.drop_last, self.in_flight = (
             dataset, batch_size, drop_last, in_flight)
 
+    def __getattr__(self, name: str) -> Any:  # worker_init_fn may read the user's dataset's
+        try:  # attributes through get_worker_info().dataset
+            dataset = self.__dict__["dataset"]
+        except KeyError:  # while unpickling (spawn), before __dict__ is filled
+            raise AttributeError(name) from None
+        return getattr(dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # ... and set them (start/end splits)
+        if name in ("dataset", "batch_size", "drop_last", "in_flight"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
     def __iter__(self) -> Iterator[Any]:
         from .incremental import batched_incrementally
 
@@ -92,13 +105,31 @@ def _as_is(batch: Any) -> Any:
 
 
 class _Unwrapped:
-    """The DataLoader's batches as the user sees them (see :func:`recycle.unwrap`)."""
+    """The DataLoader's batches as the user sees them (see :func:`recycle.unwrap`).
 
-    def __init__(self, dataloader: DataLoader) -> None:
-        self.dataloader = dataloader
+    Without persistent workers every iterator starts new worker processes, and two
+    iterators may be alive at once (``zip(loader, loader)``): each set of workers gets a
+    board of its own, made here before the iterator starts them (RECYCLE-HANDOFF).
+    """
+
+    def __init__(self, dataloader: DataLoader, init: _WorkerInit) -> None:
+        self.dataloader, self.init = dataloader, init
+        self.boards = [init.board]  # every board made for this loader, closed with it
+        self._started = False
 
     def __iter__(self) -> Iterator[Any]:
+        new_workers = (not self.dataloader.persistent_workers
+                       or getattr(self.dataloader, "_iterator", None) is None)
+        if new_workers and self._started:
+            self.init.board = recycle.Board(self.dataloader.num_workers)
+            self.boards.append(self.init.board)
+        self._started = True
         return recycle.unwrap(self.dataloader)
+
+    def close(self) -> None:
+        for board in self.boards:
+            if board is not None:
+                board.close()
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -113,16 +144,21 @@ class Loader:
     """
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
-                 board: recycle.Board | None = None, *, dataset: Any = None) -> None:
+                 batches: _Unwrapped | None = None, *, dataset: Any = None) -> None:
         self.dataloader = dataloader
         self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
-        self.board = board
+        self._batches = batches  # with recycled buffers: unwraps, and owns the boards
+
+    @property
+    def board(self) -> recycle.Board | None:
+        """The board of the workers started last (``None`` without recycled buffers)."""
+        return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
         if self.prefetcher is not None:
             return iter(self.prefetcher)
-        return recycle.unwrap(self.dataloader) if self.board is not None else iter(self.dataloader)
+        return iter(self._batches) if self._batches is not None else iter(self.dataloader)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -138,8 +174,8 @@ class Loader:
         """Stop the prefetcher's thread and shut the DataLoader's persistent workers down."""
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if self.board is not None:
-            self.board.close()
+        if self._batches is not None:
+            self._batches.close()
         iterator = getattr(self.dataloader, "_iterator", None)  # torch keeps persistent workers here
         if iterator is not None:
             self.dataloader._iterator = None
@@ -222,9 +258,10 @@ def loader(
     board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
     if board is not None:
         collate_fn = _Lending(collate_fn)
+    init = None
     if num_workers > 0 and (sharing_strategy is not None or board is not None):
         user_init = dataloader_kwargs.pop("worker_init_fn", None)
-        dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board)
+        init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board)
     dataloader = DataLoader(
         served,
         batch_size=batch_size,
@@ -235,6 +272,7 @@ def loader(
         collate_fn=collate_fn,
         **dataloader_kwargs,
     )
-    batches = _Unwrapped(dataloader) if board is not None else dataloader
-    feed = CudaPrefetcher(batches, device, depth, transform) if device is not None else None
-    return Loader(dataloader, feed, board, dataset=dataset)
+    batches = _Unwrapped(dataloader, init) if board is not None and init is not None else None
+    feed = (CudaPrefetcher(batches if batches is not None else dataloader, device, depth, transform)
+            if device is not None else None)
+    return Loader(dataloader, feed, batches, dataset=dataset)

@@ -72,7 +72,10 @@ class BufferPool:
     def __init__(self, board: Board, worker: int) -> None:
         self.board_id, self.worker = board.id, worker
         self._row = board.states[worker].numpy()  # a view of the shared board, not a copy
-        self._row[:] = FREE  # a new worker process: whatever an earlier one left is not ours
+        # The board is this worker process's alone: sd.loader makes a new one for every set
+        # of worker processes (each epoch without persistent workers), so two live processes
+        # with the same worker id never share a row. What is left here is not ours.
+        self._row[:] = FREE
         self._slots: list[_Slot | None] = [None] * len(self._row)
         self._pending: list[_Slot] = []  # handed out, not yet seen in a batch sent out
         self._incarnation = random.getrandbits(30) << 32
@@ -99,11 +102,14 @@ class BufferPool:
         return slot.storage
 
     def _free_slot(self, nbytes: int) -> _Slot | None:
+        """The smallest fitting slot that the main process freed and nothing here still uses
+        (a dataset may keep earlier batches: mixup, a replay buffer)."""
         best = None
         for slot in self._slots:
             if (slot is not None and self._row[slot.index] == FREE
                     and nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
-                    and (best is None or slot.nbytes < best.nbytes)):
+                    and (best is None or slot.nbytes < best.nbytes)
+                    and torch._C._storage_Use_Count(slot.storage._cdata) == 1):
                 best = slot
         return best
 

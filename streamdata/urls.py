@@ -124,13 +124,20 @@ async def close_sessions(fs: Any) -> None:
 _SIGNERS: dict[str, Any] = {}
 
 
+# environment variables botocore reads when it builds a client: part of a signer's identity
+_SIGNER_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+               "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_S3_ADDRESSING_STYLE")
+
+
 def signer_key(protocol: str, storage_options: Mapping[str, Any] | None) -> str | None:
-    """The key of :data:`_SIGNERS` for these options; ``None`` where a signer is not shared."""
+    """The key of :data:`_SIGNERS` for these options (and the AWS environment);
+    ``None`` where a signer is not shared."""
     options = dict(storage_options or {})
     if protocol not in ("s3", "s3a") or {"session", "cache_regions"} & set(options):
         return None
+    env = {name: os.environ.get(name) for name in _SIGNER_ENV}
     try:
-        return json.dumps(options, sort_keys=True)
+        return json.dumps([options, env], sort_keys=True)
     except (TypeError, ValueError):  # options that are not plain data (a credentials object...)
         return None
 

@@ -331,8 +331,10 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
     from streamdata.urls import _SIGNERS, signer_key
 
     class Refuse(http.server.BaseHTTPRequestHandler):
+        status = 403
+
         def do_GET(self):
-            self.send_response(403)
+            self.send_response(self.status)
             self.send_header("Content-Length", "13")
             self.end_headers()
             self.wfile.write(b"AccessDenied!")
@@ -356,7 +358,8 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
     fs.pipe_file(f"{bucket}/a.bin", b"0123456789")
     options = {**server.storage_options}
     try:
-        for bad in (Stale(), Broken()):
+        for bad, status in ((Stale(), 403), (Stale(), 404), (Broken(), None)):
+            Refuse.status = status or 403  # 404: another endpoint or region than this process's
             _SIGNERS[signer_key("s3", options)] = bad
             before = len(client_builds)
             client = AsyncClient("s3", options)
@@ -370,3 +373,17 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
         refusing.shutdown()
         refusing.server_close()
         serving.join(5)
+
+
+def test_the_signer_key_follows_the_aws_environment(monkeypatch):
+    """botocore takes the endpoint and region from the environment too: a signer inherited
+    under other settings is not reused."""
+    from streamdata.urls import signer_key
+
+    options = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "eu-west-1"}}
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    before = signer_key("s3", options)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://elsewhere:9000")
+    assert signer_key("s3", options) != before
+    assert signer_key("s3", {**options, "cache_regions": True}) is None
+    assert signer_key("gcs", options) is None

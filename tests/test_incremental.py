@@ -19,7 +19,10 @@ from streamdata.incremental import BatchBuilder, batched_incrementally
 def same(a, b) -> bool:
     """Structural equality of two collated batches: containers, tensor values and dtypes."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if a.is_sparse:
+            a, b = a.to_dense(), b.to_dense() if isinstance(b, torch.Tensor) and b.is_sparse else None
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.requires_grad == b.requires_grad and torch.equal(a, b))
     if isinstance(a, dict):
         return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -59,6 +62,9 @@ CASES = {
     "numpy scalars and bools": [{"s": np.float32(i), "b": i % 2 == 0} for i in range(3)],
     "namedtuple (collate() rebuilds it)": [Pair(np.ones(2) * i, i) for i in range(3)],
     "dataclass (collate() rebuilds it)": [Rec(np.ones(2) * i, f"r{i}") for i in range(3)],
+    "a list field, later an array": [{"a": [1, 2]}, {"a": np.array([3, 4])}],
+    "a tuple field, later a tensor": [((1.0, 2.0),), (torch.tensor([3.0, 4.0]),)],
+    "sparse tensors (collate() stacks them)": [torch.eye(2).to_sparse() * i for i in range(3)],
 }
 
 
@@ -118,3 +124,24 @@ def test_a_full_builder_refuses_more():
     builder.add(1)
     with pytest.raises(ValueError, match="full"):
         builder.add(2)
+
+
+def test_tensors_that_require_grad_are_collated_as_collate_does():
+    """Not copied row by row (that would record an autograd graph): collate() decides."""
+    samples = [torch.ones(2, requires_grad=True) for _ in range(3)]
+    assert same(build(samples), C.collate(samples))
+
+
+def test_a_refused_sample_leaves_the_batch_as_it_was():
+    builder = BatchBuilder(4)
+    builder.add({"a": np.zeros(2), "b": 0})
+    with pytest.raises(DecodeError):
+        builder.add({"a": np.ones(2)})  # no "b": nothing of it is written
+    builder.add({"a": np.full(2, 2.0), "b": 2})
+    batch = builder.finish()
+    assert batch["a"][:, 0].tolist() == [0.0, 2.0] and batch["b"].tolist() == [0, 2]
+
+
+def test_a_short_batch_gets_storage_of_its_own_size():
+    batch = build([{"x": np.zeros(1000)}], capacity=64)
+    assert batch["x"].untyped_storage().nbytes() == 1000 * 8

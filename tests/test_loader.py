@@ -103,6 +103,30 @@ def test_batching_in_the_workers_keeps_drop_last_and_len():
         len(loader(Numbers(), num_workers=1, batch_size=3))
 
 
+class Range(IterableDataset):
+    """The pattern of torch's IterableDataset docs: worker_init_fn splits start/end."""
+
+    def __init__(self, n: int) -> None:
+        self.start, self.end = 0, n
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def _split_range(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    ds = info.dataset  # sd.loader's wrapper: reads and writes reach the user's dataset
+    per = (ds.end - ds.start) // info.num_workers
+    ds.start, ds.end = ds.start + worker_id * per, ds.start + (worker_id + 1) * per
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_init_fn_can_split_the_users_dataset_through_worker_info(context):
+    with loader(Range(16), batch_size=4, num_workers=2, worker_init_fn=_split_range,
+                pin_memory=False, multiprocessing_context=context) as feed:
+        assert sorted(int(x) for batch in feed for x in batch) == list(range(16))
+
+
 def test_defaults_without_workers_and_the_default_worker_count():
     feed = loader(Numbers(), num_workers=0)
     dl = feed.dataloader

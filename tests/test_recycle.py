@@ -108,6 +108,45 @@ def test_restarted_workers_do_not_free_the_old_workers_slots():
     assert len(second) == 10 and all(intact(batch) for batch in second)
 
 
+def test_two_live_iterators_without_persistent_workers_keep_their_batches():
+    """Two iterators alive at once start two worker 0s; each set of workers has its own
+    board, so neither frees (and overwrites) the other's kept batches."""
+    feed = make(40, num_workers=1, persistent_workers=False)
+    try:
+        a = iter(feed)
+        kept = [next(a) for _ in range(10)]
+        b = iter(feed)
+        kept.append(next(b))
+        kept.extend(a)
+        del b
+    finally:
+        feed.close()
+    assert len(kept) == 41 and all(intact(batch) for batch in kept)
+
+
+class KeepsRecent(IterableDataset):
+    """Batches itself and keeps its last six batches in the worker (mixup with earlier
+    batches, a replay buffer): the pool must not reuse them once the main process lets go."""
+
+    batch_size = 8
+
+    def __iter__(self):
+        from streamdata.collate import collate
+
+        recent = []
+        for b in range(40):
+            batch = collate([{"x": np.full(WIDTH, float(b))} for _ in range(8)])
+            batch["recent_intact"] = torch.tensor(all(bool((x["x"] == j).all()) for j, x in recent))
+            yield batch
+            recent = [*recent, (b, batch)][-6:]
+
+
+def test_batches_the_worker_itself_keeps_are_never_reused():
+    with loader(KeepsRecent(), num_workers=1, pin_memory=False) as feed:
+        checks = [bool(batch["recent_intact"]) for batch in feed]
+    assert len(checks) == 40 and all(checks)
+
+
 def test_an_early_break_then_a_new_epoch_keeps_reusing():
     n = 20
     with make(n) as feed:
