@@ -191,11 +191,12 @@ def _nbytes(obj: Any) -> tuple[int, int]:
     return total, unshared
 
 
-def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool) -> bool:
+def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool, times: int = 1) -> bool:
     """In a worker: check ``/dev/shm`` has room for ``obj`` and say to share; else ``False``.
 
     ``copies_all``: every byte is copied into new shared memory (collation), not only the
     arrays and the tensors that are not shared yet (conversion of a finished batch).
+    ``times``: the batch holds that many objects the size of ``obj`` (one sample's worth).
     """
     worker = _worker()
     if worker is None:
@@ -203,7 +204,7 @@ def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool) -> boo
     where, num_workers = worker
     if in_flight is None:
         in_flight = num_workers * _DEFAULT_PREFETCH_FACTOR
-    total, unshared = _nbytes(obj)
+    total, unshared = (n * times for n in _nbytes(obj))
     new_bytes = total if copies_all else unshared
     if recycle.active_pool() is not None:
         new_bytes = 0  # storages may come from the pool; a new one that does not fit still raises

@@ -181,7 +181,31 @@ class _Passes:
             gen.close()
 
 
-class PinAhead(Generic[T]):
+class _PassOwner:
+    """What PinAhead and CudaPrefetcher share: ``len`` of the source, and passes that
+    ``close()`` (or leaving a ``with`` block) ends, joining their threads."""
+
+    iterable: Iterable[Any]
+    _passes: _Passes
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """End every pass in progress and join its thread (call from the consuming thread)."""
+        self._passes.close()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_Owner = TypeVar("_Owner", bound=_PassOwner)
+
+
+class PinAhead(_PassOwner, Generic[T]):
     """Read ``iterable`` in a background thread, up to ``depth`` batches ahead, pinning each batch.
 
     For loaders that did not pin (``DataLoader(pin_memory=False)``, plain iterables): the
@@ -219,18 +243,6 @@ class PinAhead(Generic[T]):
         finally:
             producer.stop()
 
-    def __len__(self) -> int:
-        return len(self.iterable)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        """End every pass in progress and join its thread (call from the consuming thread)."""
-        self._passes.close()
-
-    def __enter__(self) -> PinAhead[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class _StreamOps:
@@ -294,7 +306,7 @@ def _copy_ahead(source: Iterator[Any], ops: Any, depth: int,
         yield batch
 
 
-class CudaPrefetcher(Generic[T]):
+class CudaPrefetcher(_PassOwner, Generic[T]):
     """Iterate ``iterable`` with every batch already on ``device``, copied ``depth`` batches ahead.
 
     Batches (tensors in any nesting of dict, list, tuple, namedtuple and dataclass; other
@@ -350,18 +362,6 @@ class CudaPrefetcher(Generic[T]):
             out = map_tensors(lambda t: t.to(self.device), batch)
             yield out if self.transform is None else self.transform(out)
 
-    def __len__(self) -> int:
-        return len(self.iterable)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        """End every pass in progress and join its thread (call from the consuming thread)."""
-        self._passes.close()
-
-    def __enter__(self) -> CudaPrefetcher[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _warn_no_cuda() -> None:

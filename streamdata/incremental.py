@@ -33,19 +33,15 @@ class _Rows:
 
     def __init__(self, first: Any, capacity: int, shared: bool) -> None:
         self.shape = tuple(first.shape)
-        if isinstance(first, torch.Tensor):
-            self.kind, dtype = torch.Tensor, first.dtype
-        else:
-            self.kind = np.ndarray
-            self.np_dtype = first.dtype
-            dtype = torch.from_numpy(np.empty(0, dtype=first.dtype.newbyteorder("="))).dtype
-        self.dtype = dtype
-        self.out = C._empty((capacity, *self.shape), dtype, shared)
-        self.view = self.out.numpy() if self.kind is np.ndarray else None
+        self.np_dtype = first.dtype if isinstance(first, np.ndarray) else None  # None: tensors
+        self.dtype = (first.dtype if self.np_dtype is None else
+                      torch.from_numpy(np.empty(0, dtype=first.dtype.newbyteorder("="))).dtype)
+        self.out = C._empty((capacity, *self.shape), self.dtype, shared)
+        self.view = self.out.numpy() if self.np_dtype is not None else None
         self.n = 0
 
     def fits(self, leaf: Any) -> bool:
-        if self.kind is np.ndarray:
+        if self.np_dtype is not None:
             return isinstance(leaf, np.ndarray) and leaf.dtype == self.np_dtype and leaf.shape == self.shape
         return (isinstance(leaf, torch.Tensor) and leaf.dtype == self.dtype
                 and tuple(leaf.shape) == self.shape and leaf.device.type == "cpu")
@@ -76,9 +72,13 @@ class BatchBuilder:
 
     def __init__(self, capacity: int, *, in_flight: int | None = None) -> None:
         self.capacity, self.in_flight = capacity, in_flight
+        self._reset()
+
+    def _reset(self) -> None:
         self._template: Any = None  # sample 0's containers, its leaves replaced by their paths
         self._fields: list[Any] = []  # per leaf: a _Rows, or a list of raw values
         self._samples: list[Any] | None = None  # structures the builder does not walk: collate()
+        self._shared = False  # the batch goes to shared memory (in a DataLoader worker)
         self.count = 0
 
     def __len__(self) -> int:
@@ -103,10 +103,11 @@ class BatchBuilder:
             return
         self._template = _skeleton(sample, "batch")
         leaves = list(_leaves(self._template, sample, "batch"))
-        shared = C._prepare_shared([sample] * self.capacity, self.in_flight, copies_all=True)
+        self._shared = C._prepare_shared(sample, self.in_flight, copies_all=True,
+                                         times=self.capacity)
         for leaf in leaves:
             if _is_array(leaf):
-                rows = _Rows(leaf, self.capacity, shared)
+                rows = _Rows(leaf, self.capacity, self._shared)
                 rows.add(leaf)
                 self._fields.append(rows)
             else:
@@ -128,13 +129,12 @@ class BatchBuilder:
         if self._samples is not None:
             batch = C.collate(self._samples, in_flight=self.in_flight)
         else:
-            shared = C._worker() is not None
             paths = _leaves(self._template, self._template, "batch")
             columns = iter([field.rows_tensor() if isinstance(field, _Rows)
-                            else C._collate(field, path, shared)
+                            else C._collate(field, path, self._shared)
                             for field, path in zip(self._fields, paths)])
             batch = _rebuild(self._template, columns)
-        self.__init__(self.capacity, in_flight=self.in_flight)  # type: ignore[misc]
+        self._reset()
         return batch
 
 

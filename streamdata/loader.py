@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import math
 
 import torch
 import torch.multiprocessing
@@ -128,8 +127,7 @@ class _Unwrapped:
 
     def close(self) -> None:
         for board in self.boards:
-            if board is not None:
-                board.close()
+            board.close()
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -149,6 +147,7 @@ class Loader:
         self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
         self._batches = batches  # with recycled buffers: unwraps, and owns the boards
+        self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
 
     @property
     def board(self) -> recycle.Board | None:
@@ -156,9 +155,7 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
-        if self.prefetcher is not None:
-            return iter(self.prefetcher)
-        return iter(self._batches) if self._batches is not None else iter(self.dataloader)
+        return iter(self._source)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -272,7 +269,7 @@ def loader(
         collate_fn=collate_fn,
         **dataloader_kwargs,
     )
-    batches = _Unwrapped(dataloader, init) if board is not None and init is not None else None
+    batches = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
     feed = (CudaPrefetcher(batches if batches is not None else dataloader, device, depth, transform)
             if device is not None else None)
     return Loader(dataloader, feed, batches, dataset=dataset)
