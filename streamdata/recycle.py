@@ -37,6 +37,11 @@ __all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "reclaim", "
 FREE = 0
 SLOTS_PER_WORKER = 64  # storages a worker keeps; a batch of k tensor fields uses k slots
 _REUSE_SLACK = 2  # a free storage serves a request of at least 1/_REUSE_SLACK of its size
+# A free storage not reused in this many requests is dropped: the pool keeps what the
+# batches in flight need, not the peak of a moment when the loop held many batches, nor
+# storages of sizes that stopped coming (variable-length batches). Each request takes one
+# slot, so a storage the batches in flight keep using comes back within SLOTS_PER_WORKER.
+IDLE_REQUESTS = 2 * SLOTS_PER_WORKER
 
 
 class Board:
@@ -60,10 +65,11 @@ class Board:
 
 
 class _Slot:
-    __slots__ = ("index", "nbytes", "storage", "token")
+    __slots__ = ("index", "last_used", "nbytes", "storage", "token")
 
     def __init__(self, index: int, storage: torch.UntypedStorage) -> None:
         self.index, self.storage, self.nbytes, self.token = index, storage, storage.nbytes(), FREE
+        self.last_used = 0  # the pool's request count when it was last handed out
 
 
 class BufferPool:
@@ -80,10 +86,11 @@ class BufferPool:
         self._pending: list[_Slot] = []  # handed out, not yet seen in a batch sent out
         self._incarnation = random.getrandbits(30) << 32
         self._counter = 0
-        self.stats = {"reused": 0, "allocated": 0, "unpooled": 0}
+        self.stats = {"reused": 0, "allocated": 0, "unpooled": 0, "dropped": 0}
 
     def storage(self, nbytes: int, allocate: Any) -> torch.UntypedStorage:
         """A shared-memory storage of at least ``nbytes``: a free one, else ``allocate(n)``."""
+        self._drop_idle()
         slot = self._free_slot(nbytes)
         if slot is not None:
             self.stats["reused"] += 1
@@ -96,20 +103,38 @@ class BufferPool:
             self._slots[index] = slot
             self.stats["allocated"] += 1
         self._counter += 1
+        slot.last_used = self._counter
         slot.token = self._incarnation | self._counter
         self._row[slot.index] = slot.token
         self._pending.append(slot)
         return slot.storage
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the storages this pool keeps (lent or free)."""
+        return sum(slot.nbytes for slot in self._slots if slot is not None)
+
+    def _idle(self, slot: _Slot) -> bool:
+        """Free on the board and held by nothing but the pool."""
+        return (self._row[slot.index] == FREE
+                and torch._C._storage_Use_Count(slot.storage._cdata) == 1)
+
+    def _drop_idle(self) -> None:
+        """Let go of free storages unused for ``IDLE_REQUESTS`` requests (unmapped once
+        nothing holds them), so the pool shrinks back to what the batches in flight use."""
+        for index, slot in enumerate(self._slots):
+            if (slot is not None and self._counter - slot.last_used >= IDLE_REQUESTS
+                    and self._idle(slot)):
+                self._slots[index] = None
+                self.stats["dropped"] += 1
 
     def _free_slot(self, nbytes: int) -> _Slot | None:
         """The smallest fitting slot that the main process freed and nothing here still uses
         (a dataset may keep earlier batches: mixup, a replay buffer)."""
         best = None
         for slot in self._slots:
-            if (slot is not None and self._row[slot.index] == FREE
-                    and nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
-                    and (best is None or slot.nbytes < best.nbytes)
-                    and torch._C._storage_Use_Count(slot.storage._cdata) == 1):
+            if (slot is not None and nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
+                    and (best is None or slot.nbytes < best.nbytes) and self._idle(slot)):
                 best = slot
         return best
 
@@ -203,6 +228,8 @@ def lend(batch: Any) -> Any:
 _BOARDS: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()  # the pinning thread registers while the main thread reclaims
 _OUT: list[tuple[Any, Board, int, int, int]] = []  # (weak storage ref, board, worker, slot, token)
+_PRUNE_MIN = 1024
+_prune_at = _PRUNE_MIN  # _register reclaims when _OUT grows to this (batches read without unwrap)
 
 
 def _register(lent: _Lent) -> None:
@@ -221,10 +248,14 @@ def _register(lent: _Lent) -> None:
             refs.append((StorageWeakRef(tensor.untyped_storage()), board, lent.worker, slot, token))
     with _LOCK:
         _OUT.extend(refs)
+        grown = len(_OUT) >= _prune_at
+    if grown:  # nobody calls reclaim (loader.dataloader iterated directly): do it here
+        reclaim()
 
 
 def reclaim() -> int:
     """Main process: release the slots of batches no longer referenced; how many were."""
+    global _prune_at
     released = 0
     with _LOCK:
         keep = []
@@ -235,6 +266,7 @@ def reclaim() -> int:
             else:
                 keep.append(entry)
         _OUT[:] = keep
+        _prune_at = max(_PRUNE_MIN, 2 * len(keep))  # amortised: the live entries at most double
     return released
 
 

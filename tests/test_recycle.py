@@ -147,6 +147,55 @@ def test_batches_the_worker_itself_keeps_are_never_reused():
     assert len(checks) == 40 and all(checks)
 
 
+class ReportsPool(Stamped):
+    """Stamped samples that also carry how many bytes the worker's pool keeps."""
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            pool = recycle.active_pool()
+            sample["pool_bytes"] = pool.pooled_bytes if pool is not None else -1
+            yield sample
+
+
+def test_the_pool_shrinks_back_after_the_loop_held_many_batches():
+    """The loop keeps 30 batches for a while, then lets go: the worker's pool had to grow
+    to hold them, and drops the storages it no longer reuses (IDLE_REQUESTS)."""
+    n = 30 + 2 * recycle.IDLE_REQUESTS
+    with loader(ReportsPool(8 * n), num_workers=1, pin_memory=False, batch_size=8) as feed:
+        held, reports = [], []
+        for k, batch in enumerate(feed):
+            assert intact(batch)
+            reports.append(int(batch["pool_bytes"].max()))
+            if k < 30:
+                held.append(batch)
+            elif k == 30:
+                held.clear()
+    batch_bytes = 8 * WIDTH * 8
+    assert min(reports) >= 0
+    assert max(reports) >= 25 * batch_bytes  # it grew: the held batches were out
+    assert reports[-1] <= 8 * batch_bytes, reports[-20:]  # back to the few in flight
+
+
+def test_batches_read_from_the_dataloader_directly_are_still_released(monkeypatch):
+    """Iterating ``loader.dataloader`` (no unwrap, so nobody calls ``reclaim``): the main
+    process's list of lent storages stays bounded and the slots are still reused."""
+    monkeypatch.setattr(recycle, "_PRUNE_MIN", 16)
+    monkeypatch.setattr(recycle, "_prune_at", 16)
+    n = 80
+    with make(n) as feed:
+        sizes, inodes = [], []
+        for item in feed.dataloader:
+            assert isinstance(item, recycle._Lent) and intact(item.batch)
+            inodes.append(storage_inode(item.batch["x"]))
+            sizes.append(len(recycle._OUT))
+        del item
+    assert len(inodes) == n
+    assert max(sizes) <= 40, sizes
+    # released in bursts (at each prune), so a few more storages than through unwrap; never
+    # released, every batch would take a new one (80)
+    assert len(set(inodes)) <= 24, f"{len(set(inodes))} distinct storages for {n} batches"
+
+
 def test_an_early_break_then_a_new_epoch_keeps_reusing():
     n = 20
     with make(n) as feed:
@@ -195,14 +244,42 @@ def test_pool_reuses_only_free_slots_of_a_fitting_size(pool):
     assert p.storage(900, allocate).data_ptr() == a.data_ptr()  # free and big enough
     assert p.storage(300, allocate).data_ptr() not in (a.data_ptr(), b.data_ptr())  # too big to waste
     assert made == [1000, 1000, 300]
-    assert p.stats == {"reused": 1, "allocated": 3, "unpooled": 0}
+    assert p.stats == {"reused": 1, "allocated": 3, "unpooled": 0, "dropped": 0}
+
+
+def test_pool_drops_free_storages_it_has_not_reused_for_a_while(monkeypatch):
+    monkeypatch.setattr(recycle, "IDLE_REQUESTS", 4)
+    board = recycle.Board(1, slots=8)
+    p = recycle.BufferPool(board, 0)
+
+    def release_last():
+        slot = max(range(8), key=lambda i: p._slots[i].last_used if p._slots[i] else -1)
+        assert board.release(0, slot, int(board.states[0][slot]))
+
+    try:
+        lent = p.storage(100, torch.UntypedStorage)  # out with a batch: never dropped
+        # free on the board, still used here (a tensor on it, as a batch the worker keeps)
+        kept = torch.empty(0, dtype=torch.uint8).set_(p.storage(200, torch.UntypedStorage), 0, (200,))
+        release_last()
+        p.storage(300, torch.UntypedStorage)  # free and unused: dropped once idle
+        release_last()
+        assert p.pooled_bytes == 600
+        for _ in range(5):  # small batches now, each released at once: one slot serves them
+            p.storage(20, torch.UntypedStorage)
+            release_last()
+        assert p.stats == {"reused": 4, "allocated": 4, "unpooled": 0, "dropped": 1}
+        assert p.pooled_bytes == 100 + 200 + 20
+        assert p._slots[0].storage.data_ptr() == lent.data_ptr()
+        assert p._slots[1].storage.data_ptr() == kept.data_ptr()
+    finally:
+        board.close()
 
 
 def test_pool_allocates_unpooled_storage_when_every_slot_is_out(pool):
     p, board, allocate, made = pool
     for _ in range(4):
         p.storage(10, allocate)
-    assert p.stats == {"reused": 0, "allocated": 3, "unpooled": 1}
+    assert p.stats == {"reused": 0, "allocated": 3, "unpooled": 1, "dropped": 0}
     assert board.states[0].count_nonzero() == 3
 
 
