@@ -20,6 +20,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -397,6 +398,58 @@ def _measure(label: str, base_cfg: dict, proxy: Any, **changes: Any) -> dict[str
     return summary
 
 
+_ROUND_KEYS = ("steady_sps", "pass_sps", "ttfb_s", "setup_s")
+
+
+def _merge_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary over every repetition of every round, keeping each round's means."""
+    if len(summaries) == 1 or any("error" in s for s in summaries):
+        return next((s for s in summaries if "error" in s), summaries[0])
+    merged = _summarise([r for s in summaries for r in s["raw"]])
+    first = summaries[0]
+    merged.update(
+        method=first["method"], delay_ms=first["delay_ms"], workers=first["workers"],
+        wall_s=sum(s["wall_s"] for s in summaries), load_before=first["load_before"],
+        load_after=summaries[-1]["load_after"],
+        wire_mb_per_rep=statistics.mean(s["wire_mb_per_rep"] for s in summaries),
+        connections_per_rep=statistics.mean(s["connections_per_rep"] for s in summaries),
+        rounds=[{k: s[k] for k in _ROUND_KEYS} for s in summaries],
+    )
+    return merged
+
+
+def _paired(a: dict | None, b: dict | None, key: str) -> list[float]:
+    """a/b round by round (rounds run back to back), for the rounds both completed."""
+    if not a or not b or "rounds" not in a or "rounds" not in b:
+        return []
+    return [x[key] / y[key] for x, y in zip(a["rounds"], b["rounds"]) if y[key] and x[key] == x[key]]
+
+
+def format_paired(results: list[dict[str, Any]]) -> str:
+    """Per-round ratios (methods interleaved within a round): median, and min–max."""
+    by_delay: dict[float, dict[str, dict]] = {}
+    for r in results:
+        by_delay.setdefault(r["delay_ms"], {})[r["method"]] = r
+    pairs = [("streamdata", "wire", "steady_sps", "streamdata / wire"),
+             ("streamdata", "wire", "pass_sps", "same, whole pass"),
+             ("streamdata", "webdataset", "steady_sps", "streamdata / webdataset"),
+             ("objects", "mapstyle", "steady_sps", "objects / map-style")]
+    used = [p for p in pairs if any(_paired(rows.get(p[0]), rows.get(p[1]), p[2]) for rows in by_delay.values())]
+    if not used:
+        return ""
+    n = max(len(r.get("rounds", [])) for r in results)
+    lines = [f"Per round ({n} rounds, methods interleaved): median (min–max)", "",
+             "| delay | " + " | ".join(p[3] for p in used) + " |", "|---:|" + "---:|" * len(used)]
+    for delay, rows in sorted(by_delay.items()):
+        cells = []
+        for a, b, key, _ in used:
+            ratios = _paired(rows.get(a), rows.get(b), key)
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+                         if ratios else "—")
+        lines.append(f"| {delay:g} ms | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _upstream(endpoint_url: str) -> tuple[str, int]:
     from urllib.parse import urlsplit
 
@@ -572,9 +625,15 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
             for delay in args.delays:
                 proxy.set_delay(delay / 1000)
                 print(f"one-way delay {delay:g} ms, {args.workers} workers:", flush=True)
-                for method in args.methods:
-                    results.append(_measure(method, base, proxy, method=method, delay_ms=delay,
-                                            workers=args.workers))
+                # rounds interleave the methods (A B C, A B C, ...), so that a slow spell of
+                # this shared machine hits every method alike; ratios are then taken per round
+                rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+                for k in range(args.rounds):
+                    for method in args.methods:
+                        label = method if args.rounds == 1 else f"{method} [{k + 1}/{args.rounds}]"
+                        rounds[method].append(_measure(label, base, proxy, method=method,
+                                                       delay_ms=delay, workers=args.workers))
+                results.extend(_merge_rounds(rounds[m]) for m in args.methods)
             for delay in args.sweep_delays:
                 proxy.set_delay(delay / 1000)
                 print(f"num_workers sweep at {delay:g} ms:", flush=True)
@@ -674,7 +733,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=32, help="tar shards the samples are split into")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="DataLoader num_workers for the delay runs")
-    p.add_argument("--reps", type=int, default=3, help="repetitions per configuration")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per configuration (and round)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the delay runs this many times, methods interleaved; adds per-round ratios")
     p.add_argument("--max-seconds", type=float, default=4.0,
                    help="stop a loader this long after its first batch (slow baselines)")
     p.add_argument("--wire-concurrency", type=int, default=32, help="shard GETs in flight (wire)")
@@ -728,6 +789,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: skipping {name}: {why}", flush=True)
         data = run_latency(args)
         table = format_table(data["results"], data["startup"]) + "\n\n" + format_sweep(data["sweep"])
+        paired = format_paired(data["results"])
+        if paired:
+            table += "\n\n" + paired
         if "error" not in data["startup"]:
             table += f"\n\nDataLoader start-up (first batch of an empty dataset): {data['startup']['ttfb_s']:.2f} s"
         png = args.out / f"latency-{stamp}.png"
