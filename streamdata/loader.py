@@ -13,6 +13,7 @@ import torch.multiprocessing
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import recycle
+from ._alloc import keep_freed_memory
 from .collate import collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
@@ -35,18 +36,20 @@ def default_num_workers() -> int:
 
 
 class _WorkerInit:
-    """A picklable ``worker_init_fn``: set the sharing strategy, install the buffer pool,
-    then call the user's function.
+    """A picklable ``worker_init_fn``: keep freed memory (WORKER-MEMORY), set the sharing
+    strategy, install the buffer pool, then call the user's function.
 
     The strategy is set in every worker because spawned (and forkserver) workers start with
     the default one, and the strategy that matters is the sending worker's.
     """
 
     def __init__(self, strategy: str | None, user_fn: Callable[[int], None] | None,
-                 board: recycle.Board | None = None) -> None:
-        self.strategy, self.user_fn, self.board = strategy, user_fn, board
+                 board: recycle.Board | None = None, keep_memory: bool = False) -> None:
+        self.strategy, self.user_fn, self.board, self.keep_memory = strategy, user_fn, board, keep_memory
 
     def __call__(self, worker_id: int) -> None:
+        if self.keep_memory:
+            keep_freed_memory()
         if self.strategy is not None:
             torch.multiprocessing.set_sharing_strategy(self.strategy)
         if self.board is not None:
@@ -210,6 +213,7 @@ def loader(
     depth: int = 1,
     transform: Callable[[Any], Any] | None = None,
     recycle_buffers: bool = True,
+    reuse_worker_memory: bool = True,
     **dataloader_kwargs: Any,
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
@@ -224,7 +228,10 @@ def loader(
     in every worker.  ``device`` wraps the loader in a :class:`CudaPrefetcher` (``depth``,
     ``transform``).  ``recycle_buffers`` (with workers): a worker reuses the shared memory of
     batches the main process has dropped (:mod:`streamdata.recycle`); iterate the returned
-    ``Loader``, not its ``dataloader``.  Other keyword arguments go to ``DataLoader`` unchanged.
+    ``Loader``, not its ``dataloader``.  ``reuse_worker_memory`` (with workers, glibc): a
+    worker keeps the memory it frees for the next epoch instead of giving it back to the OS
+    and page-faulting it in again (:mod:`streamdata._alloc`).  Other keyword arguments go to
+    ``DataLoader`` unchanged.
     """
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
@@ -256,9 +263,10 @@ def loader(
     if board is not None:
         collate_fn = _Lending(collate_fn)
     init = None
-    if num_workers > 0 and (sharing_strategy is not None or board is not None):
+    if num_workers > 0 and (sharing_strategy is not None or board is not None or reuse_worker_memory):
         user_init = dataloader_kwargs.pop("worker_init_fn", None)
-        init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board)
+        init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board,
+                                                                 reuse_worker_memory)
     dataloader = DataLoader(
         served,
         batch_size=batch_size,

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_latency_benchmark_quick_reads_every_sample(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.latency", "--quick", "--methods", "wire,streamdata,webdataset",
-           "--sweep-workers", "", "--out", str(tmp_path)]
+           "--rounds", "2", "--sweep-workers", "", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [result] = tmp_path.glob("latency-*.json")
@@ -24,8 +24,10 @@ def test_latency_benchmark_quick_reads_every_sample(tmp_path):
     by_method = {(r["method"], r["delay_ms"]): r for r in rows}
     for (method, delay), row in by_method.items():
         assert "error" not in row, (method, delay, row.get("error"))
+        assert len(row["rounds"]) == 2 and row["reps"] == 2  # two rounds of one repetition
     sd_rows = [r for (m, _), r in by_method.items() if m == "streamdata"]
     assert sd_rows and all(r["samples"] == 512 for r in sd_rows)
+    assert "Per round (2 rounds, methods interleaved)" in done.stdout
 
 
 def test_latency_benchmark_rss_mode(tmp_path):

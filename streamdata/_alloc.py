@@ -1,0 +1,47 @@
+"""Worker processes keep the memory they free, for the next epoch (glibc's malloc).
+
+WORKER-MEMORY: a worker receives every byte of its shards into memory, parses it and frees
+it. With glibc's defaults, blocks of more than 128 KiB (up to a threshold that adapts, at
+most 32 MiB) are mapped and unmapped one by one, and free memory at the top of a heap
+beyond twice that threshold goes back to the OS. Memory the fetcher frees is thus given
+back and page-faulted in again: each new 4 KiB page costs a fault and its zeroing, about
+2.9 µs on the 2-core development machine, 0.07 s of system time per 100 MB.
+
+Measured there (2048 samples of 96 KiB from the S3 server, 2 persistent workers, epochs
+after the first): 31,000 page faults per worker per epoch with the defaults, 11,000-23,000
+with the settings below; the workers' CPU per epoch went from 0.37-0.43 s to 0.28-0.35 s.
+
+:func:`keep_freed_memory`, called in each worker by :func:`streamdata.loader`, serves
+blocks of up to 32 MiB from the heap and keeps up to 256 MiB of free memory there. A
+worker's resident memory then stays near its peak (bounded by the fetcher's byte budget
+plus the batches in flight) between epochs, instead of shrinking and growing back.
+``sd.loader(..., reuse_worker_memory=False)`` keeps glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+__all__ = ["keep_freed_memory"]
+
+_M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD = 256 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Tune this process's glibc malloc to keep freed memory; False where that is not
+    possible (not Linux, not glibc: musl's ``mallopt`` does nothing)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018  # glibc only
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

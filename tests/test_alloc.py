@@ -1,0 +1,67 @@
+"""WORKER-MEMORY (streamdata/_alloc.py): sd.loader's workers keep the memory they free.
+
+A worker allocates and frees 96 MiB in 1 MiB blocks, twice, and counts the page faults of
+the second round: with glibc's defaults the freed memory went back to the OS (at most 64 MiB
+of free heap is kept even at its most generous) and is faulted in again; with
+``reuse_worker_memory`` (the default) the second round reuses it.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import pytest
+from torch.utils.data import IterableDataset
+
+import streamdata as sd
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+
+BLOCKS, BLOCK = 96, 1 << 20
+PAGES = BLOCKS * BLOCK // 4096
+
+
+def _one_round() -> None:
+    held = [bytearray(BLOCK) for _ in range(BLOCKS)]
+    for block in held:
+        block[::4096] = b"\1" * (BLOCK // 4096)  # write every page
+    del held
+
+
+class FaultProbe(IterableDataset):
+    """One sample: the page faults of the second of two identical allocation rounds."""
+
+    def __iter__(self):
+        _one_round()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        _one_round()
+        yield {"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_reuse_freed_memory_by_default(context):
+    if not _glibc():
+        pytest.skip("not glibc")
+    with sd.loader(FaultProbe(), num_workers=1, pin_memory=False, multiprocessing_context=context) as feed:
+        [batch] = list(feed)
+    assert int(batch["faults"][0]) < PAGES // 10, int(batch["faults"][0])
+
+
+def test_without_it_freed_memory_is_faulted_in_again():
+    if not _glibc():
+        pytest.skip("not glibc")
+    with sd.loader(FaultProbe(), num_workers=1, pin_memory=False, multiprocessing_context="spawn",
+                   reuse_worker_memory=False) as feed:
+        [batch] = list(feed)
+    assert int(batch["faults"][0]) > PAGES // 3, int(batch["faults"][0])
+
+
+def _glibc() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
+    except (OSError, AttributeError):
+        return False
+    return True
