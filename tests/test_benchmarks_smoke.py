@@ -37,3 +37,16 @@ def test_latency_benchmark_rss_mode(tmp_path):
     [result] = tmp_path.glob("rss-*.json")
     rows = json.loads(result.read_text())["rss"]
     assert [r["shard_mb"] for r in rows] == [1, 16]
+
+
+def test_epochs_benchmark_compares_both_settings(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.epochs", "--epochs", "3", "--rounds", "1", "--samples", "256",
+           "--shards", "4", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result] = tmp_path.glob("epochs-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert set(rows) == {"reuse", "glibc defaults"}
+    for epochs in rows.values():
+        assert [r["epoch"] for r in epochs] == [1, 2] and all(r["samples"] == 256 for r in epochs)
+    assert "reuse / glibc defaults" in done.stdout

@@ -1,0 +1,132 @@
+"""Epochs after the first: what a persistent worker costs per epoch, with and without
+``reuse_worker_memory`` (WORKER-MEMORY, ``streamdata/_alloc.py``).
+
+Starts the embedded S3 server, writes 2048 samples of 96 KiB in 32 tar shards (the latency
+benchmark's data), then runs ``sd.loader(TarDataset(...), num_workers=2)`` for several
+epochs with persistent workers, once with each setting, the two runs alternating for
+``--rounds`` rounds. Per epoch after the first it records the workers' page faults, their
+user and system CPU seconds, and the epoch's wall time; it prints the medians per setting
+and their ratios, and writes ``benchmarks/results/epochs-<stamp>.json``.
+
+    python -m benchmarks.epochs [--epochs 8] [--rounds 3] [--delay-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
+
+from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SETTINGS = {"reuse": True, "glibc defaults": False}
+
+
+def _faults(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])  # minflt
+
+
+def _workers_state(workers: list[psutil.Process]) -> tuple[int, float, float]:
+    faults = user = system = 0.0
+    for w in workers:
+        faults += _faults(w.pid)
+        t = w.cpu_times()
+        user, system = user + t.user, system + t.system
+    return int(faults), user, system
+
+
+def run_setting(spec: str, options: dict, reuse: bool, epochs: int) -> list[dict]:
+    """One persistent loader, ``epochs`` epochs; per-epoch costs of its workers."""
+    import streamdata as sd
+
+    me = psutil.Process()
+    others = {p.pid for p in me.children()}
+    ds = sd.TarDataset(spec, storage_options=options, batch_size=32)
+    rows = []
+    with sd.loader(ds, num_workers=2, pin_memory=False, reuse_worker_memory=reuse) as feed:
+        workers: list[psutil.Process] = []
+        for epoch in range(epochs):
+            before = _workers_state(workers) if workers else None
+            start = time.perf_counter()
+            n = sum(len(batch["__key__"]) for batch in feed)
+            wall = time.perf_counter() - start
+            if not workers:
+                workers = [p for p in me.children() if p.pid not in others]
+                continue  # the first epoch starts the workers: nothing to compare
+            after = _workers_state(workers)
+            rows.append({"epoch": epoch, "samples": n, "wall_s": wall, "faults": after[0] - before[0],
+                         "user_s": after[1] - before[1], "system_s": after[2] - before[2]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=8, help="epochs per loader (the first is not counted)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each setting")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of the latency proxy")
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--shards", type=int, default=32)
+    parser.add_argument("--sample-kib", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from benchmarks.latency import _upstream
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.testing import S3Server
+
+    rows: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    with S3Server() as server:
+        client = server.boto3_client()
+        server.create_bucket("bench")
+        upload_shards(client, "bench", "tar/train", args.samples, args.shards, args.sample_kib * 1024 + 128)
+        spec = shard_pattern("bench", "tar/train", args.shards)
+        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
+            options = replace_in_options(server.storage_options, server.endpoint_url,
+                                         proxy.url_for(server.endpoint_url))
+            for k in range(args.rounds):
+                for name, reuse in SETTINGS.items():
+                    got = run_setting(spec, options, reuse, args.epochs)
+                    rows[name] += got
+                    print(f"  round {k + 1}/{args.rounds} {name:15s}: faults/epoch "
+                          f"{statistics.median(r['faults'] for r in got):8.0f}, workers' CPU s/epoch "
+                          f"{statistics.median(r['user_s'] + r['system_s'] for r in got):.2f}", flush=True)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows[name])
+
+    header = (f"{datetime.date.today()} · {os.cpu_count()} cores · `python -m benchmarks.epochs "
+              f"{' '.join(sys.argv[1:])}`".rstrip())
+    lines = [header, "", "Medians over epochs 2.. of every round, 2 persistent workers:", "",
+             "| setting | page faults / epoch (both workers) | user s | system s | workers' CPU s | wall s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in SETTINGS:
+        lines.append(f"| {name} | {med(name, 'faults'):,.0f} | {med(name, 'user_s'):.2f} | "
+                     f"{med(name, 'system_s'):.2f} | "
+                     f"{statistics.median(r['user_s'] + r['system_s'] for r in rows[name]):.2f} | "
+                     f"{med(name, 'wall_s'):.3f} |")
+    a, b = SETTINGS
+    cpu = [statistics.median(r["user_s"] + r["system_s"] for r in rows[n]) for n in (a, b)]
+    lines += ["", f"{a} / {b}: workers' CPU per epoch {cpu[0] / cpu[1]:.2f}, system time "
+              f"{med(a, 'system_s') / med(b, 'system_s'):.2f}, wall per epoch {med(a, 'wall_s') / med(b, 'wall_s'):.2f}"]
+    table = "\n".join(lines)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"epochs-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    print(f"\n{table}\n\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()
