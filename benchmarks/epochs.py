@@ -4,11 +4,13 @@
 Starts the embedded S3 server, writes 2048 samples of 96 KiB in 32 tar shards (the latency
 benchmark's data), then runs ``sd.loader(TarDataset(...), num_workers=2)`` for several
 epochs with persistent workers, once with each setting, the two runs alternating for
-``--rounds`` rounds. Per epoch after the first it records the workers' page faults, their
-user and system CPU seconds, and the epoch's wall time; it prints the medians per setting
-and their ratios, and writes ``benchmarks/results/epochs-<stamp>.json``.
+``--rounds`` rounds (``--file-system`` adds a third: ``sharing_strategy="file_system"``,
+batches passed by file name). Per epoch after the first it records the workers' page
+faults, their user and system CPU seconds, the CPU of the main thread (which receives the
+batches) and the epoch's wall time; it prints the medians per setting and their ratios,
+and writes ``benchmarks/results/epochs-<stamp>.json``.
 
-    python -m benchmarks.epochs [--epochs 8] [--rounds 3] [--delay-ms 0]
+    python -m benchmarks.epochs [--epochs 8] [--rounds 3] [--delay-ms 0] [--file-system]
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from benchmarks.common import replace_in_options, shard_pattern, upload_shards  
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-SETTINGS = {"reuse": True, "glibc defaults": False}
+SETTINGS: dict[str, dict] = {"reuse": {}, "glibc defaults": {"reuse_worker_memory": False}}
+FILE_SYSTEM = {"reuse, file_system": {"sharing_strategy": "file_system"}}
 
 
 def _faults(pid: int) -> int:
@@ -48,26 +51,38 @@ def _workers_state(workers: list[psutil.Process]) -> tuple[int, float, float]:
     return int(faults), user, system
 
 
-def run_setting(spec: str, options: dict, reuse: bool, epochs: int) -> list[dict]:
-    """One persistent loader, ``epochs`` epochs; per-epoch costs of its workers."""
+def run_setting(spec: str, options: dict, loader_options: dict, epochs: int) -> list[dict]:
+    """One persistent loader, ``epochs`` epochs; per-epoch costs of its workers and of the
+    main process's thread that receives the batches."""
+    import torch.multiprocessing
+
     import streamdata as sd
 
+    strategy = torch.multiprocessing.get_sharing_strategy()  # sd.loader may set it here
+    try:
+        return _run_setting(sd, spec, options, loader_options, epochs)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+def _run_setting(sd, spec: str, options: dict, loader_options: dict, epochs: int) -> list[dict]:
     me = psutil.Process()
     others = {p.pid for p in me.children()}
     ds = sd.TarDataset(spec, storage_options=options, batch_size=32)
     rows = []
-    with sd.loader(ds, num_workers=2, pin_memory=False, reuse_worker_memory=reuse) as feed:
+    with sd.loader(ds, num_workers=2, pin_memory=False, **loader_options) as feed:
         workers: list[psutil.Process] = []
         for epoch in range(epochs):
             before = _workers_state(workers) if workers else None
-            start = time.perf_counter()
+            start, main_cpu = time.perf_counter(), time.thread_time()
             n = sum(len(batch["__key__"]) for batch in feed)
-            wall = time.perf_counter() - start
+            wall, main_cpu = time.perf_counter() - start, time.thread_time() - main_cpu
             if not workers:
                 workers = [p for p in me.children() if p.pid not in others]
                 continue  # the first epoch starts the workers: nothing to compare
             after = _workers_state(workers)
-            rows.append({"epoch": epoch, "samples": n, "wall_s": wall, "faults": after[0] - before[0],
+            rows.append({"epoch": epoch, "samples": n, "wall_s": wall, "main_s": main_cpu,
+                         "faults": after[0] - before[0],
                          "user_s": after[1] - before[1], "system_s": after[2] - before[2]})
     return rows
 
@@ -80,14 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--sample-kib", type=int, default=96)
+    parser.add_argument("--file-system", action="store_true",
+                        help="also run with sharing_strategy='file_system' (batches passed by file name)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    settings = {**SETTINGS, **(FILE_SYSTEM if args.file_system else {})}
 
     from benchmarks.latency import _upstream
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
 
-    rows: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    rows: dict[str, list[dict]] = {name: [] for name in settings}
     with S3Server() as server:
         client = server.boto3_client()
         server.create_bucket("bench")
@@ -97,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             options = replace_in_options(server.storage_options, server.endpoint_url,
                                          proxy.url_for(server.endpoint_url))
             for k in range(args.rounds):
-                for name, reuse in SETTINGS.items():
-                    got = run_setting(spec, options, reuse, args.epochs)
+                for name, loader_options in settings.items():
+                    got = run_setting(spec, options, loader_options, args.epochs)
                     rows[name] += got
                     print(f"  round {k + 1}/{args.rounds} {name:15s}: faults/epoch "
                           f"{statistics.median(r['faults'] for r in got):8.0f}, workers' CPU s/epoch "
@@ -110,17 +128,22 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"{datetime.date.today()} · {os.cpu_count()} cores · `python -m benchmarks.epochs "
               f"{' '.join(sys.argv[1:])}`".rstrip())
     lines = [header, "", "Medians over epochs 2.. of every round, 2 persistent workers:", "",
-             "| setting | page faults / epoch (both workers) | user s | system s | workers' CPU s | wall s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name in SETTINGS:
+             "| setting | page faults / epoch (both workers) | user s | system s | workers' CPU s "
+             "| main thread CPU s | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in settings:
         lines.append(f"| {name} | {med(name, 'faults'):,.0f} | {med(name, 'user_s'):.2f} | "
                      f"{med(name, 'system_s'):.2f} | "
                      f"{statistics.median(r['user_s'] + r['system_s'] for r in rows[name]):.2f} | "
-                     f"{med(name, 'wall_s'):.3f} |")
-    a, b = SETTINGS
-    cpu = [statistics.median(r["user_s"] + r["system_s"] for r in rows[n]) for n in (a, b)]
-    lines += ["", f"{a} / {b}: workers' CPU per epoch {cpu[0] / cpu[1]:.2f}, system time "
-              f"{med(a, 'system_s') / med(b, 'system_s'):.2f}, wall per epoch {med(a, 'wall_s') / med(b, 'wall_s'):.2f}"]
+                     f"{med(name, 'main_s'):.3f} | {med(name, 'wall_s'):.3f} |")
+    lines.append("")
+    names = list(settings)
+    for a, b in [(names[0], names[1])] + [(n, names[0]) for n in names[2:]]:
+        cpu = [statistics.median(r["user_s"] + r["system_s"] for r in rows[n]) for n in (a, b)]
+        lines.append(f"{a} / {b}: workers' CPU per epoch {cpu[0] / cpu[1]:.2f}, system time "
+                     f"{med(a, 'system_s') / med(b, 'system_s'):.2f}, main thread CPU "
+                     f"{med(a, 'main_s') / med(b, 'main_s'):.2f}, wall per epoch "
+                     f"{med(a, 'wall_s') / med(b, 'wall_s'):.2f}")
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"epochs-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
