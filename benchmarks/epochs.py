@@ -122,8 +122,18 @@ def main(argv: list[str] | None = None) -> None:
                           f"{statistics.median(r['faults'] for r in got):8.0f}, workers' CPU s/epoch "
                           f"{statistics.median(r['user_s'] + r['system_s'] for r in got):.2f}", flush=True)
 
+    args.out.mkdir(parents=True, exist_ok=True)  # the data first: nothing below may lose it
+    out = args.out / f"epochs-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+
     def med(name: str, key: str) -> float:
+        if key == "cpu_s":
+            return statistics.median(r["user_s"] + r["system_s"] for r in rows[name])
         return statistics.median(r[key] for r in rows[name])
+
+    def ratio(a: str, b: str, key: str) -> str:
+        den = med(b, key)  # CPU times come in 10 ms ticks: a median can be 0
+        return f"{med(a, key) / den:.2f}" if den else "—"
 
     header = (f"{datetime.date.today()} · {os.cpu_count()} cores · `python -m benchmarks.epochs "
               f"{' '.join(sys.argv[1:])}`".rstrip())
@@ -133,22 +143,15 @@ def main(argv: list[str] | None = None) -> None:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name in settings:
         lines.append(f"| {name} | {med(name, 'faults'):,.0f} | {med(name, 'user_s'):.2f} | "
-                     f"{med(name, 'system_s'):.2f} | "
-                     f"{statistics.median(r['user_s'] + r['system_s'] for r in rows[name]):.2f} | "
+                     f"{med(name, 'system_s'):.2f} | {med(name, 'cpu_s'):.2f} | "
                      f"{med(name, 'main_s'):.3f} | {med(name, 'wall_s'):.3f} |")
     lines.append("")
     names = list(settings)
     for a, b in [(names[0], names[1])] + [(n, names[0]) for n in names[2:]]:
-        cpu = [statistics.median(r["user_s"] + r["system_s"] for r in rows[n]) for n in (a, b)]
-        lines.append(f"{a} / {b}: workers' CPU per epoch {cpu[0] / cpu[1]:.2f}, system time "
-                     f"{med(a, 'system_s') / med(b, 'system_s'):.2f}, main thread CPU "
-                     f"{med(a, 'main_s') / med(b, 'main_s'):.2f}, wall per epoch "
-                     f"{med(a, 'wall_s') / med(b, 'wall_s'):.2f}")
-    table = "\n".join(lines)
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"epochs-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
-    print(f"\n{table}\n\nresults: {out}")
+        lines.append(f"{a} / {b}: workers' CPU per epoch {ratio(a, b, 'cpu_s')}, system time "
+                     f"{ratio(a, b, 'system_s')}, main thread CPU {ratio(a, b, 'main_s')}, "
+                     f"wall per epoch {ratio(a, b, 'wall_s')}")
+    print("\n" + "\n".join(lines) + f"\n\nresults: {out}")
 
 
 if __name__ == "__main__":

@@ -402,27 +402,37 @@ _ROUND_KEYS = ("steady_sps", "pass_sps", "ttfb_s", "setup_s")
 
 
 def _merge_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary over every repetition of every round, keeping each round's means."""
-    if len(summaries) == 1 or any("error" in s for s in summaries):
-        return next((s for s in summaries if "error" in s), summaries[0])
-    merged = _summarise([r for s in summaries for r in s["raw"]])
+    """One summary over every repetition of the rounds that completed, keeping each of
+    those rounds' means under its round number (an error row only if every round failed)."""
+    good = [(k, s) for k, s in enumerate(summaries) if "error" not in s]
+    if len(summaries) == 1 or not good:
+        return summaries[0]
+    merged = _summarise([r for _, s in good for r in s["raw"]])
     first = summaries[0]
     merged.update(
         method=first["method"], delay_ms=first["delay_ms"], workers=first["workers"],
         wall_s=sum(s["wall_s"] for s in summaries), load_before=first["load_before"],
         load_after=summaries[-1]["load_after"],
-        wire_mb_per_rep=statistics.mean(s["wire_mb_per_rep"] for s in summaries),
-        connections_per_rep=statistics.mean(s["connections_per_rep"] for s in summaries),
-        rounds=[{k: s[k] for k in _ROUND_KEYS} for s in summaries],
+        wire_mb_per_rep=statistics.mean(s["wire_mb_per_rep"] for _, s in good),
+        connections_per_rep=statistics.mean(s["connections_per_rep"] for _, s in good),
+        rounds=[{"round": k, **{key: s[key] for key in _ROUND_KEYS}} for k, s in good],
+        failed_rounds=len(summaries) - len(good),
     )
     return merged
 
 
 def _paired(a: dict | None, b: dict | None, key: str) -> list[float]:
-    """a/b round by round (rounds run back to back), for the rounds both completed."""
+    """a/b round by round (the methods of a round run back to back), for the rounds both
+    completed with a number."""
     if not a or not b or "rounds" not in a or "rounds" not in b:
         return []
-    return [x[key] / y[key] for x, y in zip(a["rounds"], b["rounds"]) if y[key] and x[key] == x[key]]
+    theirs = {r["round"]: r[key] for r in b["rounds"]}
+    out = []
+    for mine in a["rounds"]:
+        x, y = mine[key], theirs.get(mine["round"], float("nan"))
+        if x == x and y == y and y:  # NaN != NaN
+            out.append(x / y)
+    return out
 
 
 def format_paired(results: list[dict[str, Any]]) -> str:

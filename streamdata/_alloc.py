@@ -28,7 +28,7 @@ __all__ = ["keep_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
+MMAP_THRESHOLD = 32 << 20  # the adaptive threshold's ceiling on 64-bit (older glibc: the most allowed)
 TRIM_THRESHOLD = 256 << 20
 
 

@@ -228,8 +228,12 @@ def lend(batch: Any) -> Any:
 _BOARDS: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()  # the pinning thread registers while the main thread reclaims
 _OUT: list[tuple[Any, Board, int, int, int]] = []  # (weak storage ref, board, worker, slot, token)
-_PRUNE_MIN = 1024
-_prune_at = _PRUNE_MIN  # _register reclaims when _OUT grows to this (batches read without unwrap)
+_KEYS: set[tuple[int, int, int, int]] = set()  # (board id, worker, slot, token) of the _OUT entries
+# _register reclaims when _OUT has grown to _prune_at (nobody calls reclaim when the batches
+# are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, so the
+# trigger must come well before that, and it doubles with the entries still live (amortised)
+_PRUNE_MIN = 16
+_prune_at = _PRUNE_MIN
 
 
 def _register(lent: _Lent) -> None:
@@ -243,13 +247,19 @@ def _register(lent: _Lent) -> None:
     positions = {position: (slot, token) for position, slot, token in lent.tickets}
     refs = []
     for position, tensor in enumerate(iter_tensors(lent.batch)):
-        if position in positions:
+        if position in positions and tensor.is_shared():
+            # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
+            # the batch that really lives in the slot may hold it out of the pool
             slot, token = positions[position]
             refs.append((StorageWeakRef(tensor.untyped_storage()), board, lent.worker, slot, token))
     with _LOCK:
-        _OUT.extend(refs)
+        for entry in refs:
+            key = (board.id, *entry[2:])
+            if key not in _KEYS:  # the same batch unpickled twice: one record is enough
+                _KEYS.add(key)
+                _OUT.append(entry)
         grown = len(_OUT) >= _prune_at
-    if grown:  # nobody calls reclaim (loader.dataloader iterated directly): do it here
+    if grown:
         reclaim()
 
 
@@ -263,10 +273,11 @@ def reclaim() -> int:
             ref, board, worker, slot, token = entry
             if ref.expired():
                 released += board.release(worker, slot, token)
+                _KEYS.discard((board.id, worker, slot, token))
             else:
                 keep.append(entry)
         _OUT[:] = keep
-        _prune_at = max(_PRUNE_MIN, 2 * len(keep))  # amortised: the live entries at most double
+        _prune_at = max(_PRUNE_MIN, 2 * len(keep))
     return released
 
 

@@ -176,13 +176,12 @@ def test_the_pool_shrinks_back_after_the_loop_held_many_batches():
     assert reports[-1] <= 8 * batch_bytes, reports[-20:]  # back to the few in flight
 
 
-def test_batches_read_from_the_dataloader_directly_are_still_released(monkeypatch):
+def test_batches_read_from_the_dataloader_directly_are_still_released():
     """Iterating ``loader.dataloader`` (no unwrap, so nobody calls ``reclaim``): the main
-    process's list of lent storages stays bounded and the slots are still reused."""
-    monkeypatch.setattr(recycle, "_PRUNE_MIN", 16)
-    monkeypatch.setattr(recycle, "_prune_at", 16)
-    n = 80
-    with make(n) as feed:
+    process's list of lent storages stays bounded and the slots are still reused, long
+    after every worker's pool would have run out of slots (3 x SLOTS_PER_WORKER batches)."""
+    n = 3 * recycle.SLOTS_PER_WORKER
+    with make(n, num_workers=1) as feed:
         sizes, inodes = [], []
         for item in feed.dataloader:
             assert isinstance(item, recycle._Lent) and intact(item.batch)
@@ -192,8 +191,27 @@ def test_batches_read_from_the_dataloader_directly_are_still_released(monkeypatc
     assert len(inodes) == n
     assert max(sizes) <= 40, sizes
     # released in bursts (at each prune), so a few more storages than through unwrap; never
-    # released, every batch would take a new one (80)
+    # released, every batch after the 64th would take a new one
     assert len(set(inodes)) <= 24, f"{len(set(inodes))} distinct storages for {n} batches"
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_lent_batch_does_not_free_its_slot(how):
+    """A copy of a wrapped batch (its own private storage) dies early; the batch it was
+    copied from is kept: the slot must stay out of the pool."""
+    import copy
+
+    n = 60
+    with make(n, num_workers=1) as feed:
+        kept = []
+        for k, item in enumerate(feed.dataloader):
+            twin = copy.deepcopy(item) if how == "deepcopy" else pickle.loads(pickle.dumps(item))
+            assert intact(twin.batch)
+            del twin
+            if k < 20:
+                kept.append(item.batch)
+        del item
+    assert len(kept) == 20 and all(intact(batch) for batch in kept)
 
 
 def test_an_early_break_then_a_new_epoch_keeps_reusing():
@@ -297,9 +315,17 @@ def test_lend_names_the_slots_in_the_batch_and_frees_storages_dropped_unsent(poo
 
 def test_unpickling_registers_and_reclaim_releases_when_the_storage_is_gone(pool):
     p, board, allocate, _ = pool
+    recycle.reclaim()  # what earlier tests left
+    before = len(recycle._OUT)
     storage = p.storage(64, allocate)
     lent = p.lend(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (64,)))
-    received = pickle.loads(pickle.dumps(lent))  # a copy: its own storage, as in another process
+    # as the main process unpickles it: a shared mapping of its own (here, a shared copy)
+    received = recycle._Lent.__new__(recycle._Lent)
+    received.__setstate__((lent.batch.clone().share_memory_(), *lent.__getstate__()[1:]))
+    received_again = recycle._Lent.__new__(recycle._Lent)  # the same batch unpickled twice
+    received_again.__setstate__(received.__getstate__())
+    assert len(recycle._OUT) == before + 1
+    del received_again
     batch = next(recycle.unwrap([received]))
     assert int(board.states[0][0]) != recycle.FREE
     assert recycle.reclaim() == 0  # still referenced here
