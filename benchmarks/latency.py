@@ -444,6 +444,9 @@ def format_paired(results: list[dict[str, Any]]) -> str:
              ("streamdata", "wire", "pass_sps", "same, whole pass"),
              ("streamdata", "webdataset", "steady_sps", "streamdata / webdataset"),
              ("objects", "mapstyle", "steady_sps", "objects / map-style")]
+    variants = sorted({r["method"] for r in results if r["method"].startswith("streamdata:")})
+    for v in variants:
+        pairs += [(v, "wire", "steady_sps", f"{v} / wire"), (v, "wire", "pass_sps", "same, whole pass")]
     used = [p for p in pairs if any(_paired(rows.get(p[0]), rows.get(p[1]), p[2]) for rows in by_delay.values())]
     if not used:
         return ""
@@ -637,13 +640,21 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"one-way delay {delay:g} ms, {args.workers} workers:", flush=True)
                 # rounds interleave the methods (A B C, A B C, ...), so that a slow spell of
                 # this shared machine hits every method alike; ratios are then taken per round
-                rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+                methods = list(args.methods) + [f"streamdata:{v}" for v in args.sd_variants or {}]
+                rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
                 for k in range(args.rounds):
-                    for method in args.methods:
+                    for method in methods:
                         label = method if args.rounds == 1 else f"{method} [{k + 1}/{args.rounds}]"
-                        rounds[method].append(_measure(label, base, proxy, method=method,
-                                                       delay_ms=delay, workers=args.workers))
-                results.extend(_merge_rounds(rounds[m]) for m in args.methods)
+                        changes: dict[str, Any] = {"method": method}
+                        if ":" in method:  # a streamdata variant: its options over --sd-options
+                            variant = args.sd_variants[method.split(":", 1)[1]]
+                            changes = {"method": "streamdata",
+                                       "sd_options": {**(args.sd_options or {}), **variant}}
+                        summary = _measure(label, base, proxy, delay_ms=delay, workers=args.workers,
+                                           **changes)
+                        summary["method"] = method
+                        rounds[method].append(summary)
+                results.extend(_merge_rounds(rounds[m]) for m in methods)
             for delay in args.sweep_delays:
                 proxy.set_delay(delay / 1000)
                 print(f"num_workers sweep at {delay:g} ms:", flush=True)
@@ -761,6 +772,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sd.ObjectDataset over a prefix (one listing) or the explicit URL list")
     p.add_argument("--sd-options", type=json.loads, default=None,
                    help='JSON keyword options for sd.TarDataset, e.g. \'{"window": 8}\'')
+    p.add_argument("--sd-variants", type=json.loads, default=None,
+                   help='JSON {name: options}: each also runs as method "streamdata:name", e.g. '
+                        '\'{"budget32": {"byte_budget": 33554432}}\' (A/B of settings in one run)')
     p.add_argument("--quick", action="store_true", help="small data, one rep, two delays")
     p.add_argument("--rss", action="store_true", help="only the worker-RSS vs byte-budget check")
     p.add_argument("--rss-sizes", type=_ints, default=[1, 4, 16, 64, 256], help="shard sizes, MB")
