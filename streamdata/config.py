@@ -40,7 +40,9 @@ class FetchConfig:
                   batch costs one round trip and a short transfer, while the rest arrives.
     max_requests: concurrent GETs per worker.
     byte_budget:  bytes fetched or in flight but not yet consumed; the fetcher holds at
-                  most ``max(byte_budget, one part)``.
+                  most ``max(byte_budget, one part)``. 64 MiB: enough in flight for 100 ms
+                  one-way delay at this machine's rate, while a first epoch page-faults in
+                  half as much fresh memory as with 128 MiB (benchmarks/README.md, budget A/B).
     retries:      attempts after the first for a failed part (jittered exponential backoff).
     timeout:      seconds for one request before it counts as failed.
     """
@@ -49,7 +51,7 @@ class FetchConfig:
     part_size: int = 8 * MiB
     first_part: int = 256 * 1024
     max_requests: int = 32
-    byte_budget: int = 128 * MiB
+    byte_budget: int = 64 * MiB
     retries: int = 4
     backoff: float = 0.1
     timeout: float = 60.0
