@@ -255,7 +255,10 @@ class _StreamOps:
     def copy(self, batch: Any, transform: Callable[[Any], Any] | None) -> tuple[Any, Any]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            out = map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+            # asynchronous only from pinned memory: from pageable (or recycled shared) memory
+            # nothing guarantees the source was read when the call returns, and the worker
+            # may overwrite a released slot
+            out = map_tensors(lambda t: t.to(self.device, non_blocking=t.is_cuda or t.is_pinned()), batch)
             if transform is not None:
                 out = transform(out)
             done = torch.cuda.Event()
