@@ -32,17 +32,26 @@ MMAP_THRESHOLD = 32 << 20  # the adaptive threshold's ceiling on 64-bit (older g
 TRIM_THRESHOLD = 256 << 20
 
 
-def keep_freed_memory() -> bool:
-    """Tune this process's glibc malloc to keep freed memory; False where that is not
-    possible (not Linux, not glibc: musl's ``mallopt`` does nothing)."""
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library if it is glibc on Linux (musl's ``mallopt`` does nothing)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018  # glibc only
+        libc.mallopt  # noqa: B018
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def keep_freed_memory() -> bool:
+    """Tune this process's glibc malloc to keep freed memory; False where that is not
+    possible (not Linux, not glibc)."""
+    libc = _glibc()
+    if libc is None:
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -90,7 +90,6 @@ class BufferPool:
 
     def storage(self, nbytes: int, allocate: Any) -> torch.UntypedStorage:
         """A shared-memory storage of at least ``nbytes``: a free one, else ``allocate(n)``."""
-        self._drop_idle()
         slot = self._free_slot(nbytes)
         if slot is not None:
             self.stats["reused"] += 1
@@ -114,27 +113,27 @@ class BufferPool:
         """Bytes of the storages this pool keeps (lent or free)."""
         return sum(slot.nbytes for slot in self._slots if slot is not None)
 
+    @staticmethod
+    def _only_pool_holds(slot: _Slot) -> bool:
+        return torch._C._storage_Use_Count(slot.storage._cdata) == 1
+
     def _idle(self, slot: _Slot) -> bool:
         """Free on the board and held by nothing but the pool."""
-        return (self._row[slot.index] == FREE
-                and torch._C._storage_Use_Count(slot.storage._cdata) == 1)
-
-    def _drop_idle(self) -> None:
-        """Let go of free storages unused for ``IDLE_REQUESTS`` requests (unmapped once
-        nothing holds them), so the pool shrinks back to what the batches in flight use."""
-        for index, slot in enumerate(self._slots):
-            if (slot is not None and self._counter - slot.last_used >= IDLE_REQUESTS
-                    and self._idle(slot)):
-                self._slots[index] = None
-                self.stats["dropped"] += 1
+        return self._row[slot.index] == FREE and self._only_pool_holds(slot)
 
     def _free_slot(self, nbytes: int) -> _Slot | None:
         """The smallest fitting slot that the main process freed and nothing here still uses
-        (a dataset may keep earlier batches: mixup, a replay buffer)."""
+        (a dataset may keep earlier batches: mixup, a replay buffer). In the same pass, idle
+        storages unused for ``IDLE_REQUESTS`` requests are let go (unmapped once nothing
+        holds them), so the pool shrinks back to what the batches in flight use."""
         best = None
-        for slot in self._slots:
-            if (slot is not None and nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
-                    and (best is None or slot.nbytes < best.nbytes) and self._idle(slot)):
+        for index, slot in enumerate(self._slots):
+            if slot is None or not self._idle(slot):
+                continue
+            if self._counter - slot.last_used >= IDLE_REQUESTS:
+                self._slots[index] = None
+                self.stats["dropped"] += 1
+            elif nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK and (best is None or slot.nbytes < best.nbytes):
                 best = slot
         return best
 
@@ -167,7 +166,7 @@ class BufferPool:
         for slot in self._pending:
             if slot.index in seen:
                 continue
-            if torch._C._storage_Use_Count(slot.storage._cdata) == 1:  # dropped before sending
+            if self._only_pool_holds(slot):  # dropped before sending
                 self._row[slot.index] = FREE
             else:
                 still.append(slot)

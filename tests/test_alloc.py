@@ -17,6 +17,7 @@ import pytest
 from torch.utils.data import IterableDataset
 
 import streamdata as sd
+from streamdata import _alloc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 
@@ -62,11 +63,7 @@ def test_without_it_freed_memory_is_faulted_in_again():
 
 def _glibc() -> bool:
     """glibc malloc with ordinary pages (huge pages would fault once per 2 MiB)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
-    except (OSError, AttributeError):
+    if _alloc._glibc() is None:
         return False
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[always]" in thp.read_text():
