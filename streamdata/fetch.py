@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from ._aio import wait_future
-from .client import AsyncClient
+from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
 from .urls import Shard, split_url, translate_error
@@ -52,6 +52,8 @@ _Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
 
 
 _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
+
+_RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
 
 
 def _split(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
@@ -203,12 +205,13 @@ class Prefetcher:
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future) -> None:
         try:
-            data = await self.client.get(url, start, end)
-            if len(data) != reserved:  # only for open-ended parts: account for the real size
-                self._reserved += len(data) - reserved
-                fut.reserved_fix = len(data) - reserved  # type: ignore[attr-defined]
+            data = await self.client.get(url, start, end, chunks=True)
+            size = body_size(data)
+            if size != reserved:  # only for open-ended parts: account for the real size
+                self._reserved += size - reserved
+                fut.reserved_fix = size - reserved  # type: ignore[attr-defined]
             if not fut.set_running_or_notify_cancel():
-                self._reserved -= len(data)
+                self._reserved -= size
                 return
             fut.set_result(data)
         except asyncio.CancelledError:
@@ -230,7 +233,8 @@ class ItemReader:
         self.url = fetcher.items[index].url
 
     def chunks(self) -> Iterator[bytes]:
-        """Yield the item's bytes in parts; each part's budget is released once the next is asked."""
+        """Yield the item's bytes in order, in pieces of any size. Budget is released once the
+        reader has asked for the next piece (a MiB at a time, and at the end of each part)."""
         f = self._fetcher
         pending: collections.deque = collections.deque()
         try:
@@ -241,11 +245,24 @@ class ItemReader:
                                    url=self.url, check=f._check)
                 pending.popleft()
                 del fut
+                # a part may come as the chunks it arrived in (``Chunks``): hand them on one
+                # by one, and give their budget back a MiB at a time as the reader moves on
+                pieces = list(data) if type(data) is Chunks else [data]
+                del data
+                held = sum(map(len, pieces))
+                freed = 0
                 try:
-                    yield data
+                    for i, piece in enumerate(pieces):
+                        pieces[i] = b""
+                        yield piece
+                        freed += len(piece)
+                        del piece
+                        if freed >= _RELEASE_STEP:
+                            f._release_soon(freed)
+                            held, freed = held - freed, 0
                 finally:
-                    f._release_soon(len(data))
-                    del data
+                    if held:
+                        f._release_soon(held)
         except StreamDataError as exc:
             if f.where and not exc.where:
                 exc.where = f.where

@@ -140,9 +140,9 @@ def test_projection_requests_only_the_asked_column_chunks(s3_bucket, monkeypatch
     requested: list[tuple[int, int]] = []
     real_get = AsyncClient.get
 
-    async def spy(self, url, start=0, end=None):
+    async def spy(self, url, start=0, end=None, **kw):
         requested.append((start, end))
-        return await real_get(self, url, start, end)
+        return await real_get(self, url, start, end, **kw)
 
     monkeypatch.setattr(AsyncClient, "get", spy)
     ds = ParquetDataset(url, ["c2", "c3"], batch_size=1000, storage_options=s3_server.storage_options)

@@ -137,9 +137,9 @@ def test_fetching_starts_when_the_iterator_is_created(tmp_path, monkeypatch):
     started = threading.Event()
     real_get = AsyncClient.get
 
-    async def spy(self, url, start=0, end=None):
+    async def spy(self, url, start=0, end=None, **kw):
         started.set()
-        return await real_get(self, url, start, end)
+        return await real_get(self, url, start, end, **kw)
 
     monkeypatch.setattr(AsyncClient, "get", spy)
     it = iter(sd.TarDataset(str(tmp_path / "a.tar")))
@@ -387,3 +387,53 @@ def test_the_signer_key_follows_the_aws_environment(monkeypatch):
     assert signer_key("s3", options) != before
     assert signer_key("s3", {**options, "cache_regions": True}) is None
     assert signer_key("gcs", options) is None
+
+
+def _reserved(fetcher):
+    async def read():
+        return fetcher._reserved
+
+    return fetcher._io.run(read(), 10)
+
+
+def _wait_reserved_zero(fetcher, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _reserved(fetcher) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _reserved(fetcher)
+
+
+def test_s3_parts_arrive_unjoined_and_their_budget_comes_back(s3fs_fs):
+    """S3 parts are handed on as the chunks they arrived in (no join copy): the bytes are
+    exact, the budget returns to zero when they are read, and also when the reader stops
+    in the middle of a part."""
+    from streamdata.client import AsyncClient, Chunks
+
+    server, bucket, fs = s3fs_fs
+    blob = os.urandom(3 * MiB + 17)
+    fs.pipe_file(f"{bucket}/big.bin", blob)
+    url = f"s3://{bucket}/big.bin"
+    client = AsyncClient("s3", server.storage_options)
+    try:
+        body = client.io.run(client.get(url, 5, 2 * MiB, chunks=True), 30)
+        assert type(body) is Chunks and len(body) > 1
+        assert b"".join(body) == blob[5:2 * MiB]
+        assert client.io.run(client.get(url, 5, 2 * MiB), 30) == blob[5:2 * MiB]  # joined
+    finally:
+        client.close()
+
+    shards = sd.expand_spec(url, server.storage_options)
+    config = FetchConfig(part_size=MiB, byte_budget=2 * MiB, window=1)
+    with Prefetcher(shards, server.storage_options, config) as fetcher:
+        pieces = list(next(iter(fetcher)).chunks())
+        assert len(pieces) > 4  # 4 parts, each in several chunks
+        assert b"".join(pieces) == blob
+        assert _wait_reserved_zero(fetcher) == 0
+    with Prefetcher(shards, server.storage_options, config) as fetcher:
+        reader = next(iter(fetcher)).chunks()
+        first = next(reader)
+        assert blob.startswith(first) and 0 < len(first) < MiB  # one chunk of the first part
+        reader.close()  # mid-part: the rest of this part and the parts in flight are let go
+        assert _wait_reserved_zero(fetcher) == 0
