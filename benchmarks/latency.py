@@ -614,7 +614,11 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     sweep: list[dict[str, Any]] = []
     with S3Server() as server:
         layout = _prepare(server, args)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=0.0) as proxy:
+        link = args.link_mbps * 1e6 if args.link_mbps else None
+        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=0.0, link_bandwidth=link) as proxy:
+            if link:
+                print(f"one link of {args.link_mbps:g} MB/s per direction, shared by all connections",
+                      flush=True)
             proxied = proxy.url_for(server.endpoint_url)
             base = {
                 "storage_options": replace_in_options(server.storage_options, server.endpoint_url, proxied),
@@ -754,6 +758,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=32, help="tar shards the samples are split into")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="DataLoader num_workers for the delay runs")
+    p.add_argument("--link-mbps", type=float, default=None,
+                   help="cap the proxy at one link of this many MB/s per direction, shared by all "
+                        "connections (default: no cap; the wire is then the server's and proxy's CPU)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per configuration (and round)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the delay runs this many times, methods interleaved; adds per-round ratios")

@@ -8,6 +8,8 @@ not behind the previous chunk's delay, so throughput is not limited by the delay
 
 - ``bandwidth``: bytes/s per connection and direction (a serialisation delay before the
   one-way delay, as on a real link);
+- ``link_bandwidth``: bytes/s per direction shared by all connections (one network link:
+  the client's NIC or the path to the bucket), applied after ``bandwidth``;
 - ``split``: forward data in random pieces of 1..split bytes (to exercise parsers that
   see partial arrivals);
 - ``handshake_rtts``: round trips a new connection pays before its first byte reaches the
@@ -73,6 +75,11 @@ class _DelayLine:
             if bandwidth and data:
                 link_free = max(now, link_free) + len(data) / bandwidth
                 sent = link_free
+            shared = self.proxy.link_bandwidth
+            if shared and data:  # one link for every connection: one serialisation queue
+                free = self.proxy._link_free
+                free[self.upstream] = max(sent, free[self.upstream]) + len(data) / shared
+                sent = free[self.upstream]
             self.queue.append((max(sent, self.ready_at) + self.proxy.delay_s, data))
             self.in_flight += len(data)
             self.has_items.set()
@@ -138,18 +145,21 @@ class LatencyProxy:
         *,
         handshake_rtts: int = 1,
         window_bytes: int = DEFAULT_WINDOW,
+        link_bandwidth: float | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         seed: int = 0,
     ) -> None:
-        if delay_s < 0 or (bandwidth is not None and bandwidth <= 0):
-            raise ValueError("delay_s must be >= 0 and bandwidth > 0")
+        if delay_s < 0 or any(b is not None and b <= 0 for b in (bandwidth, link_bandwidth)):
+            raise ValueError("delay_s must be >= 0, bandwidth and link_bandwidth > 0")
         if split is not None and split < 1:
             raise ValueError("split must be >= 1")
         self.upstream_host = upstream_host
         self.upstream_port = upstream_port
         self.delay_s = float(delay_s)
         self.bandwidth = bandwidth
+        self.link_bandwidth = link_bandwidth
+        self._link_free = {True: 0.0, False: 0.0}  # per direction: when the link is next idle
         self.split = split
         self.handshake_rtts = handshake_rtts
         self.window_bytes = window_bytes
@@ -328,6 +338,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
     p.add_argument("--delay", type=float, default=0.1, help="one-way delay in seconds")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per connection")
+    p.add_argument("--link", type=float, default=None,
+                   help="bytes/s per direction shared by all connections (one link)")
     p.add_argument("--split", type=int, default=None, help="forward in pieces of 1..N bytes")
     p.add_argument("--handshake-rtts", type=int, default=1)
     return p.parse_args(argv)
@@ -348,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         args.split,
         handshake_rtts=args.handshake_rtts,
         port=args.port,
+        link_bandwidth=args.link,
     ) as proxy:
         print(json.dumps({"port": proxy.port, "delay_s": proxy.delay_s}), flush=True)
         while not stop.wait(1.0):

@@ -112,6 +112,24 @@ def test_bandwidth_cap_is_applied(echo_server):
     assert elapsed >= 0.2  # 200 kB at 1 MB/s, one way at least
 
 
+def test_a_shared_link_caps_all_connections_together(echo_server):
+    """Per-connection bandwidth lets four connections move four times the bytes; one shared
+    link does not: four echoes of 100 kB at 1 MB/s take at least 0.4 s."""
+    import concurrent.futures
+
+    payload = os.urandom(100_000)
+    for link, least in ((None, 0.1), (1_000_000, 0.4)):
+        with LatencyProxy(*echo_server, delay_s=0.0, bandwidth=1_000_000, link_bandwidth=link) as proxy:
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                echoed = list(pool.map(lambda _: _echo_through(proxy.port, payload), range(4)))
+            elapsed = time.perf_counter() - start
+        assert echoed == [payload] * 4
+        assert elapsed >= least
+    with pytest.raises(ValueError):
+        LatencyProxy(*echo_server, link_bandwidth=0)
+
+
 def test_counters_and_reset(echo_server):
     with LatencyProxy(*echo_server, delay_s=0.0) as proxy:
         assert _echo_through(proxy.port, b"x" * 1000) == b"x" * 1000
