@@ -31,7 +31,7 @@ class Chunks(tuple):
     Joining a part's chunks into one ``bytes`` copies every byte once more, and in a fresh
     DataLoader worker page-faults in a buffer as big as the part. The tar parser reads the
     chunks as they are (``ItemReader.chunks`` hands them on one by one). Measured
-    (benchmarks/README.md): the join was a fifth of a worker's CPU on S3 shards.
+    (benchmarks/README.md): py-spy found a fifth of a worker's samples in the join.
     """
 
     __slots__ = ()
