@@ -414,3 +414,20 @@ def test_no_thread_left_behind(tmp_path):
     next(it)
     it.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("streamdata")]
+
+
+def test_a_truncated_ipc_file_is_named_whatever_the_first_piece_size():
+    """S3 parts reach the reader as the chunks they arrived in, which can be a few bytes:
+    an IPC *file* without its footer is still recognised from its first bytes."""
+    from streamdata.errors import FormatError
+    from streamdata.formats.arrow import ipc_stream_batches
+
+    sink = pa.BufferOutputStream()
+    table = pa.table({"x": list(range(10))})
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    truncated = sink.getvalue().to_pybytes()[:-40]
+    for split in (1, 2, 5, len(truncated)):
+        pieces = [truncated[i:i + split] for i in range(0, len(truncated), split)]
+        with pytest.raises(FormatError, match="starts as an Arrow IPC file"):
+            list(ipc_stream_batches(pieces, "s3://b/t.arrow"))

@@ -291,7 +291,11 @@ def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordB
     """Record batches of an IPC stream, parsed as its bytes arrive (memory: about one batch)."""
     index = 0
     chunks = iter(chunks)
-    first = next(chunks, b"")
+    first = b""
+    for piece in chunks:  # pieces can be a few bytes (S3 parts come as received): enough to compare
+        first += piece
+        if len(first) >= len(IPC_MAGIC):
+            break
     if first[:len(IPC_MAGIC)] == IPC_MAGIC:
         raise FormatError(f"{url} starts as an Arrow IPC file but does not end with its footer "
                           "(truncated?)", url=url, key="footer")
