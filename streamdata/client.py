@@ -120,9 +120,7 @@ class _PresignedS3:
             async with self.session.get(url, headers=headers) as resp:
                 status = resp.status
                 if chunks and (status == 206 or (status == 200 and not headers)):
-                    data: bytes | Chunks = Chunks([piece async for piece, _ in resp.content.iter_chunks()
-                                                   if piece])
-                    return data
+                    return Chunks([piece async for piece, _ in resp.content.iter_chunks() if piece])
                 data = await resp.read()
             if attempt == 0 and ((status == 403 and cached) or (inherited and status >= 300)):
                 # temporary credentials may have rotated; or the inherited signer does not

@@ -247,9 +247,9 @@ class ItemReader:
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one
                 # by one, and give their budget back a MiB at a time as the reader moves on
+                held = body_size(data)
                 pieces = list(data) if type(data) is Chunks else [data]
                 del data
-                held = sum(map(len, pieces))
                 freed = 0
                 try:
                     for i, piece in enumerate(pieces):

@@ -226,8 +226,8 @@ def lend(batch: Any) -> Any:
 
 _BOARDS: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()  # the pinning thread registers while the main thread reclaims
-_OUT: list[tuple[Any, Board, int, int, int]] = []  # (weak storage ref, board, worker, slot, token)
-_KEYS: set[tuple[int, int, int, int]] = set()  # (board id, worker, slot, token) of the _OUT entries
+# lent slots: (board id, worker, slot, token) -> (weak ref to the storage, board); one record each
+_OUT: dict[tuple[int, int, int, int], tuple[Any, Board]] = {}
 # _register reclaims when _OUT has grown to _prune_at (nobody calls reclaim when the batches
 # are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, so the
 # trigger must come well before that, and it doubles with the entries still live (amortised)
@@ -250,13 +250,10 @@ def _register(lent: _Lent) -> None:
             # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
             # the batch that really lives in the slot may hold it out of the pool
             slot, token = positions[position]
-            refs.append((StorageWeakRef(tensor.untyped_storage()), board, lent.worker, slot, token))
+            refs.append(((board.id, lent.worker, slot, token), StorageWeakRef(tensor.untyped_storage())))
     with _LOCK:
-        for entry in refs:
-            key = (board.id, *entry[2:])
-            if key not in _KEYS:  # the same batch unpickled twice: one record is enough
-                _KEYS.add(key)
-                _OUT.append(entry)
+        for key, ref in refs:
+            _OUT.setdefault(key, (ref, board))  # the same batch unpickled twice: one record is enough
         grown = len(_OUT) >= _prune_at
     if grown:
         reclaim()
@@ -267,16 +264,11 @@ def reclaim() -> int:
     global _prune_at
     released = 0
     with _LOCK:
-        keep = []
-        for entry in _OUT:
-            ref, board, worker, slot, token = entry
+        for key, (ref, board) in list(_OUT.items()):
             if ref.expired():
-                released += board.release(worker, slot, token)
-                _KEYS.discard((board.id, worker, slot, token))
-            else:
-                keep.append(entry)
-        _OUT[:] = keep
-        _prune_at = max(_PRUNE_MIN, 2 * len(keep))
+                released += board.release(*key[1:])
+                del _OUT[key]
+        _prune_at = max(_PRUNE_MIN, 2 * len(_OUT))
     return released
 
 
