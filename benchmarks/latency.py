@@ -8,6 +8,22 @@ from one method into the next). See ``benchmarks/README.md`` for the columns.
     python -m benchmarks.latency            # full run (~10 min on 2 cores)
     python -m benchmarks.latency --quick    # smoke run (~2 min)
     python -m benchmarks.latency --rss      # a worker's peak RSS vs. byte budget, 1..256 MB shards
+
+A/B against another version of the package (e.g. the previous commit), in the same rounds:
+
+    git worktree add /tmp/sd-prev <commit>
+    python -m benchmarks.latency --delays 0,100 --methods wire,streamdata --sd-trees prev=/tmp/sd-prev \
+        --rounds 5 --reps 1 --sweep-workers ""
+
+``--sd-trees NAME=PATH[,NAME=PATH...]`` runs each entry as one more method,
+``streamdata@NAME``: the ``streamdata`` method's settings (``--sd-options`` included), with the
+``streamdata`` package imported from the checkout at PATH (a directory holding
+``streamdata/``). Its child process puts PATH first on ``sys.path`` before it imports
+``streamdata``, fails if the package came from anywhere else, and records the file it
+imported (``streamdata_file`` in the results). The benchmark's own code (``benchmarks.*``)
+and the S3 server (``streamdata.testing``, in this process) stay those of this tree. The
+per-round table then gives ``streamdata@NAME / wire`` next to ``streamdata / wire``, and
+``streamdata / streamdata@NAME`` round by round.
 """
 
 from __future__ import annotations
@@ -34,8 +50,8 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    MiB,
     Layout,
+    MiB,
     RssSampler,
     mean_std,
     replace_in_options,
@@ -47,7 +63,8 @@ from benchmarks.common import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 METHODS = ("wire", "streamdata", "webdataset", "wire_objects", "mapstyle", "objects")
-COLORS = dict(zip(METHODS, ("black", "tab:orange", "tab:green", "tab:gray", "tab:red", "tab:purple")))
+COLORS = dict(zip(METHODS, ("black", "tab:orange", "tab:green", "tab:gray", "tab:red", "tab:purple"),
+                  strict=True))
 NOT_FEASIBLE = {
     "mosaicml-streaming": "installing it pulls transformers, torchvision, oci, azure and downgrades numpy",
     "litdata": "reads only its own optimize() format (not these shards); pulls torchvision and obstore",
@@ -166,7 +183,7 @@ def _wds_collate(samples: list[tuple[Any, int]]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    arrays, labels = zip(*samples)
+    arrays, labels = zip(*samples, strict=True)  # (array, label) pairs
     return {"npy": torch.from_numpy(np.stack(arrays)), "cls": torch.tensor(labels)}
 
 
@@ -310,9 +327,37 @@ def _wire(cfg: dict) -> dict[str, float]:
     return asyncio.run(_wire_get(cfg, urls, len(urls), cfg["wire_object_concurrency"]))
 
 
+def _import_streamdata(sd_path: str | None) -> str:
+    """Import ``streamdata`` (from the checkout at ``sd_path`` when given); its ``__file__``.
+
+    With ``python -m`` the working directory (this tree) is ``sys.path[0]``, so PYTHONPATH
+    would not win: ``sd_path`` goes in front of it, before anything imports ``streamdata``.
+    ``benchmarks`` is imported by then and stays this tree's. DataLoader workers fork here (and
+    inherit the module); spawned or forkserver ones would get this ``sys.path``, so the same
+    ``streamdata`` (but PATH's ``benchmarks.latency`` as their ``__main__``, if it has one).
+    """
+    if sd_path is None:
+        return importlib.import_module("streamdata").__file__ or "?"
+    root = Path(sd_path).resolve()
+    if "streamdata" in sys.modules:
+        raise RuntimeError(f"streamdata was imported before sd_path {root} could be put first: "
+                           f"{sys.modules['streamdata'].__file__}")
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    module = importlib.import_module("streamdata")
+    where = Path(module.__file__ or "").resolve()
+    if not where.is_relative_to(root / "streamdata"):
+        raise RuntimeError(f"streamdata came from {where}, not from sd_path {root}")
+    here = Path(sys.modules["benchmarks"].__file__ or "").resolve()
+    if not here.is_relative_to(REPO):
+        raise RuntimeError(f"benchmarks came from {here}, not from this tree {REPO}")
+    return str(where)
+
+
 def run_one(cfg: dict) -> list[dict[str, Any]]:
     """All repetitions of one (method, delay, workers) configuration, in this process."""
-    for module in ("torch", "numpy", "aiohttp", "boto3", "s3fs", "webdataset", "streamdata"):
+    streamdata_file = _import_streamdata(cfg.get("sd_path"))
+    for module in ("torch", "numpy", "aiohttp", "boto3", "s3fs", "webdataset"):
         importlib.import_module(module)  # imports are not what we time
     reps = []
     for _ in range(cfg["reps"]):
@@ -332,6 +377,7 @@ def run_one(cfg: dict) -> list[dict[str, Any]]:
         # from its first request: both pay connection set-up and the first round trip
         span = result["total_s"] - result.get("setup_s", 0.0)
         result["pass_sps"] = result["samples"] / span if span > 0 else float("nan")
+        result["streamdata_file"] = streamdata_file
         reps.append(result)
     return reps
 
@@ -362,9 +408,10 @@ def _summarise(reps: list[dict[str, Any]]) -> dict[str, Any]:
     if any("error" in r for r in reps):
         return {"error": reps[0].get("error", "failed")}
     out: dict[str, Any] = {"reps": len(reps)}
-    for key in ("steady_sps", "pass_sps", "steady_mbps", "ttfb_s", "setup_s", "total_s", "first_shard_concurrent_s",
-                "peak_rss_mb", "worker_peak_mb", "worker_base_mb", "samples"):
+    for key in ("steady_sps", "pass_sps", "steady_mbps", "ttfb_s", "setup_s", "total_s",
+                "first_shard_concurrent_s", "peak_rss_mb", "worker_peak_mb", "worker_base_mb", "samples"):
         out[key], out[key + "_std"] = mean_std([float(r.get(key, float("nan"))) for r in reps])
+    out["streamdata_file"] = reps[0].get("streamdata_file") if reps else None
     out["raw"] = reps
     return out
 
@@ -392,7 +439,8 @@ def _measure(label: str, base_cfg: dict, proxy: Any, **changes: Any) -> dict[str
         print(
             f"  {label}: {summary['steady_sps']:8.0f} ± {summary['steady_sps_std']:5.0f} samples/s"
             f"  ttfb {summary['ttfb_s']:.2f} s  peak RSS {summary['peak_rss_mb']:.0f} MB"
-            f"  ({summary['wall_s']:.0f} s)",
+            f"  ({summary['wall_s']:.0f} s)"
+            + (f"  streamdata from {summary['streamdata_file']}" if cfg.get("sd_path") else ""),
             flush=True,
         )
     return summary
@@ -447,7 +495,13 @@ def format_paired(results: list[dict[str, Any]]) -> str:
     variants = sorted({r["method"] for r in results if r["method"].startswith("streamdata:")})
     for v in variants:
         pairs += [(v, "wire", "steady_sps", f"{v} / wire"), (v, "wire", "pass_sps", "same, whole pass")]
-    used = [p for p in pairs if any(_paired(rows.get(p[0]), rows.get(p[1]), p[2]) for rows in by_delay.values())]
+    trees = sorted({r["method"] for r in results if r["method"].startswith("streamdata@")})
+    for t in trees:  # another checkout of the package: its ratio to the wire, and this tree's to it
+        pairs += [(t, "wire", "steady_sps", f"{t} / wire"), (t, "wire", "pass_sps", "same, whole pass"),
+                  ("streamdata", t, "steady_sps", f"streamdata / {t}"),
+                  ("streamdata", t, "pass_sps", "same, whole pass")]
+    used = [p for p in pairs
+            if any(_paired(rows.get(p[0]), rows.get(p[1]), p[2]) for rows in by_delay.values())]
     if not used:
         return ""
     n = max(len(r.get("rounds", [])) for r in results)
@@ -606,9 +660,8 @@ def _machine() -> str:
 
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:
-    from streamdata.testing import S3Server
-
     from benchmarks.proxy import LatencyProxy
+    from streamdata.testing import S3Server
 
     results: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
@@ -637,6 +690,9 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                 "wire_object_concurrency": args.wire_object_concurrency,
                 "sd_options": args.sd_options,
             }
+            for name, tree in (args.sd_trees or {}).items():
+                print(f"streamdata@{name}: streamdata from {tree['path']} (commit {tree['commit']})",
+                      flush=True)
             print(f"DataLoader start-up, {args.workers} workers:", flush=True)
             startup = _measure("startup", base, proxy, method="startup", delay_ms=0, workers=args.workers)
             for delay in args.delays:
@@ -644,7 +700,8 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"one-way delay {delay:g} ms, {args.workers} workers:", flush=True)
                 # rounds interleave the methods (A B C, A B C, ...), so that a slow spell of
                 # this shared machine hits every method alike; ratios are then taken per round
-                methods = list(args.methods) + [f"streamdata:{v}" for v in args.sd_variants or {}]
+                methods = (list(args.methods) + [f"streamdata:{v}" for v in args.sd_variants or {}]
+                           + [f"streamdata@{t}" for t in args.sd_trees or {}])
                 rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
                 for k in range(args.rounds):
                     for method in methods:
@@ -654,6 +711,9 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                             variant = args.sd_variants[method.split(":", 1)[1]]
                             changes = {"method": "streamdata",
                                        "sd_options": {**(args.sd_options or {}), **variant}}
+                        elif "@" in method:  # another checkout of the package, same settings
+                            changes = {"method": "streamdata",
+                                       "sd_path": args.sd_trees[method.split("@", 1)[1]]["path"]}
                         summary = _measure(label, base, proxy, delay_ms=delay, workers=args.workers,
                                            **changes)
                         summary["method"] = method
@@ -675,18 +735,17 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                 if r["method"] == "wire":
                     sweep.extend(dict(r, workers=w) for w in args.sweep_workers[1:])
                     break
-    return {"results": results, "sweep": sweep, "startup": startup,
+    return {"results": results, "sweep": sweep, "startup": startup, "sd_trees": args.sd_trees or {},
             "layout": {k: v for k, v in asdict(layout).items() if not k.endswith("urls") and k != "labels"}}
 
 
 def run_rss(args: argparse.Namespace) -> dict[str, Any]:
     """Peak RSS of one streamdata worker reading one shard of each size, small byte budget."""
-    from streamdata.testing import S3Server
+    import webdataset as wds
 
     from benchmarks.common import tar_shard  # noqa: F401  (documents the writer used)
     from benchmarks.proxy import LatencyProxy
-
-    import webdataset as wds
+    from streamdata.testing import S3Server
 
     rows = []
     with S3Server() as server:
@@ -709,8 +768,9 @@ def run_rss(args: argparse.Namespace) -> dict[str, Any]:
             budget = args.rss_budget_mb * MiB
             sd_options = dict(args.sd_options or {}, byte_budget=budget, decode=False)
             for size_mb, url in urls.items():
-                cfg = {"method": "streamdata", "shard_spec": url, "shard_urls": [url], "storage_options": opts,
-                       "endpoint_url": proxied, "n_samples": 0, "sample_bytes": args.rss_member_kib * 1024,
+                cfg = {"method": "streamdata", "shard_spec": url, "shard_urls": [url],
+                       "storage_options": opts, "endpoint_url": proxied, "n_samples": 0,
+                       "sample_bytes": args.rss_member_kib * 1024,
                        "batch": 1, "reps": 1, "max_seconds": 600.0, "workers": 1,
                        "wire_concurrency": 1, "sd_options": sd_options, "delay_ms": args.rss_delay}
                 reps = _run_child(cfg, timeout=600)
@@ -728,7 +788,8 @@ def run_rss(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_rss(rows: list[dict]) -> str:
-    lines = ["| shard MB | byte budget MB | worker base MB | worker peak MB | growth MB | growth − budget MB |",
+    lines = ["| shard MB | byte budget MB | worker base MB | worker peak MB | growth MB "
+             "| growth − budget MB |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
@@ -746,6 +807,24 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _sd_trees(text: str) -> dict[str, dict[str, str]]:
+    """``NAME=PATH[,NAME=PATH...]`` -> {name: {"path": resolved PATH, "commit": its git HEAD}}."""
+    trees: dict[str, dict[str, str]] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, path = entry.partition("=")
+        name, root = name.strip(), Path(path.strip()).expanduser().resolve()
+        if not sep or not name or not path.strip():
+            raise argparse.ArgumentTypeError(f"{entry!r}: expected NAME=PATH")
+        if not name.replace("-", "").replace("_", "").isalnum() or name in trees:
+            raise argparse.ArgumentTypeError(f"{name!r}: names are letters, digits, - and _, once each")
+        if not (root / "streamdata" / "__init__.py").is_file():
+            raise argparse.ArgumentTypeError(f"{root} has no streamdata/__init__.py")
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True)
+        trees[name] = {"path": str(root), "commit": head.stdout.strip() if head.returncode == 0 else "?"}
+    return trees
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -782,6 +861,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sd-variants", type=json.loads, default=None,
                    help='JSON {name: options}: each also runs as method "streamdata:name", e.g. '
                         '\'{"budget32": {"byte_budget": 33554432}}\' (A/B of settings in one run)')
+    p.add_argument("--sd-trees", type=_sd_trees, default=None, metavar="NAME=PATH[,NAME=PATH...]",
+                   help="each also runs as method \"streamdata@NAME\" (the streamdata method's settings) "
+                        "with the streamdata package imported from the checkout at PATH, e.g. "
+                        "prev=/tmp/sd-prev after `git worktree add /tmp/sd-prev <commit>`")
     p.add_argument("--quick", action="store_true", help="small data, one rep, two delays")
     p.add_argument("--rss", action="store_true", help="only the worker-RSS vs byte-budget check")
     p.add_argument("--rss-sizes", type=_ints, default=[1, 4, 16, 64, 256], help="shard sizes, MB")
@@ -824,7 +907,8 @@ def main(argv: list[str] | None = None) -> None:
         if paired:
             table += "\n\n" + paired
         if "error" not in data["startup"]:
-            table += f"\n\nDataLoader start-up (first batch of an empty dataset): {data['startup']['ttfb_s']:.2f} s"
+            table += ("\n\nDataLoader start-up (first batch of an empty dataset): "
+                      f"{data['startup']['ttfb_s']:.2f} s")
         png = args.out / f"latency-{stamp}.png"
         plot(data["results"], data["sweep"], png, header)
         print(f"plot: {png}")
