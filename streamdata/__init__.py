@@ -2,7 +2,7 @@
 
 from .config import FetchConfig
 from .cuda import CudaPrefetcher, PinAhead, pin_batch
-from .dataset import ObjectDataset, ShardedDataset, TarDataset
+from .dataset import ShardedDataset, TarDataset
 from .errors import (
     AccessDeniedError,
     BackendMissingError,
@@ -17,6 +17,7 @@ from .errors import (
 )
 from .fetch import FetchItem, Prefetcher
 from .loader import Loader, loader
+from .objects import ObjectDataset
 from .urls import Shard, expand_spec
 from .world import World
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import SpecError
 
@@ -67,12 +69,31 @@ class FetchConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def resolve(cls, config: FetchConfig | None = None, *, defaults: Mapping[str, Any] | None = None,
+                **overrides: Any) -> FetchConfig:
+        """The one place a dataset's flat keyword options become its ``FetchConfig``.
+
+        ``config`` (else :meth:`from_env`) is the base; ``overrides`` (``None`` = not given)
+        replace its fields; ``defaults`` are a dataset's own defaults (Parquet's window), used
+        only for fields that no ``config``, environment variable or override chose.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise SpecError(f"unknown option {unknown[0]!r}; fetch options are {', '.join(sorted(names))}")
+        base = config or cls.from_env()
+        chosen = {k: v for k, v in overrides.items() if v is not None}
+        if config is None:
+            chosen = {**{k: v for k, v in (defaults or {}).items()
+                         if env_str(_ENV.get(k, "")) is None}, **chosen}
+        return base.replace(**chosen)
+
+    @classmethod
     def from_env(cls) -> FetchConfig:
         """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET."""
         base = cls()
-        return base.replace(
-            window=env_int("STREAMDATA_WINDOW", base.window),
-            part_size=env_int("STREAMDATA_PART_SIZE", base.part_size),
-            max_requests=env_int("STREAMDATA_MAX_REQUESTS", base.max_requests),
-            byte_budget=env_int("STREAMDATA_BYTE_BUDGET", base.byte_budget),
-        )
+        return base.replace(**{field: env_int(name, getattr(base, field)) for field, name in _ENV.items()})
+
+
+_ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
+        "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET"}

@@ -1,38 +1,40 @@
-"""The public datasets: wiring of spec -> sharding -> fetch -> format -> decode -> batch."""
+"""The sharded datasets' one pass: spec -> plan -> prefetcher -> records -> map -> shuffle -> batch.
+
+:class:`ShardedDataset` owns the epoch pass for every format: the reader's world, its plan
+of units for the epoch, the prefetcher, the error policy, ``map``, the shuffle, batching and
+the epoch iterator. A format supplies only what a unit is and how a fetched unit becomes
+records (``fetch_item`` and ``read_unit``); :class:`TarDataset` is that for tar shards, and
+:mod:`streamdata.parquet` for Parquet row groups and Arrow record batches (whose records are
+Arrow tables, shuffled and batched at table level by ``table_stages``).
+"""
 
 from __future__ import annotations
 
-import posixpath
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.utils.data
 
 from .config import FetchConfig
 from .decode import DecodeSpec, make_decoder
-from .errors import StreamDataError
-from .fetch import Prefetcher
+from .errors import SpecError
+from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats.tar import samples_from_chunks
+from .incremental import batches
+from .policy import ErrorPolicy, OnError, counters_for_skips
 from .sharding import assign, reader_seed
-from .stages import ErrorPolicy, batched, shuffled
-from .urls import Shard, Spec, expand_spec, split_url
+from .stages import shuffled
+from .urls import Shard, Spec, expand_spec
 from .world import World
 
-__all__ = ["ObjectDataset", "ShardedDataset", "TarDataset"]
+__all__ = ["EpochIterator", "ReaderPass", "ShardedDataset", "TarDataset"]
 
-def _fetch_config(config: FetchConfig | None, overrides: dict[str, Any]) -> FetchConfig:
-    base = config or FetchConfig.from_env()
-    return base.replace(**{k: v for k, v in overrides.items() if v is not None})
+DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
 
 
-def _default_collate(batch: list) -> Any:
-    from .collate import collate  # shared-memory tensors built in the worker, /dev/shm checked
-
-    return collate(batch)
-
-
-class _EpochIterator:
+class EpochIterator:
     """One reader's pass over its share of an epoch; creating it starts the fetch.
 
     Closing it (explicitly, at exhaustion, on error, or when garbage-collected after an
@@ -43,7 +45,7 @@ class _EpochIterator:
         self._items = items
         self._close: Callable[[], None] | None = close
 
-    def __iter__(self) -> _EpochIterator:
+    def __iter__(self) -> EpochIterator:
         return self
 
     def __next__(self) -> Any:
@@ -65,48 +67,62 @@ class _EpochIterator:
         self.close()
 
 
+@dataclass(frozen=True)
+class ReaderPass:
+    """What one reader reads in one pass: where it stands, the epoch, its units in order.
+
+    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world
+    (EXACTLY-ONCE, see ``sharding``), so a saved position in it is all a resume needs.
+    """
+
+    world: World
+    epoch: int
+    units: list[Any]
+
+    def seed(self, seed: int) -> list[int]:
+        """Seed material for this reader's shuffle in this pass."""
+        return reader_seed(self.world, seed=seed, epoch=self.epoch)
+
+
 class ShardedDataset(torch.utils.data.IterableDataset):
-    """Shared machinery of the sharded datasets; subclasses turn fetched units into samples.
+    """The pass every sharded dataset shares; subclasses say what a unit is and read it.
 
     The spec is expanded (and validated) here, in the constructing process, before any
-    worker starts.  Each ``iter()`` reads this reader's share of the epoch: units are
-    assigned by ``sharding.assign`` from ``(seed, epoch)``, so every sample of an epoch is
-    read exactly once across all ranks and workers.
+    worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options
+    (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``retries``, ``backoff``,
+    ``timeout``, ...) are given flat or as ``fetch_config=`` (:meth:`FetchConfig.resolve`).
+    Skips under ``on_error`` are counted in :attr:`skipped`, over every worker.
     """
 
     suffixes: tuple[str, ...] = ()
+    fetch_defaults: dict[str, Any] = {}  # a format's own defaults (FetchConfig.resolve)
+    default_shuffle_buffer = DEFAULT_SHUFFLE_BUFFER
 
     def __init__(self, spec: Spec, *, storage_options: dict | None = None, shuffle: bool = False,
                  seed: int = 0, shuffle_buffer: int | None = None, batch_size: int | None = None,
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
-                 map: Callable[[Any], Any] | None = None, on_error: str | Callable = "raise",
-                 fetch_config: FetchConfig | None = None, window: int | None = None,
-                 part_size: int | None = None, max_requests: int | None = None,
-                 byte_budget: int | None = None, retries: int | None = None,
-                 backoff: float | None = None, timeout: float | None = None) -> None:
+                 map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
+                 fetch_config: FetchConfig | None = None, **fetch_options: Any) -> None:
         super().__init__()
-        from .errors import SpecError
-
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
+        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
         self.shards: list[Shard] = expand_spec(spec, self.storage_options, suffixes=self.suffixes)
         self.shuffle = shuffle
         self.seed = seed
-        self.shuffle_buffer = (512 if shuffle else 0) if shuffle_buffer is None else shuffle_buffer
+        self.shuffle_buffer = ((self.default_shuffle_buffer if shuffle else 0) if shuffle_buffer is None
+                               else shuffle_buffer)
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.collate_fn = collate_fn or _default_collate
+        self.collate_fn = collate_fn  # None: each sample into a shared-memory batch as it comes
         self.map = map
-        ErrorPolicy(on_error)  # validate now, in the main process
-        self.on_error = on_error
-        self.fetch_config = _fetch_config(fetch_config, dict(
-            window=window, part_size=part_size, max_requests=max_requests, byte_budget=byte_budget,
-            retries=retries, backoff=backoff, timeout=timeout))
+        self._skips = counters_for_skips()
         self._epoch = 0
         self._passes = 0
 
-    # ---- epochs -----------------------------------------------------------------------
+    # ---- epochs and counts ------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose shuffle to read next (call before each epoch, as with
@@ -120,42 +136,60 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def epoch(self) -> int:
         return self._epoch + self._passes
 
-    # ---- iteration --------------------------------------------------------------------
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Records and units skipped under ``on_error`` so far, per reason, summed over this
+        process and its DataLoader workers (``policy.SKIP_REASONS``)."""
+        return self._skips.snapshot()
+
+    # ---- what a format supplies --------------------------------------------------------
 
     def units(self) -> Sequence[Any]:
         """The work units split across readers (shards here; row groups for Parquet)."""
         return self.shards
 
-    def _begin_pass(self) -> tuple[World, int, list[Any]]:
-        """This reader's world, the epoch of this pass, and its units in reading order."""
+    def fetch_item(self, unit: Any) -> FetchItem:
+        """What to fetch for ``unit``: its object, whole or as byte ranges."""
+        return FetchItem(unit.url, unit.size)
+
+    def read_unit(self, unit: Any, reader: ItemReader) -> Iterable[Any]:
+        """A fetched unit's records, in order."""
+        raise NotImplementedError
+
+    def prepare(self, record: Any) -> Any:
+        """One record made ready for the shuffle and the batch (decoding); errors are
+        handled by the policy, per record."""
+        return record
+
+    # ---- the pass -----------------------------------------------------------------------
+
+    def reader_pass(self) -> ReaderPass:
+        """This reader's pass of the current epoch (and, in a worker, one pass counted)."""
         world = World.current()
         epoch = self.epoch
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
-        return world, epoch, assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        units = assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        return ReaderPass(world, epoch, units)
 
     def __iter__(self) -> Iterator[Any]:
-        world, epoch, mine = self._begin_pass()
-        policy = ErrorPolicy(self.on_error)
-        fetcher = self._prefetcher(mine, world)
-        samples = self._samples(fetcher, mine, policy)
+        p = self.reader_pass()
+        where = p.world.describe()
+        policy = ErrorPolicy(self.on_error, self._skips, where=where)
+        fetcher = Prefetcher([self.fetch_item(u) for u in p.units], self.storage_options,
+                             self.fetch_config, where=where)
+        records = policy.units(self.read_unit(u, r) for u, r in zip(p.units, fetcher, strict=True))
+        return EpochIterator(self.stages(records, policy, p.seed(self.seed)), fetcher.close)
+
+    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
+        """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
+        samples = policy.each(records, self.prepare)
         if self.map is not None:
-            samples = (self.map(s) for s in samples)
-        rng = random.Random(str(reader_seed(world, seed=self.seed, epoch=epoch)))
-        samples = shuffled(samples, self.shuffle_buffer, rng)
-        if self.batch_size is not None and self.collate_fn is _default_collate:
-            from .incremental import batched_incrementally  # each sample into the batch as it comes
-
-            samples = batched_incrementally(samples, self.batch_size, self.drop_last)
-        elif self.batch_size is not None:
-            samples = batched(samples, self.batch_size, self.collate_fn, self.drop_last)
-        return _EpochIterator(samples, fetcher.close)
-
-    def _prefetcher(self, mine: Sequence[Any], world: World) -> Prefetcher:
-        return Prefetcher(mine, self.storage_options, self.fetch_config, where=world.describe())
-
-    def _samples(self, fetcher: Prefetcher, mine: Sequence[Any], policy: ErrorPolicy) -> Iterator[Any]:
-        raise NotImplementedError
+            samples = policy.each(samples, self.map)
+        samples = shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
+        if self.batch_size is None:
+            return samples
+        return batches(samples, self.batch_size, collate_fn=self.collate_fn, drop_last=self.drop_last)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {self.shards[0].url!r}, "
@@ -172,108 +206,12 @@ class TarDataset(ShardedDataset):
     suffixes = (".tar",)
 
     def __init__(self, spec: Spec, *, decode: DecodeSpec = True, **options: Any) -> None:
+        self.decode = decode
+        self._decoder = make_decoder(decode)
         super().__init__(spec, **options)
-        self.decode = decode
-        self._decoder = make_decoder(decode)
 
-    def _samples(self, fetcher: Prefetcher, mine: Sequence[Any], policy: ErrorPolicy) -> Iterator[dict]:
-        decoder = self._decoder
-        for reader in fetcher:
-            try:
-                for raw in samples_from_chunks(reader.chunks(), reader.url):
-                    if decoder is None:
-                        yield raw
-                        continue
-                    try:
-                        sample = decoder(raw)
-                    except StreamDataError as exc:
-                        if not policy.skip(exc):
-                            raise
-                        continue
-                    yield sample
-            except StreamDataError as exc:
-                if not policy.skip(exc):
-                    if not exc.where:
-                        exc.where = fetcher.where
-                    raise
+    def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
+        return samples_from_chunks(reader.chunks(), reader.url)
 
-
-class ObjectDataset(torch.utils.data.Dataset):
-    """A map-style dataset of one object per sample; ``__getitems__`` fetches a batch's objects
-    concurrently, so a ``DataLoader(batch_size=32)`` pays about one round trip per batch.
-
-    A sample is ``{"__key__": name without extension, "__url__": url, ext: decoded value}``.
-    """
-
-    def __init__(self, urls: Spec, *, storage_options: dict | None = None, decode: DecodeSpec = True,
-                 map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
-                 max_requests: int | None = None, retries: int | None = None,
-                 timeout: float | None = None) -> None:
-        self.storage_options = dict(storage_options or {})
-        self.shards = expand_spec(urls, self.storage_options)
-        self.protocol = split_url(self.shards[0].url)[0]
-        self.decode = decode
-        self._decoder = make_decoder(decode)
-        self.map = map
-        self.fetch_config = _fetch_config(fetch_config, dict(
-            max_requests=max_requests or 64, retries=retries, timeout=timeout))
-        self._client: Any = None
-        self._pid: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.__getitems__([index])[0]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        import asyncio
-
-        client = self._get_client()
-        urls = [self.shards[i].url for i in indices]
-
-        async def fetch_all() -> list[bytes]:
-            sem = asyncio.Semaphore(self.fetch_config.max_requests)
-
-            async def one(url: str) -> bytes:
-                async with sem:
-                    return await client.get(url)
-
-            return await asyncio.gather(*(one(u) for u in urls))
-
-        cfg = self.fetch_config
-        datas = client.io.run(fetch_all(), cfg.timeout * (cfg.retries + 1) + 30, what="a batch of objects")
-        return [self._sample(url, data) for url, data in zip(urls, datas)]
-
-    def _sample(self, url: str, data: bytes) -> Any:
-        name = posixpath.basename(split_url(url)[1])
-        key, dot, ext = name.partition(".")
-        sample = {"__key__": key, "__url__": url, (ext.lower() if dot else "data"): data}
-        if self._decoder is not None:
-            sample = self._decoder(sample)
-        return self.map(sample) if self.map is not None else sample
-
-    def _get_client(self) -> Any:
-        import os
-
-        from .client import AsyncClient
-
-        if self._client is None or self._pid != os.getpid():
-            self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
-                                       name="objects", url=self.shards[0].url)
-            self._pid = os.getpid()
-        return self._client
-
-    def close(self) -> None:
-        """Close this process's connections and I/O thread (workers close theirs at exit)."""
-        if self._client is not None and self._pid is not None:
-            import os
-
-            if self._pid == os.getpid():
-                self._client.close()
-            self._client = None
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_client"], state["_pid"] = None, None  # never inherit a loop (LOOP-AFTER-FORK)
-        return state
+    def prepare(self, record: dict) -> dict:
+        return record if self._decoder is None else self._decoder(record)

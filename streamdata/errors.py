@@ -4,10 +4,19 @@ Every error we raise derives from :class:`StreamDataError` *and* from the built-
 exception an existing ``except`` clause would already catch (``OSError`` for I/O,
 ``ValueError`` for bad input, ``TimeoutError`` for time-outs), the way fsspec's
 ``FSTimeoutError`` subclasses ``asyncio.TimeoutError``.  Each carries the context a
-user needs to find the problem: the URL, the shard, the worker.
+user needs to find the problem: the URL, the sample key, the rank and worker.
+
+Invariant (CONTEXT-ACROSS-PROCESSES): a DataLoader worker does not pickle the exception
+it raises; torch sends its formatted traceback and the main process rebuilds it as
+``type(text)``.  So ``str()`` of our errors always ends with the labelled context fields
+(``[url: ...] [key: ...] [where: ...]``), and a constructor called with torch's text alone
+reads them back from the traceback's last line: the rebuilt error has its type, ``url``,
+``key`` and ``where``.  Pickling (``__reduce__``) keeps them too.
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "AccessDeniedError",
@@ -30,22 +39,44 @@ class StreamDataError(Exception):
     rank and worker saw it (filled in when an error crosses a thread or process).
     """
 
+    key: str | None = None
+
     def __init__(self, message: str, *, url: str | None = None, where: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.url = url
         self.where = where
+        if url is None and where is None and _WORKER_TEXT in message:
+            self.url, self.key, self.where = _context_from_traceback(type(self), message)
 
     def __str__(self) -> str:
         text = self.message
-        if self.url and self.url not in text:
-            text = f"{text} [url: {self.url}]"
-        if self.where:
-            text = f"{text} [{self.where}]"
+        if _WORKER_TEXT in text:  # rebuilt from a worker's traceback: the context is in it
+            return text
+        for label, value in (("url", self.url), ("key", self.key), ("where", self.where)):
+            if value:
+                text = f"{text} [{label}: {value}]"
         return text
 
     def __reduce__(self):  # keep the context when pickled across a DataLoader worker pipe
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
+
+# what torch's ExceptionWrapper.reraise puts in the text it rebuilds a worker's error from
+_WORKER_TEXT = "Original Traceback (most recent call last)"
+_FIELDS = re.compile(r"(?: \[url: (?P<url>.+?)\])?(?: \[key: (?P<key>.+?)\])?"
+                     r"(?: \[where: (?P<where>.+?)\])?$")
+
+
+def _context_from_traceback(cls: type, text: str) -> tuple[str | None, str | None, str | None]:
+    """``(url, key, where)`` from the last line of a traceback that names ``cls``
+    (see CONTEXT-ACROSS-PROCESSES); ``None`` for fields it does not carry."""
+    header = f"\n{cls.__module__}.{cls.__qualname__}: "
+    at = text.rfind(header)  # the exception raised last; its message may span lines
+    if at < 0:
+        return None, None, None
+    match = _FIELDS.search(text[at + len(header):].rstrip().rsplit("\n", 1)[-1])
+    return match.group("url"), match.group("key"), match.group("where")
 
 
 def _rebuild(cls: type, message: str, state: dict) -> StreamDataError:
@@ -85,7 +116,8 @@ class DecodeError(StreamDataError, ValueError):
     def __init__(self, message: str, *, url: str | None = None, key: str | None = None,
                  where: str | None = None) -> None:
         super().__init__(message, url=url, where=where)
-        self.key = key
+        if key is not None:
+            self.key = key
 
 
 class FormatError(DecodeError):

@@ -232,6 +232,11 @@ class ItemReader:
         self.index = index
         self.url = fetcher.items[index].url
 
+    @property
+    def item(self) -> FetchItem:
+        """What this reader reads: the object and its byte ranges."""
+        return self._fetcher.items[self.index]
+
     def chunks(self) -> Iterator[bytes]:
         """Yield the item's bytes in order, in pieces of any size. Budget is released once the
         reader has asked for the next piece (a MiB at a time, and at the end of each part)."""

@@ -151,6 +151,16 @@ def batched_incrementally(items: Iterable[Any], batch_size: int, drop_last: bool
         yield builder.finish()
 
 
+def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Any = None,
+            drop_last: bool = False, in_flight: int | None = None) -> Iterator[Any]:
+    """TEMPORARY (replaced on merge of the batching branch)."""
+    if collate_fn is None:
+        return batched_incrementally(samples, batch_size, drop_last, in_flight=in_flight)
+    from .stages import batched
+
+    return batched(samples, batch_size, collate_fn, drop_last)
+
+
 # --- walking samples: plain dicts, lists and tuples; anything else goes to collate() ----------
 
 def _is_array(leaf: Any) -> bool:

@@ -20,20 +20,17 @@ import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
 from .config import FetchConfig
-from .dataset import ShardedDataset, _EpochIterator
+from .dataset import ShardedDataset
 from .errors import FormatError, SpecError, StreamDataError
-from .fetch import FetchItem, Prefetcher
+from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
-from .sharding import reader_seed
-from .stages import ErrorPolicy
+from .policy import ErrorPolicy
 from .urls import Shard, Spec, split_url
-from .world import World
 
 __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup", "rebatch", "shuffle_rows"]
 
 KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
-UNIT_WINDOW = 16  # default units in flight per reader (FetchConfig.window is 4 shards)
 _FOOTER_WINDOW = 64  # objects whose tails are in flight at once while reading footers
 
 
@@ -84,7 +81,8 @@ def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False
         yield _concat(pending)
 
 
-def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int, rng: np.random.Generator) -> Iterator[pa.Table]:
+def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int,
+                 rng: np.random.Generator) -> Iterator[pa.Table]:
     """A row-level shuffle buffer: gather at least ``buffer_rows`` rows, permute them, emit all but
     half a buffer, keep the rest to mix with what comes next.  A buffer of 0 or 1 passes through."""
     if buffer_rows <= 1:
@@ -121,7 +119,7 @@ def _with_sizes(shards: list[Shard], storage_options: dict, config: FetchConfig)
             return await asyncio.gather(*(client.size(s.url) for s in missing))
 
         found = dict(zip([s.url for s in missing],
-                         client.io.run(sizes(), config.timeout * 2 + 30, what="object sizes")))
+                         client.io.run(sizes(), config.timeout * 2 + 30, what="object sizes"), strict=True))
     finally:
         client.close()  # FORK-AFTER-CLOSE: its threads are gone before workers fork
     return [s if s.size is not None else Shard(s.url, found[s.url]) for s in shards]
@@ -140,7 +138,7 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     cfg = config.replace(window=max(config.window, _FOOTER_WINDOW))
     out: list[tuple[Shard, list[bytes] | StreamDataError]] = []
     with Prefetcher(items, storage_options, cfg, where="footers") as fetcher:
-        for (shard, _), reader in zip(requests, fetcher):
+        for (shard, _), reader in zip(requests, fetcher, strict=True):
             try:
                 out.append((shard, reader.read_ranges()))
             except StreamDataError as exc:
@@ -169,8 +167,7 @@ def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchCo
             else:
                 again.append((shard, ((shard.size - need, shard.size),)))
         except StreamDataError as exc:
-            if not policy.skip(exc):
-                raise
+            policy.check(exc)
 
     first = [(s, ((max(0, s.size - tail_bytes), s.size),)) for s in shards]
     for shard, data in _fetch(first, storage_options, config):
@@ -184,18 +181,22 @@ def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchCo
 
 
 class _ArrowTables(ShardedDataset):
-    """Shared pipeline: units -> Arrow tables -> filter -> row shuffle -> batches -> tensors."""
+    """Arrow formats: a unit's records are Arrow tables, shuffled by row and batched by slicing.
+
+    Units are row groups or record batches, smaller than shards: FetchConfig.resolve gives them
+    a window of 16 units unless one is chosen (the byte budget bounds memory either way).
+    """
+
+    fetch_defaults = {"window": 16}
+    default_shuffle_buffer = DEFAULT_SHUFFLE_ROWS  # rows
 
     def __init__(self, urls: Spec, columns: Sequence[str] | None = None, *,
-                 batch_size: int | None = None, shuffle: bool = False, seed: int = 0,
-                 storage_options: dict | None = None, filter: Any = None,
-                 shuffle_buffer: int | None = None, lists: str = "padded", pad_value: float = 0,
-                 fill_null: Any = None, decoders: Mapping[str, Callable[[Any], Any]] | None = None,
+                 lists: str = "padded", pad_value: float = 0, fill_null: Any = None,
+                 decoders: Mapping[str, Callable[[Any], Any]] | None = None, filter: Any = None,
                  footer_bytes: int = 64 * KiB, **options: Any) -> None:
         if options.get("collate_fn") is not None:
             raise SpecError(f"{type(self).__name__} builds batches from Arrow tables; "
                             "use map= to transform each batch instead of collate_fn")
-        options.pop("collate_fn", None)
         if isinstance(columns, str):
             raise SpecError(f"columns must be a list of names, got the string {columns!r}")
         if filter is not None and not isinstance(filter, pc.Expression):
@@ -203,15 +204,7 @@ class _ArrowTables(ShardedDataset):
                             f"got {type(filter).__name__}")
         if footer_bytes < 16:
             raise SpecError(f"footer_bytes must be >= 16, got {footer_bytes}")
-        super().__init__(urls, storage_options=storage_options, shuffle=shuffle, seed=seed,
-                         batch_size=batch_size, shuffle_buffer=0, **options)
-        if options.get("window") is None and options.get("fetch_config") is None \
-                and self.fetch_config.window == FetchConfig().window:
-            # units are row groups / record batches, smaller than shards: keep more in flight
-            # (the byte budget still bounds memory)
-            self.fetch_config = self.fetch_config.replace(window=UNIT_WINDOW)
-        self.shuffle_buffer = (DEFAULT_SHUFFLE_ROWS if shuffle else 0) if shuffle_buffer is None \
-            else shuffle_buffer
+        super().__init__(urls, **options)
         self.columns = None if columns is None else list(columns)
         self.filter = filter
         self.tensor_options = fmt.TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
@@ -223,73 +216,29 @@ class _ArrowTables(ShardedDataset):
     def units(self) -> Sequence[Any]:
         return self._units
 
-    def __iter__(self) -> Iterator[Any]:
-        world, epoch, mine = self._begin_pass()
-        policy = ErrorPolicy(self.on_error)
-        fetcher = self._prefetcher(mine, world)
-        tables = self._checked(self._tables(fetcher, mine), policy, fetcher.where)
-        tables = (self._finish(t) for t in tables)
-        rng = np.random.default_rng(reader_seed(world, seed=self.seed, epoch=epoch))
-        tables = shuffle_rows(tables, self.shuffle_buffer, rng)
-        if self.batch_size is not None:
-            tables = rebatch(tables, self.batch_size, self.drop_last)
-        items = self._converted(tables, policy, fetcher.where)
-        if self.map is not None:
-            items = (self.map(item) for item in items)
-        return _EpochIterator(items, fetcher.close)
+    def _policy(self) -> ErrorPolicy:
+        """The error policy of the constructor's footer reads."""
+        return ErrorPolicy(self.on_error, self._skips, where="footers")
 
-    @staticmethod
-    def _checked(units: Iterator[Iterator[pa.Table]], policy: ErrorPolicy,
-                 where: str) -> Iterator[pa.Table]:
-        """Each unit's tables; on an error the rest of that unit is skipped or the error raised,
-        per ``on_error`` (as for a tar shard, what was delivered before the error stays)."""
-        for unit in units:
-            try:
-                yield from unit
-            except StreamDataError as exc:
-                if not policy.skip(exc):
-                    exc.where = exc.where or where
-                    raise
-
-    def _converted(self, tables: Iterator[pa.Table], policy: ErrorPolicy, where: str) -> Iterator[Any]:
-        """Tables -> dicts of tensors (one per batch, or one per row without ``batch_size``);
-        a batch that cannot be converted (nulls without ``fill_null``, a failing decoder) is
-        skipped or raised per ``on_error``."""
-        opts = self.tensor_options
-        for table in tables:
-            try:
-                if self.batch_size is not None:
-                    converted: Any = fmt.to_tensors(table, opts)
-                else:
-                    converted = list(fmt.to_rows(table, opts))
-            except StreamDataError as exc:
-                if not policy.skip(exc):
-                    exc.where = exc.where or where
-                    raise
-                continue
-            if self.batch_size is not None:
-                yield converted
-            else:
-                yield from converted
-
-    def _finish(self, table: pa.Table) -> pa.Table:
-        """Apply the filter, then keep the requested columns."""
+    def prepare(self, table: pa.Table) -> pa.Table:
+        """Apply the filter (subclasses then keep the requested columns)."""
         return table if self.filter is None else table.filter(self.filter)
 
-    def fetch_item(self, unit: Any) -> FetchItem:
-        """What to fetch for ``unit``: its object and byte ranges."""
-        raise NotImplementedError
-
-    def _prefetcher(self, mine: Sequence[Any], world: World) -> Prefetcher:
-        items = [self.fetch_item(u) for u in mine]
-        return Prefetcher(items, self.storage_options, self.fetch_config, where=world.describe())
-
-    def _tables(self, fetcher: Prefetcher, mine: Sequence[Any]) -> Iterator[Iterator[pa.Table]]:
-        """One iterator of tables per unit, in ``mine``'s order."""
-        raise NotImplementedError
-
-    def _samples(self, fetcher: Prefetcher, mine: Sequence[Any], policy: ErrorPolicy) -> Iterator[Any]:
-        raise NotImplementedError("Arrow datasets iterate through tables; see __iter__")
+    def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
+        """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
+        (one per batch, or one per row without ``batch_size``) -> ``map``. A batch that cannot be
+        converted (nulls without ``fill_null``, a failing decoder) is skipped or raised per
+        ``on_error``; so is one that ``map`` fails on."""
+        tables = policy.each(records, self.prepare)
+        tables = shuffle_rows(tables, self.shuffle_buffer, np.random.default_rng(seed))
+        opts = self.tensor_options
+        if self.batch_size is not None:
+            tables = rebatch(tables, self.batch_size, self.drop_last)
+            items = policy.each(tables, lambda t: fmt.to_tensors(t, opts))
+        else:
+            items = (row for rows in policy.each(tables, lambda t: list(fmt.to_rows(t, opts)))
+                     for row in rows)
+        return items if self.map is None else policy.each(items, self.map)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "
@@ -317,7 +266,7 @@ class ParquetDataset(_ArrowTables):
                  coalesce_gap: int = 0, **options: Any) -> None:
         super().__init__(urls, columns, **options)
         self.coalesce_gap = coalesce_gap
-        policy = ErrorPolicy(self.on_error)
+        policy = self._policy()
         self._footers = read_footers(
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
             footer_length=lambda tail, s: fmt.parquet_footer_length(tail, s.size, s.url), policy=policy)
@@ -330,8 +279,7 @@ class ParquetDataset(_ArrowTables):
             try:
                 meta = self._meta(shard.url)
             except FormatError as exc:
-                if not policy.skip(exc):
-                    raise
+                policy.check(exc)
                 continue
             fmt.parquet_leaves(meta, self.columns, shard.url)  # SpecError for a missing column
             for index in range(meta.num_row_groups):
@@ -350,8 +298,8 @@ class ParquetDataset(_ArrowTables):
             meta = self._meta_cache[url] = fmt.parse_parquet_footer(self._footers[url], url)
         return meta
 
-    def _finish(self, table: pa.Table) -> pa.Table:
-        table = super()._finish(table)
+    def prepare(self, table: pa.Table) -> pa.Table:
+        table = super().prepare(table)
         return table.drop_columns(self._extra) if self._extra else table
 
     def fetch_item(self, unit: RowGroup) -> FetchItem:
@@ -363,15 +311,10 @@ class ParquetDataset(_ArrowTables):
         ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size)
         return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
 
-    def _tables(self, fetcher: Prefetcher, mine: Sequence[RowGroup]) -> Iterator[Iterator[pa.Table]]:
-        threads = _use_threads()
-        for unit, item, reader in zip(mine, fetcher.items, fetcher):
-            yield self._read(unit, item, reader, threads)
-
-    def _read(self, unit: RowGroup, item: FetchItem, reader: Any, threads: bool) -> Iterator[pa.Table]:
-        parts = zip([start for start, _ in item.ranges or ()], reader.read_ranges())
+    def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:
+        parts = zip([start for start, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
         yield fmt.read_row_group(self._meta(unit.url), parts, unit.size, unit.index,
-                                 self._read_columns, unit.url, threads)
+                                 self._read_columns, unit.url, _use_threads())
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -413,7 +356,7 @@ class ArrowDataset(_ArrowTables):
 
     def __init__(self, urls: Spec, columns: Sequence[str] | None = None, **options: Any) -> None:
         super().__init__(urls, columns, **options)
-        policy = ErrorPolicy(self.on_error)
+        policy = self._policy()
         self._footers = read_footers(
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
             footer_length=lambda tail, s: fmt.ipc_footer_length(tail, s.size, s.url) or 0,
@@ -430,8 +373,7 @@ class ArrowDataset(_ArrowTables):
                 dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url)
                 self._check_columns(footer, shard)
             except FormatError as exc:
-                if not policy.skip(exc):
-                    raise
+                policy.check(exc)
                 continue
             self._units.extend(RecordBatchUnit(shard.url, shard.size, i) for i in range(len(batches)))
 
@@ -456,17 +398,13 @@ class ArrowDataset(_ArrowTables):
         dicts, batches = self._blocks[unit.url]
         return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])))
 
-    def _tables(self, fetcher: Prefetcher, mine: Sequence[RecordBatchUnit]) -> Iterator[Iterator[pa.Table]]:
-        for unit, item, reader in zip(mine, fetcher.items, fetcher):
-            yield self._read(unit, item, reader)
-
-    def _read(self, unit: RecordBatchUnit, item: FetchItem, reader: Any) -> Iterator[pa.Table]:
+    def read_unit(self, unit: RecordBatchUnit, reader: ItemReader) -> Iterator[pa.Table]:
         if unit.index < 0:
             batches: Iterable[pa.RecordBatch] = fmt.ipc_stream_batches(reader.chunks(), unit.url)
         else:
             footer = self._footers[unit.url]
-            starts = [start for start, _ in item.ranges or ()]
-            parts = [*zip(starts, reader.read_ranges()), (unit.size - len(footer), footer)]
+            starts = [start for start, _ in reader.item.ranges or ()]
+            parts = [*zip(starts, reader.read_ranges(), strict=True), (unit.size - len(footer), footer)]
             batches = [fmt.read_ipc_batch(parts, unit.size, unit.index, unit.url)]
         for batch in batches:
             table = pa.Table.from_batches([batch])
@@ -477,6 +415,6 @@ class ArrowDataset(_ArrowTables):
                                   key=f"record batch {max(unit.index, 0)}")
             yield table
 
-    def _finish(self, table: pa.Table) -> pa.Table:
-        table = super()._finish(table)
+    def prepare(self, table: pa.Table) -> pa.Table:
+        table = super().prepare(table)
         return table if self.columns is None else table.select(self.columns)

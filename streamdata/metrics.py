@@ -1,0 +1,47 @@
+"""Counters every reader adds to and any process can read: skips now, retries and more later.
+
+Invariant (ONE-WRITER-PER-ROW): the counts live in one small int64 tensor in shared memory,
+made with the dataset in the main process and handed to DataLoader workers with it (by fork,
+or pickled as a shared-memory handle under spawn). Each reader adds only to its own row: the
+main process (``num_workers=0``) to row 0, worker ``k`` to row ``k + 1``. So increments never
+race, except for two live iterators of one non-persistent DataLoader (their workers share
+ids): counts may then be short, never over. Reading sums the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Counters"]
+
+_ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
+
+
+class Counters:
+    """Named counters in shared memory, summed over this process and its DataLoader workers."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._table = torch.zeros((_ROWS, len(self.names)), dtype=torch.int64).share_memory_()
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to ``name`` in this reader's row (see ONE-WRITER-PER-ROW)."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        row = 0 if info is None else 1 + info.id % (_ROWS - 1)
+        self._table[row, self._index[name]] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter's total so far, over all readers."""
+        totals = self._table.sum(dim=0).tolist()
+        return dict(zip(self.names, totals, strict=True))
+
+    def reset(self) -> None:
+        self._table.zero_()
+
+    def __repr__(self) -> str:
+        return f"Counters({self.snapshot()})"

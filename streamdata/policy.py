@@ -1,0 +1,122 @@
+"""The one error policy: what a reader does with a bad shard, unit or sample.
+
+Every stage that can meet bad input runs through :class:`ErrorPolicy`'s two guards:
+:meth:`ErrorPolicy.units` (an error ends the rest of that unit) and :meth:`ErrorPolicy.each`
+(an error drops that one record). With ``on_error="raise"`` (the default) the error goes on
+with the reader's rank and worker in ``where``; with ``"skip"`` or a callable that returns
+True it is skipped, counted per reason in the dataset's shared counters (``dataset.skipped``,
+summed over every worker), and logged once per shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from .errors import DecodeError, FetchTimeoutError, FormatError, ShardFetchError, SpecError, StreamDataError
+from .metrics import Counters
+
+__all__ = ["SKIP_REASONS", "ErrorPolicy", "skip_reason"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+log = logging.getLogger("streamdata")
+
+# why a skip happened: the counters a dataset keeps (``dataset.skipped``)
+SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
+OnError = str | Callable[[BaseException], bool]
+
+
+def skip_reason(exc: BaseException) -> str:
+    """The reason a skipped error is counted under (one of :data:`SKIP_REASONS`)."""
+    if isinstance(exc, FetchTimeoutError):
+        return "timeout"
+    if isinstance(exc, (ShardFetchError, OSError)):
+        return "fetch"
+    if isinstance(exc, FormatError):
+        return "format"
+    if isinstance(exc, DecodeError):
+        return "decode"
+    return "other"
+
+
+class ErrorPolicy:
+    """What to do with a bad shard or sample, for one reader's pass.
+
+    ``"raise"`` (default): raise it. ``"skip"`` (alias ``"warn"``): skip it, count it and log
+    a warning for the first skip in each shard (later ones in the same shard at debug level).
+    A callable ``f(exc) -> bool``: skip (counted and logged the same way) when it returns True.
+    Only our errors and ``OSError``/``ValueError`` can be skipped; anything else is a bug and
+    always raises.
+    """
+
+    def __init__(self, policy: OnError = "raise", counters: Counters | None = None, *,
+                 where: str = "") -> None:
+        self.policy = self.validate(policy)
+        self.counters = counters
+        self.where = where
+        self.skipped = 0  # this pass, this reader
+        self._warned: set[str | None] = set()
+
+    @staticmethod
+    def validate(policy: OnError) -> OnError:
+        """``policy`` if usable, else :class:`SpecError` (called in the constructing process)."""
+        if not (callable(policy) or policy in ("raise", "skip", "warn")):
+            raise SpecError(f"on_error must be 'raise', 'skip' or a callable, got {policy!r}")
+        return policy
+
+    def skip(self, exc: BaseException) -> bool:
+        """True when ``exc`` is to be skipped (and is counted and logged); False to raise it."""
+        if self.policy == "raise" or not isinstance(exc, (StreamDataError, OSError, ValueError)):
+            return False
+        if callable(self.policy) and not self.policy(exc):
+            return False
+        reason = skip_reason(exc)
+        self.skipped += 1
+        if self.counters is not None:
+            self.counters.add(reason)
+        url = getattr(exc, "url", None)
+        if url in self._warned:
+            log.debug("streamdata: skipped (%s): %s", reason, exc)
+        else:
+            self._warned.add(url)
+            log.warning("streamdata: skipped (%s): %s; further skips in this shard are counted "
+                        "(dataset.skipped), not logged", reason, exc)
+        return True
+
+    def check(self, exc: StreamDataError) -> None:
+        """Skip ``exc`` per the policy, or raise it with this reader's ``where``."""
+        if not self.skip(exc):
+            if not exc.where:
+                exc.where = self.where or None
+            raise exc
+
+    def units(self, units: Iterable[Iterable[T]]) -> Iterator[T]:
+        """The records of each unit in turn; an error ends that unit's records (the ones
+        delivered before it stay delivered) and is skipped or raised."""
+        for unit in units:
+            try:
+                yield from unit
+            except StreamDataError as exc:
+                self.check(exc)
+
+    def each(self, items: Iterable[T], fn: Callable[[T], R]) -> Iterator[R]:
+        """``fn(item)`` for each item; an item whose ``fn`` fails is skipped or raised."""
+        for item in items:
+            try:
+                result = fn(item)
+            except StreamDataError as exc:
+                self.check(exc)
+                continue
+            yield result
+
+
+def counters_for_skips() -> Counters:
+    """The shared counters a dataset keeps for its skips."""
+    return Counters(SKIP_REASONS)
+
+
+def describe(counts: dict[str, int]) -> dict[str, Any]:
+    """Counts without the zeros, for reprs and logs."""
+    return {k: v for k, v in counts.items() if v}
