@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .config import env_str
-from .errors import BackendMissingError, StreamDataError
+from ..config import env_str
+from ..errors import BackendMissingError, StreamDataError
 
 __all__ = [
     "GCSServer",
@@ -142,7 +142,7 @@ _BARE_PACKAGE_MAIN = (
 
 def _cli_argv(*args: str) -> list[str]:
     """Command line running this module's CLI without importing the whole package."""
-    return [sys.executable, "-c", _BARE_PACKAGE_MAIN, str(Path(__file__).resolve().parent),
+    return [sys.executable, "-c", _BARE_PACKAGE_MAIN, str(Path(__file__).resolve().parents[1]),
             *args]
 
 
