@@ -68,7 +68,8 @@ class PyarrowDatasetReader(torch.utils.data.IterableDataset):
             return
         dataset = pads.dataset(paths, format="parquet", filesystem=PyFileSystem(FSSpecHandler(fs)))
         for batch in dataset.to_batches(columns=self.columns, batch_size=self.batch_size):
-            yield {name: torch.from_numpy(col.to_numpy()) for name, col in zip(batch.column_names, batch.columns)}
+            pairs = zip(batch.column_names, batch.columns, strict=True)  # one name per column
+            yield {name: torch.from_numpy(col.to_numpy()) for name, col in pairs}
 
 
 def _loader(method: str, urls: list[str], columns: list[str], options: dict, args: argparse.Namespace) -> Any:

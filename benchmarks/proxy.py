@@ -280,7 +280,7 @@ class LatencyProxy:
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:  # asyncio.TimeoutError is this builtin since 3.11
                 pass
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 # Before anything imports gcsfs: its default class probes a gRPC API that fake-gcs-server
-# does not serve, stalling each open for up to 60 s (see streamdata.testing._use_plain_gcsfs).
+# does not serve, stalling each open for up to 60 s (see streamdata.testing.gcs._use_plain_gcsfs).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import contextlib

