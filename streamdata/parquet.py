@@ -25,9 +25,10 @@ from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
+from .tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from .urls import Shard, Spec, split_url
 
-__all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup", "rebatch", "shuffle_rows"]
+__all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 
 KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
@@ -49,58 +50,6 @@ class RecordBatchUnit(NamedTuple):
     url: str
     size: int
     index: int
-
-
-# ---- table stages (Arrow slicing, no per-row Python) ----------------------------------------
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    if len(tables) == 1:
-        return tables[0]
-    try:
-        return pa.concat_tables(tables, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise SpecError(f"objects with incompatible schemas cannot share a batch: {exc}") from exc
-
-
-def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False) -> Iterator[pa.Table]:
-    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``)."""
-    pending: list[pa.Table] = []
-    have = 0
-    for table in tables:
-        start = 0
-        while start < table.num_rows:
-            take = min(batch_size - have, table.num_rows - start)
-            pending.append(table.slice(start, take))
-            have += take
-            start += take
-            if have == batch_size:
-                yield _concat(pending)
-                pending, have = [], 0
-    if have and not drop_last:
-        yield _concat(pending)
-
-
-def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int,
-                 rng: np.random.Generator) -> Iterator[pa.Table]:
-    """A row-level shuffle buffer: gather at least ``buffer_rows`` rows, permute them, emit all but
-    half a buffer, keep the rest to mix with what comes next.  A buffer of 0 or 1 passes through."""
-    if buffer_rows <= 1:
-        yield from tables
-        return
-    buf: list[pa.Table] = []
-    have = 0
-    for table in tables:
-        if not table.num_rows:
-            continue
-        buf.append(table)
-        have += table.num_rows
-        if have >= buffer_rows:
-            whole, perm, keep = _concat(buf), rng.permutation(have), buffer_rows // 2
-            yield whole.take(perm[keep:])
-            buf, have = [whole.take(perm[:keep])], keep
-    if have:
-        yield _concat(buf).take(rng.permutation(have))
 
 
 # ---- footers: tails of every object, through the fetcher ------------------------------------
@@ -207,7 +156,7 @@ class _ArrowTables(ShardedDataset):
         super().__init__(urls, **options)
         self.columns = None if columns is None else list(columns)
         self.filter = filter
-        self.tensor_options = fmt.TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
+        self.tensor_options = TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
         self.footer_bytes = footer_bytes
         self.shards = _with_sizes(self.shards, self.storage_options, self.fetch_config)
         self._footers: dict[str, bytes] = {}
@@ -234,9 +183,9 @@ class _ArrowTables(ShardedDataset):
         opts = self.tensor_options
         if self.batch_size is not None:
             tables = rebatch(tables, self.batch_size, self.drop_last)
-            items = policy.each(tables, lambda t: fmt.to_tensors(t, opts))
+            items = policy.each(tables, lambda t: to_tensors(t, opts))
         else:
-            items = (row for rows in policy.each(tables, lambda t: list(fmt.to_rows(t, opts)))
+            items = (row for rows in policy.each(tables, lambda t: list(to_rows(t, opts)))
                      for row in rows)
         return items if self.map is None else policy.each(items, self.map)
 

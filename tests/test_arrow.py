@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from streamdata.errors import DecodeError, FormatError, SpecError
-from streamdata.formats.arrow import TensorOptions, coalesce, to_rows, to_tensors
-from streamdata.parquet import ArrowDataset, ParquetDataset, rebatch, shuffle_rows
+from streamdata.formats.arrow import coalesce
+from streamdata.parquet import ArrowDataset, ParquetDataset
+from streamdata.tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from streamdata.write import write_arrow, write_parquet
 from tests.helpers import rank_env
 

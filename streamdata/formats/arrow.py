@@ -1,4 +1,4 @@
-"""Arrow IPC and Parquet bytes -> Arrow tables -> dicts of tensors.
+"""Arrow IPC and Parquet bytes -> Arrow tables.
 
 Reading works on *fetched byte ranges*, never on a whole object: a ``SparseFile`` presents
 the ranges the fetcher delivered as a random-access file of the object's full size, and
@@ -11,7 +11,7 @@ raises ``FormatError`` instead of reaching for the network.
   record batch's block, so a batch is decoded from its block plus the dictionary blocks.
 - Arrow IPC stream: read sequentially from the fetcher's parts, one message at a time.
 
-``to_tensors`` maps a table to a dict of tensors (the table is in docs/arrow.md).
+Tables become tensors in :mod:`streamdata.tables`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,16 @@ import bisect
 import io
 import itertools
 import struct
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
-from ..errors import DecodeError, FormatError, SpecError
+from ..errors import FormatError, SpecError
 
 __all__ = [
     "ChunkFile",
     "SparseFile",
-    "TensorOptions",
     "coalesce",
     "column_chunk_ranges",
     "ipc_blocks",
@@ -47,8 +40,6 @@ __all__ = [
     "parse_parquet_footer",
     "read_ipc_batch",
     "read_row_group",
-    "to_rows",
-    "to_tensors",
 ]
 
 Range = tuple[int, int]  # [start, end) in bytes
@@ -312,159 +303,3 @@ def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordB
         raise FormatError(f"cannot read record batch {index} of Arrow IPC stream {url} (corrupt "
                           f"or truncated object?): {type(exc).__name__}: {exc}", url=url,
                           key=f"record batch {index}") from exc
-
-
-# ---- tables -> tensors --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorOptions:
-    """How columns become tensors.
-
-    lists:     ``"padded"``: a variable-length list column ``x`` becomes ``x`` [rows, longest, ...]
-               padded with ``pad_value``, plus ``x_lengths`` (int64 [rows]); ``"offsets"``: ``x``
-               holds the values of all rows [total, ...] and ``x_offsets`` (int64 [rows + 1]) where
-               each row starts.
-    fill_null: a value (or ``{column: value}``) for nulls in integer/bool columns, which have no
-               NaN; without one such nulls raise ``DecodeError``.  Float nulls become NaN.
-    decoders:  ``{column: f}``; ``f(value)`` is applied to each value of the column (e.g. image
-               bytes -> tensor); equal-shaped tensor results are stacked.
-    """
-
-    lists: str = "padded"
-    pad_value: float = 0
-    fill_null: Any = None
-    decoders: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.lists not in ("padded", "offsets"):
-            raise SpecError(f"lists must be 'padded' or 'offsets', got {self.lists!r}")
-
-    def null_fill(self, name: str) -> Any:
-        if isinstance(self.fill_null, Mapping):
-            return self.fill_null.get(name)
-        return self.fill_null
-
-
-def _is_numeric(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) \
-        or pa.types.is_temporal(t)
-
-
-def _numeric(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor:
-    """A flat numeric (or temporal, as its integer) array -> 1-D tensor; zero-copy when no nulls."""
-    t = arr.type
-    if pa.types.is_temporal(t):
-        arr = arr.view(pa.int64() if t.bit_width == 64 else pa.int32())
-    if arr.null_count and not pa.types.is_floating(arr.type):
-        fill = opts.null_fill(name)
-        if fill is None:
-            raise DecodeError(f"column {name!r} has {arr.null_count} nulls and {arr.type} has no "
-                              f"NaN: pass fill_null={{{name!r}: value}}", key=name)
-        arr = pc.fill_null(arr, pa.scalar(fill, arr.type))
-    values = arr.to_numpy(zero_copy_only=False)
-    with warnings.catch_warnings():  # Arrow memory is read-only to numpy; the tensor aliases it
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(values)
-
-
-def _dense(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor | None:
-    """Numeric, or (nested) fixed-size lists of numeric -> tensor [n, k, ...]; None otherwise."""
-    t = arr.type
-    if pa.types.is_dictionary(t):
-        return _dense(arr.dictionary_decode(), name, opts)
-    if _is_numeric(t):
-        return _numeric(arr, name, opts)
-    if pa.types.is_fixed_size_list(t):
-        if arr.null_count:
-            raise DecodeError(f"column {name!r} has {arr.null_count} null fixed-size lists; "
-                              "fill them before writing, or read it with a decoder", key=name)
-        k = t.list_size
-        inner = _dense(arr.values.slice(arr.offset * k, len(arr) * k), name, opts)
-        return None if inner is None else inner.reshape(len(arr), k, *inner.shape[1:])
-    return None
-
-
-def _ragged(arr: pa.Array, name: str, opts: TensorOptions) -> dict[str, torch.Tensor] | None:
-    """A variable-length list column -> padded + lengths, or values + offsets; None if not numeric."""
-    lengths_arr = pc.fill_null(pc.list_value_length(arr), 0)
-    values = _dense(arr.flatten(), name, opts)
-    if values is None:
-        return None
-    lengths = torch.from_numpy(lengths_arr.to_numpy(zero_copy_only=False).astype(np.int64))
-    if opts.lists == "offsets":
-        offsets = torch.zeros(len(arr) + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        return {name: values, f"{name}_offsets": offsets}
-    n, longest = len(arr), int(lengths.max()) if len(arr) else 0
-    padded = torch.full((n, longest, *values.shape[1:]), opts.pad_value, dtype=values.dtype)
-    rows = torch.repeat_interleave(torch.arange(n), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    cols = torch.arange(len(values)) - torch.repeat_interleave(starts, lengths)
-    padded[rows, cols] = values
-    return {name: padded, f"{name}_lengths": lengths}
-
-
-def _decoded(values: list, name: str) -> Any:
-    if values and all(isinstance(v, torch.Tensor) for v in values) \
-            and len({tuple(v.shape) for v in values}) == 1:
-        return torch.stack(values)
-    return values
-
-
-def _column(arr: pa.Array, name: str, opts: TensorOptions, out: dict[str, Any]) -> None:
-    """Convert one column into ``out`` (one key, two for list columns, one per struct field)."""
-    t = arr.type
-    if name in opts.decoders:
-        decode = opts.decoders[name]
-        try:
-            out[name] = _decoded([decode(v) for v in arr.to_pylist()], name)
-        except Exception as exc:
-            raise DecodeError(f"decoder for column {name!r} failed: {type(exc).__name__}: {exc}",
-                              key=name) from exc
-        return
-    if pa.types.is_struct(t):
-        for i in range(t.num_fields):
-            _column(pc.struct_field(arr, [i]), f"{name}.{t.field(i).name}", opts, out)
-        return
-    dense = _dense(arr, name, opts)
-    if dense is not None:
-        out[name] = dense
-        return
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
-        ragged = _ragged(arr, name, opts)
-        if ragged is not None:
-            for key in ragged:
-                if key in out:
-                    raise DecodeError(f"column {name!r} would write {key!r}, which already exists; "
-                                      "rename the column or use a decoder", key=name)
-            out.update(ragged)
-            return
-    out[name] = arr.to_pylist()  # strings, binary, decimals, nested ragged lists: Python values
-
-
-def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> dict[str, Any]:
-    """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md."""
-    opts = options or TensorOptions()
-    out: dict[str, Any] = {}
-    for name, col in zip(table.column_names, table.columns):
-        if isinstance(col, pa.ChunkedArray):
-            col = col.chunk(0) if col.num_chunks == 1 else (
-                col.combine_chunks() if col.num_chunks else pa.array([], col.type))
-        _column(col, name, opts, out)
-    return out
-
-
-def to_rows(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> Iterator[dict]:
-    """One dict per row (list columns as unpadded 1-D tensors); the slow, per-row path."""
-    opts = options or TensorOptions()
-    cols = to_tensors(table, TensorOptions("offsets", opts.pad_value, opts.fill_null, opts.decoders))
-    ragged = {k[:-len("_offsets")]: v.tolist() for k, v in cols.items()
-              if k.endswith("_offsets") and k[:-len("_offsets")] in cols}
-    plain = [(k, v) for k, v in cols.items() if k not in ragged and not
-             (k.endswith("_offsets") and k[:-len("_offsets")] in ragged)]
-    for i in range(table.num_rows):
-        row = {k: v[i] for k, v in plain}
-        for k, offsets in ragged.items():
-            row[k] = cols[k][offsets[i]:offsets[i + 1]]
-        yield row
