@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._aio import LoopThread, wait_threads_gone
+from .backends import close_sessions, filesystem, inherited_signer, translate_error
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
-from .urls import close_sessions, filesystem, inherited_signer, translate_error
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -77,7 +77,7 @@ class _PresignedS3:
         import aiohttp
 
         self.fs = fs
-        self.signer = signer  # an inherited client (SIGNER-REUSE in urls), else the fs's own
+        self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from ._aio import wait_future
+from .backends import translate_error
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
-from .urls import Shard, split_url, translate_error
+from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
 

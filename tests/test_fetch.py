@@ -246,7 +246,7 @@ def test_a_closed_listing_filesystem_leaves_no_close_hook_for_forked_workers(s3_
     four datasets had been built). Once streamdata has closed the client, no hook remains."""
     import weakref
 
-    from streamdata.urls import close_filesystem, filesystem
+    from streamdata.backends import close_filesystem, filesystem
 
     server, bucket = s3_bucket
     fs = filesystem("s3", server.storage_options)
@@ -299,7 +299,7 @@ def test_readers_sign_with_the_listing_client_instead_of_building_one(s3fs_fs, c
     process and in forked workers; nothing else changes (same bytes, same errors)."""
     import multiprocessing
 
-    from streamdata.urls import _SIGNERS, inherited_signer, signer_key
+    from streamdata.backends import _SIGNERS, inherited_signer, signer_key
 
     server, bucket, fs = s3fs_fs
     for i, samples in enumerate(make_samples([2, 2, 2])):
@@ -327,8 +327,8 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
     import http.server
     import threading
 
+    from streamdata.backends import _SIGNERS, signer_key
     from streamdata.client import AsyncClient
-    from streamdata.urls import _SIGNERS, signer_key
 
     class Refuse(http.server.BaseHTTPRequestHandler):
         status = 403
@@ -378,7 +378,7 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
 def test_the_signer_key_follows_the_aws_environment(monkeypatch):
     """botocore takes the endpoint and region from the environment too: a signer inherited
     under other settings is not reused."""
-    from streamdata.urls import signer_key
+    from streamdata.backends import signer_key
 
     options = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "eu-west-1"}}
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
