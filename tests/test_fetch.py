@@ -389,6 +389,43 @@ def test_the_signer_key_follows_the_aws_environment(monkeypatch):
     assert signer_key("gcs", options) is None
 
 
+def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
+    """FORK-RESET: a forked child runs the registered resets stage by stage (not in the order
+    they were registered), and a loop it inherited refuses work instead of hanging."""
+    import asyncio
+    import multiprocessing
+
+    from streamdata import _fork
+    from streamdata._aio import LoopThread
+
+    ran = []
+    for stage in reversed(_fork.STAGES):  # registered last stage first
+        monkeypatch.setitem(_fork._RESETS, stage, [*_fork._RESETS[stage], lambda s=stage: ran.append(s)])
+    lt = LoopThread("fork-test")
+
+    def child(conn):
+        coro = asyncio.sleep(0)
+        try:
+            lt.submit(coro)
+            refused = None
+        except sd.StreamDataError as exc:
+            coro.close()
+            refused = str(exc)
+        conn.send((ran, refused))
+
+    try:
+        parent, conn = multiprocessing.get_context("fork").Pipe()
+        proc = multiprocessing.get_context("fork").Process(target=child, args=(conn,))
+        proc.start()
+        got = parent.recv() if parent.poll(30) else None
+        proc.join(30)
+        assert got is not None and got[0] == list(_fork.STAGES)
+        assert "inherited across fork" in got[1]
+        assert lt.run(asyncio.sleep(0, result=7), 10) == 7  # the parent's loop is untouched
+    finally:
+        lt.close()
+
+
 def _reserved(fetcher):
     async def read():
         return fetcher._reserved
