@@ -260,7 +260,8 @@ class AsyncClient:
         if self._executor is None:
             return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(getattr(fs, sync_name), path, **kwargs))
+        call = functools.partial(getattr(fs, sync_name), path, **kwargs)
+        return await loop.run_in_executor(self._executor, call)
 
     async def size(self, url: str) -> int | None:
         """The object's size (one HEAD / stat), for objects a listing did not size."""
