@@ -51,6 +51,11 @@ class LoopThread:
         finally:
             self.loop.close()
 
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that made this loop (it refuses work there)."""
+        return self._inherited
+
     def _check(self) -> None:
         if self._inherited:
             raise StreamDataError("an event loop was inherited across fork; create readers in the child")

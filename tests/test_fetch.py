@@ -411,7 +411,7 @@ def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
         except sd.StreamDataError as exc:
             coro.close()
             refused = str(exc)
-        conn.send((ran, refused))
+        conn.send((ran, refused, lt.inherited))
 
     try:
         parent, conn = multiprocessing.get_context("fork").Pipe()
@@ -420,7 +420,7 @@ def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
         got = parent.recv() if parent.poll(30) else None
         proc.join(30)
         assert got is not None and got[0] == list(_fork.STAGES)
-        assert "inherited across fork" in got[1]
+        assert "inherited across fork" in got[1] and got[2] and not lt.inherited
         assert lt.run(asyncio.sleep(0, result=7), 10) == 7  # the parent's loop is untouched
     finally:
         lt.close()
