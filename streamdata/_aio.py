@@ -3,8 +3,8 @@
 Invariant (LOOP-AFTER-FORK): a loop thread and every filesystem object bound to it are
 created lazily in the process that uses them (a DataLoader worker), never inherited
 through fork.  s3fs, gcsfs and aiohttp sessions hang when used across a fork
-(fsspec#835, s3fs#914, gcsfs#379); a loop inherited by a child is marked dead by an
-``os.register_at_fork`` hook and refuses work instead of hanging.
+(fsspec#835, s3fs#914, gcsfs#379); a loop inherited by a child is marked dead at the
+"loops" stage of FORK-RESET (``_fork``) and refuses work instead of hanging.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ._fork import at_fork_in_child
 from .errors import FetchTimeoutError, StreamDataError
 
 __all__ = ["LoopThread", "wait_future", "wait_threads_gone"]
@@ -34,7 +35,7 @@ class LoopThread:
     """A daemon thread running one asyncio loop; sync code submits coroutines to it."""
 
     def __init__(self, name: str = "io") -> None:
-        self._pid = os.getpid()
+        self._inherited = False  # set in a forked child (FORK-RESET)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run, name=f"streamdata-{name}-{next(_counter)}", daemon=True
@@ -50,8 +51,13 @@ class LoopThread:
         finally:
             self.loop.close()
 
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that made this loop (it refuses work there)."""
+        return self._inherited
+
     def _check(self) -> None:
-        if self._pid != os.getpid():
+        if self._inherited:
             raise StreamDataError("an event loop was inherited across fork; create readers in the child")
         if self._closed:
             raise StreamDataError("the I/O loop of this reader is closed")
@@ -63,7 +69,7 @@ class LoopThread:
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop thread (no-op once closed)."""
-        if not self._closed and self._pid == os.getpid():
+        if not self._closed:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def run(self, coro: Awaitable[T], timeout: float, what: str = "request") -> T:
@@ -72,8 +78,7 @@ class LoopThread:
 
     def close(self, cleanup: Callable[[], Awaitable[Any]] | None = None, timeout: float = 5.0) -> None:
         """Cancel pending tasks, run ``cleanup`` (closing sessions), stop the loop, join the thread."""
-        if self._closed or self._pid != os.getpid():
-            self._closed = True
+        if self._closed:  # closed, or inherited (FORK-RESET marks it closed)
             return
 
         helpers: list[threading.Thread] = []
@@ -144,11 +149,11 @@ def wait_threads_gone(threads: list[threading.Thread], timeout: float = 5.0) -> 
         time.sleep(0.001)
 
 
-def _after_fork_in_child() -> None:
+def _forget_loops() -> None:
+    """FORK-RESET, stage "loops": an inherited loop has no thread; it refuses work from now on."""
     for lt in list(_live):
-        lt._closed = True
+        lt._inherited = lt._closed = True
     _live.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+at_fork_in_child("loops", _forget_loops)

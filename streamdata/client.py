@@ -2,14 +2,14 @@
 
 Async backends (s3fs, gcsfs, HTTP on aiohttp) run natively on the loop; sync ones (local
 files, HDFS through pyarrow) run in a small thread pool so they overlap the same way.
-Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``_aio``).
+Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``_aio``); a forked child
+drops the sessions it inherited (FORK-RESET, see ``_fork``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import random
 import threading
 import weakref
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._aio import LoopThread, wait_threads_gone
+from ._fork import at_fork_in_child
+from .backends import close_sessions, filesystem, inherited_signer, translate_error
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
-from .urls import close_sessions, filesystem, inherited_signer, translate_error
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -77,7 +78,7 @@ class _PresignedS3:
         import aiohttp
 
         self.fs = fs
-        self.signer = signer  # an inherited client (SIGNER-REUSE in urls), else the fs's own
+        self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
@@ -146,7 +147,6 @@ class _PresignedS3:
         await self.session.close()
 
 
-
 def _forget_session(session: Any) -> None:
     """Drop an aiohttp session inherited through fork without touching its connections:
     finalising it in the child closes the parent's keep-alive sockets under the parent
@@ -162,6 +162,7 @@ _live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 
 
 def _forget_inherited() -> None:
+    """FORK-RESET, stage "sessions": drop every inherited client's aiohttp sessions."""
     for client in list(_live_clients):
         if client._presigned is not None:
             _forget_session(client._presigned.session)
@@ -169,7 +170,7 @@ def _forget_inherited() -> None:
     _live_clients.clear()
 
 
-os.register_at_fork(after_in_child=_forget_inherited)
+at_fork_in_child("sessions", _forget_inherited)
 
 
 class AsyncClient:
@@ -259,7 +260,8 @@ class AsyncClient:
         if self._executor is None:
             return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(getattr(fs, sync_name), path, **kwargs))
+        call = functools.partial(getattr(fs, sync_name), path, **kwargs)
+        return await loop.run_in_executor(self._executor, call)
 
     async def size(self, url: str) -> int | None:
         """The object's size (one HEAD / stat), for objects a listing did not size."""

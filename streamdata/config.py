@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import SpecError
 
-__all__ = ["FetchConfig", "env_int", "env_str"]
+__all__ = ["FetchConfig", "env_int", "env_snapshot", "env_str"]
 
 MiB = 1 << 20
 
@@ -19,6 +19,11 @@ def env_str(name: str, default: str | None = None) -> str | None:
     """Read ``name`` from the environment (the one place the package does so)."""
     value = os.environ.get(name)
     return default if value in (None, "") else value
+
+
+def env_snapshot(names: Iterable[str]) -> dict[str, str | None]:
+    """The raw values of ``names`` (``None`` where unset, ``""`` kept): what a client built now would see."""
+    return {name: os.environ.get(name) for name in names}
 
 
 def env_int(name: str, default: int | None = None) -> int | None:

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from ._aio import wait_future
+from .backends import translate_error
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
-from .urls import Shard, split_url, translate_error
+from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
 
@@ -167,7 +168,7 @@ class Prefetcher:
     async def _schedule(self) -> None:
         cfg = self.config
         for index, item in enumerate(self.items):
-            await self._until(lambda: index < self._consumer + cfg.window)
+            await self._until(lambda index=index: index < self._consumer + cfg.window)
             try:
                 ranges = item.ranges
                 if ranges is None:
@@ -192,7 +193,7 @@ class Prefetcher:
                 # order. Measured (benchmarks/README.md): starting at 4 in flight and adding
                 # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
                 # delay, for no better first batch.
-                await self._until(lambda: self._inflight < cfg.max_requests and (
+                await self._until(lambda need=need: self._inflight < cfg.max_requests and (
                     self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
                 self._reserved += need
                 self._inflight += 1

@@ -19,9 +19,10 @@ from typing import Any, Union
 
 import pyarrow as pa
 
+from .backends import close_filesystem, filesystem, translate_error
 from .errors import SpecError, StreamDataError
 from .parquet import rebatch
-from .urls import close_filesystem, filesystem, split_url, translate_error
+from .urls import split_url
 
 __all__ = ["write_arrow", "write_parquet"]
 

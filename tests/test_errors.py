@@ -7,7 +7,7 @@ import gc
 import pytest
 
 import streamdata as sd
-from tests.helpers import tar_bytes, make_samples
+from tests.helpers import make_samples, tar_bytes
 
 
 def test_empty_brace_expansion(tmp_path):

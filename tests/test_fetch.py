@@ -246,7 +246,7 @@ def test_a_closed_listing_filesystem_leaves_no_close_hook_for_forked_workers(s3_
     four datasets had been built). Once streamdata has closed the client, no hook remains."""
     import weakref
 
-    from streamdata.urls import close_filesystem, filesystem
+    from streamdata.backends import close_filesystem, filesystem
 
     server, bucket = s3_bucket
     fs = filesystem("s3", server.storage_options)
@@ -299,7 +299,7 @@ def test_readers_sign_with_the_listing_client_instead_of_building_one(s3fs_fs, c
     process and in forked workers; nothing else changes (same bytes, same errors)."""
     import multiprocessing
 
-    from streamdata.urls import _SIGNERS, inherited_signer, signer_key
+    from streamdata.backends import _SIGNERS, inherited_signer, signer_key
 
     server, bucket, fs = s3fs_fs
     for i, samples in enumerate(make_samples([2, 2, 2])):
@@ -327,8 +327,8 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
     import http.server
     import threading
 
+    from streamdata.backends import _SIGNERS, signer_key
     from streamdata.client import AsyncClient
-    from streamdata.urls import _SIGNERS, signer_key
 
     class Refuse(http.server.BaseHTTPRequestHandler):
         status = 403
@@ -378,7 +378,7 @@ def test_a_stale_inherited_signer_falls_back_to_the_filesystems_own_client(s3fs_
 def test_the_signer_key_follows_the_aws_environment(monkeypatch):
     """botocore takes the endpoint and region from the environment too: a signer inherited
     under other settings is not reused."""
-    from streamdata.urls import signer_key
+    from streamdata.backends import signer_key
 
     options = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "eu-west-1"}}
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
@@ -387,6 +387,43 @@ def test_the_signer_key_follows_the_aws_environment(monkeypatch):
     assert signer_key("s3", options) != before
     assert signer_key("s3", {**options, "cache_regions": True}) is None
     assert signer_key("gcs", options) is None
+
+
+def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
+    """FORK-RESET: a forked child runs the registered resets stage by stage (not in the order
+    they were registered), and a loop it inherited refuses work instead of hanging."""
+    import asyncio
+    import multiprocessing
+
+    from streamdata import _fork
+    from streamdata._aio import LoopThread
+
+    ran = []
+    for stage in reversed(_fork.STAGES):  # registered last stage first
+        monkeypatch.setitem(_fork._RESETS, stage, [*_fork._RESETS[stage], lambda s=stage: ran.append(s)])
+    lt = LoopThread("fork-test")
+
+    def child(conn):
+        coro = asyncio.sleep(0)
+        try:
+            lt.submit(coro)
+            refused = None
+        except sd.StreamDataError as exc:
+            coro.close()
+            refused = str(exc)
+        conn.send((ran, refused, lt.inherited))
+
+    try:
+        parent, conn = multiprocessing.get_context("fork").Pipe()
+        proc = multiprocessing.get_context("fork").Process(target=child, args=(conn,))
+        proc.start()
+        got = parent.recv() if parent.poll(30) else None
+        proc.join(30)
+        assert got is not None and got[0] == list(_fork.STAGES)
+        assert "inherited across fork" in got[1] and got[2] and not lt.inherited
+        assert lt.run(asyncio.sleep(0, result=7), 10) == 7  # the parent's loop is untouched
+    finally:
+        lt.close()
 
 
 def _reserved(fetcher):
