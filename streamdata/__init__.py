@@ -16,7 +16,7 @@ from .errors import (
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
-from .loader import Loader, loader
+from .presets import Loader, loader
 from .urls import Shard, expand_spec
 from .world import World
 

@@ -11,14 +11,14 @@ import torch
 import torch.multiprocessing
 from torch.utils.data import IterableDataset
 
+import streamdata
 from streamdata import collate as C
 from streamdata import cuda as K
 from streamdata.cuda import CudaPrefetcher
 from streamdata.errors import SpecError
-from streamdata.loader import (
+from streamdata.presets import (
     DEFAULT_PREFETCH_FACTOR,
     Loader,
-    _BatchedInWorkers,
     _Lending,
     _WorkerInit,
     default_num_workers,
@@ -80,8 +80,9 @@ def test_defaults_with_workers():
         assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
         assert dl.pin_memory == torch.cuda.is_available()
         assert isinstance(dl.collate_fn, _Lending) and feed.board is not None  # buffers recycled
-        # a per-sample IterableDataset is batched in the workers, sample by sample
-        assert isinstance(dl.dataset, _BatchedInWorkers) and dl.batch_size is None
+        # a per-sample IterableDataset is batched in the workers, sample by sample: the
+        # DataLoader gets a wrapper of the user's dataset that yields whole batches
+        assert dl.batch_size is None and dl.dataset is not feed.dataset
         assert (dl.dataset.batch_size, dl.dataset.in_flight) == (2, 2 * DEFAULT_PREFETCH_FACTOR)
         assert feed.prefetcher is None and feed.dataset is dl.dataset.dataset
         assert [b["i"].tolist() for b in feed] == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streamdata import recycle
-from streamdata.loader import loader
+from streamdata.presets import loader
 
 WIDTH = 2048  # float64 per sample: 16 KiB, a batch of 8 is 128 KiB
 
