@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streamdata.collate import shared_memory_space  # noqa: E402
-from streamdata.loader import loader  # noqa: E402
+from streamdata.presets import loader  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "large_arrays.json"
 

@@ -16,8 +16,8 @@ from .errors import (
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
-from .loader import Loader, loader
 from .objects import ObjectDataset
+from .presets import Loader, loader
 from .urls import Shard, expand_spec
 from .world import World
 

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,66 +25,26 @@ import torch
 
 from . import recycle
 from .errors import DecodeError, SharedMemoryError
+from .tree import map_leaves
 
 __all__ = [
+    "DEFAULT_PREFETCH_FACTOR",
+    "NUMERIC_KINDS",
     "SHM_PATH",
     "check_shared_memory",
     "collate",
-    "iter_tensors",
-    "map_tensors",
+    "collate_column",
+    "empty_tensor",
+    "prepare_shared",
     "shared_memory_space",
     "to_tensors",
 ]
 
 SHM_PATH = "/dev/shm"
-_NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds torch can hold
-_DEFAULT_PREFETCH_FACTOR = 2  # DataLoader's own default, used when the caller does not say
-
-
-# --- nested batch structures -----------------------------------------------------------------
-
-def _map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
-    """Rebuild ``obj`` (dict, list, tuple, namedtuple, dataclass, nested) with ``fn`` on each leaf."""
-    if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
-        for key, value in obj.items():
-            out[key] = _map_leaves(fn, value)
-        return out
-    if isinstance(obj, Mapping):
-        return {key: _map_leaves(fn, value) for key, value in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_leaves(fn, value) for value in obj))
-    if isinstance(obj, tuple):
-        items = [_map_leaves(fn, value) for value in obj]
-        return tuple(items) if type(obj) is tuple else type(obj)(items)
-    if isinstance(obj, list):
-        out = copy.copy(obj)
-        out[:] = [_map_leaves(fn, value) for value in obj]
-        return out
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            object.__setattr__(out, field.name, _map_leaves(fn, getattr(obj, field.name)))
-        return out
-    return fn(obj)
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """Apply ``fn`` to every tensor in a nested batch; other leaves pass through unchanged.
-
-    Containers are rebuilt with their own type: dict (and subclasses), list, tuple,
-    namedtuple, dataclass.  The input is not modified.
-    """
-    return _map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
-
-
-def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested batch, depth first."""
-    found: list[torch.Tensor] = []
-    map_tensors(found.append, batch)
-    return iter(found)
+NUMERIC_KINDS = frozenset("biufc")  # numpy dtype kinds torch can hold (and batches as tensors)
+# Batches each DataLoader worker keeps in flight (DataLoader's own default): sd.loader's
+# default, and what the /dev/shm check assumes when the caller does not say.
+DEFAULT_PREFETCH_FACTOR = 2
 
 
 # --- shared memory -----------------------------------------------------------------------------
@@ -149,8 +109,9 @@ def _worker() -> tuple[str, int] | None:
     return f"DataLoader worker {info.id}/{info.num_workers}", info.num_workers
 
 
-def _empty(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """An uninitialised CPU tensor, its storage in shared memory when ``shared``."""
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised CPU tensor, its storage in shared memory when ``shared`` (from the
+    worker's recycled-buffer pool where there is one)."""
     if not shared:
         return torch.empty(tuple(shape), dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -181,18 +142,19 @@ def _nbytes(obj: Any) -> tuple[int, int]:
         if isinstance(leaf, torch.Tensor):
             size = leaf.numel() * leaf.element_size()
             unshared += 0 if leaf.is_shared() else size
-        elif isinstance(leaf, np.ndarray) and leaf.dtype.kind in _NUMERIC_KINDS:
+        elif isinstance(leaf, np.ndarray) and leaf.dtype.kind in NUMERIC_KINDS:
             size = leaf.nbytes
             unshared += size
         total += size
         return leaf
 
-    _map_leaves(add, obj)
+    map_leaves(add, obj)
     return total, unshared
 
 
-def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool, times: int = 1) -> bool:
-    """In a worker: check ``/dev/shm`` has room for ``obj`` and say to share; else ``False``.
+def prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool, times: int = 1) -> bool:
+    """In a worker: check ``/dev/shm`` has room for ``obj`` and return ``True`` (build the
+    batch in shared memory); outside a worker ``False``.
 
     ``copies_all``: every byte is copied into new shared memory (collation), not only the
     arrays and the tensors that are not shared yet (conversion of a finished batch).
@@ -203,7 +165,7 @@ def _prepare_shared(obj: Any, in_flight: int | None, *, copies_all: bool, times:
         return False
     where, num_workers = worker
     if in_flight is None:
-        in_flight = num_workers * _DEFAULT_PREFETCH_FACTOR
+        in_flight = num_workers * DEFAULT_PREFETCH_FACTOR
     total, unshared = (n * times for n in _nbytes(obj))
     new_bytes = total if copies_all else unshared
     if recycle.active_pool() is not None:
@@ -226,19 +188,20 @@ def collate(samples: Sequence[Any], *, in_flight: int | None = None) -> Any:
     if len(samples) == 0:
         raise ValueError("collate() needs at least one sample")
     samples = list(samples)
-    shared = _prepare_shared(samples, in_flight, copies_all=True)
-    return _collate(samples, "batch", shared)
+    shared = prepare_shared(samples, in_flight, copies_all=True)
+    return collate_column(samples, "batch", shared)
 
 
-def _collate(samples: list[Any], path: str, shared: bool) -> Any:
+def collate_column(samples: list[Any], path: str, shared: bool) -> Any:
+    """Collate one field's values across samples (``path`` names it in errors), as ``collate``."""
     elem = samples[0]
     if isinstance(elem, torch.Tensor):
         return _stack_tensors(samples, path, shared)
     if isinstance(elem, np.ndarray):
-        return _stack_arrays(samples, path, shared) if elem.dtype.kind in _NUMERIC_KINDS else samples
+        return _stack_arrays(samples, path, shared) if elem.dtype.kind in NUMERIC_KINDS else samples
     if isinstance(elem, (bool, np.bool_)):
         return torch.tensor(samples, dtype=torch.bool)
-    if isinstance(elem, np.generic) and elem.dtype.kind in _NUMERIC_KINDS:
+    if isinstance(elem, np.generic) and elem.dtype.kind in NUMERIC_KINDS:
         return torch.from_numpy(np.asarray(samples))
     if isinstance(elem, int):
         return torch.tensor(samples, dtype=torch.int64)
@@ -249,17 +212,17 @@ def _collate(samples: list[Any], path: str, shared: bool) -> Any:
     if isinstance(elem, Mapping):
         return _collate_mapping(samples, path, shared)
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):
-        return type(elem)(*(_collate(list(col), f"{path}.{name}", shared)
-                            for name, col in zip(elem._fields, _transpose(samples, path))))
+        return type(elem)(*(collate_column(list(col), f"{path}.{name}", shared)
+                            for name, col in zip(elem._fields, _transpose(samples, path), strict=False)))
     if isinstance(elem, (list, tuple)):
-        columns = [_collate(list(col), f"{path}[{i}]", shared)
+        columns = [collate_column(list(col), f"{path}[{i}]", shared)
                    for i, col in enumerate(_transpose(samples, path))]
         return columns if isinstance(elem, list) else tuple(columns)
     if dataclasses.is_dataclass(elem) and not isinstance(elem, type):
         out = copy.copy(elem)
         for field in dataclasses.fields(elem):
             column = [getattr(sample, field.name) for sample in samples]
-            object.__setattr__(out, field.name, _collate(column, f"{path}.{field.name}", shared))
+            object.__setattr__(out, field.name, collate_column(column, f"{path}.{field.name}", shared))
         return out
     return samples
 
@@ -273,7 +236,7 @@ def _collate_mapping(samples: list[Any], path: str, shared: bool) -> Any:
         except KeyError:
             missing = next(i for i, s in enumerate(samples) if key not in s)
             raise DecodeError(f"cannot collate {path}: sample {missing} has no key {key!r}") from None
-        out[key] = _collate(column, f"{path}[{key!r}]", shared)
+        out[key] = collate_column(column, f"{path}[{key!r}]", shared)
     if type(samples[0]) is dict:
         return out
     try:
@@ -288,7 +251,7 @@ def _transpose(samples: list[Any], path: str) -> Iterator[tuple[Any, ...]]:
         if len(sample) != length:
             raise DecodeError(f"cannot collate {path}: sample 0 has {length} items, "
                               f"sample {i} has {len(sample)} items")
-    return zip(*samples)
+    return zip(*samples, strict=False)  # lengths checked above
 
 
 def _check_shapes(shapes: list[tuple[int, ...]], path: str) -> None:
@@ -307,7 +270,7 @@ def _stack_tensors(samples: list[Any], path: str, shared: bool) -> torch.Tensor:
         dtype = torch.promote_types(dtype, s.dtype)
     if not shared or samples[0].device.type != "cpu":
         return torch.stack([s.to(dtype) for s in samples])
-    out = _empty((len(samples), *samples[0].shape), dtype, shared)
+    out = empty_tensor((len(samples), *samples[0].shape), dtype, shared)
     return torch.stack(samples, out=out)
 
 
@@ -317,7 +280,7 @@ def _stack_arrays(samples: list[Any], path: str, shared: bool) -> torch.Tensor:
     _check_shapes([s.shape for s in samples], path)
     np_dtype = np.result_type(*samples).newbyteorder("=")
     dtype = torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
-    out = _empty((len(samples), *samples[0].shape), dtype, shared)
+    out = empty_tensor((len(samples), *samples[0].shape), dtype, shared)
     np.stack(samples, out=out.numpy())  # the one copy: straight into the (shared) batch
     return out
 
@@ -334,8 +297,8 @@ def to_tensors(batch: Any, *, in_flight: int | None = None) -> Any:
     in_worker = _worker() is not None
     if not _needs_conversion(batch, in_worker):
         return batch  # streamdata's own batches: tensors already in shared memory, and lists
-    shared = _prepare_shared(batch, in_flight, copies_all=False)
-    return _map_leaves(lambda leaf: _leaf_to_tensor(leaf, shared), batch)
+    shared = prepare_shared(batch, in_flight, copies_all=False)
+    return map_leaves(lambda leaf: _leaf_to_tensor(leaf, shared), batch)
 
 
 def _needs_conversion(obj: Any, in_worker: bool) -> bool:
@@ -344,7 +307,7 @@ def _needs_conversion(obj: Any, in_worker: bool) -> bool:
     if isinstance(obj, torch.Tensor):
         return in_worker and obj.device.type == "cpu" and not obj.is_shared()
     if isinstance(obj, (np.ndarray, np.generic)):
-        return obj.dtype.kind in _NUMERIC_KINDS
+        return obj.dtype.kind in NUMERIC_KINDS
     if isinstance(obj, (str, bytes, bytearray)) or obj is None:
         return False
     if isinstance(obj, Mapping):
@@ -359,16 +322,16 @@ def _needs_conversion(obj: Any, in_worker: bool) -> bool:
 
 
 def _leaf_to_tensor(leaf: Any, shared: bool) -> Any:
-    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in _NUMERIC_KINDS:
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in NUMERIC_KINDS:
         if not shared:
             return torch.from_numpy(leaf) if leaf.flags.writeable else torch.from_numpy(leaf.copy())
         dtype = torch.from_numpy(np.empty(0, dtype=leaf.dtype.newbyteorder("="))).dtype
-        out = _empty(leaf.shape, dtype, True)
+        out = empty_tensor(leaf.shape, dtype, True)
         np.copyto(out.numpy(), leaf)
         return out
-    if isinstance(leaf, np.generic) and leaf.dtype.kind in _NUMERIC_KINDS:
+    if isinstance(leaf, np.generic) and leaf.dtype.kind in NUMERIC_KINDS:
         return torch.from_numpy(np.asarray(leaf))
     if shared and isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not leaf.is_shared():
-        out = _empty(leaf.shape, leaf.dtype, True)
+        out = empty_tensor(leaf.shape, leaf.dtype, True)
         return out.copy_(leaf)
     return leaf

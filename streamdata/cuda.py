@@ -48,8 +48,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from .collate import iter_tensors, map_tensors
 from .errors import SpecError
+from .tree import iter_tensors, map_tensors
 
 __all__ = ["CudaPrefetcher", "PinAhead", "pin_batch"]
 

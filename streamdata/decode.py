@@ -16,7 +16,7 @@ from .errors import DecodeError
 
 __all__ = ["DecodeSpec", "fast_basic", "fast_npy", "make_decoder"]
 
-DecodeSpec = Union[bool, str, Callable[..., Any], Sequence[Union[str, Callable[..., Any]]], None]
+DecodeSpec = Union[bool, str, Callable[..., Any], Sequence[str | Callable[..., Any]], None]
 DEFAULT_IMAGE_SPEC = "torchrgb8"
 
 

@@ -11,21 +11,24 @@ the same warm memory to the next one. Measured with the 1000x150 float64 samples
 The result is the same as ``collate(samples)``: fields whose shape or dtype change from one
 sample to the next, and every non-array field, are collected as lists and collated at the
 end by the same code (dtype promotion, errors naming the field).
+
+:func:`batches` is the one place streamdata groups samples into batches (the datasets' own
+``batch_size`` and ``sd.loader``'s batching in the workers), with this collation or the caller's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import collate as C
+from .collate import NUMERIC_KINDS, collate, collate_column, empty_tensor, prepare_shared
 from .errors import DecodeError
 
-__all__ = ["BatchBuilder", "batched_incrementally"]
+__all__ = ["BatchBuilder", "batches"]
 
 
 class _Rows:
@@ -36,7 +39,7 @@ class _Rows:
         self.np_dtype = first.dtype if isinstance(first, np.ndarray) else None  # None: tensors
         self.dtype = (first.dtype if self.np_dtype is None else
                       torch.from_numpy(np.empty(0, dtype=first.dtype.newbyteorder("="))).dtype)
-        self.out = C._empty((capacity, *self.shape), self.dtype, shared)
+        self.out = empty_tensor((capacity, *self.shape), self.dtype, shared)
         self.view = self.out.numpy() if self.np_dtype is not None else None
         self.n = 0
 
@@ -58,7 +61,7 @@ class _Rows:
         goes back to the pool, or is freed)."""
         if self.n == len(self.out):
             return self.out
-        short = C._empty((self.n, *self.shape), self.dtype, self.out.is_shared())
+        short = empty_tensor((self.n, *self.shape), self.dtype, self.out.is_shared())
         return short.copy_(self.out[: self.n])
 
     def rows(self) -> list[Any]:
@@ -103,7 +106,7 @@ class BatchBuilder:
             return
         self._template = _skeleton(sample, "batch")
         leaves = list(_leaves(self._template, sample, "batch"))
-        self._shared = C._prepare_shared(sample, self.in_flight, copies_all=True,
+        self._shared = prepare_shared(sample, self.in_flight, copies_all=True,
                                          times=self.capacity)
         for leaf in leaves:
             if _is_array(leaf):
@@ -127,20 +130,33 @@ class BatchBuilder:
         if self.count == 0:
             raise ValueError("finish() needs at least one sample")
         if self._samples is not None:
-            batch = C.collate(self._samples, in_flight=self.in_flight)
+            batch = collate(self._samples, in_flight=self.in_flight)
         else:
             paths = _leaves(self._template, self._template, "batch")
             columns = iter([field.rows_tensor() if isinstance(field, _Rows)
-                            else C._collate(field, path, self._shared)
-                            for field, path in zip(self._fields, paths)])
+                            else collate_column(field, path, self._shared)
+                            for field, path in zip(self._fields, paths, strict=False)])
             batch = _rebuild(self._template, columns)
         self._reset()
         return batch
 
 
-def batched_incrementally(items: Iterable[Any], batch_size: int, drop_last: bool = False, *,
-                          in_flight: int | None = None) -> Iterator[Any]:
-    """``stages.batched`` with the default collation, done as the samples arrive."""
+def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Callable[[list], Any] | None = None,
+            drop_last: bool = False, in_flight: int | None = None) -> Iterator[Any]:
+    """Group ``samples`` into batches of ``batch_size``; the short tail too unless ``drop_last``.
+
+    The one place streamdata batches: ``collate_fn=None`` is the default collation, each
+    sample copied into its (shared-memory) batch as it arrives (:class:`BatchBuilder`;
+    ``in_flight`` as in :func:`~streamdata.collate.collate`); a callable gets each list of
+    ``batch_size`` samples instead (``in_flight`` is then unused).
+    """
+    if collate_fn is None:
+        return _built(samples, batch_size, drop_last, in_flight)
+    return _gathered(samples, batch_size, collate_fn, drop_last)
+
+
+def _built(items: Iterable[Any], batch_size: int, drop_last: bool, in_flight: int | None) -> Iterator[Any]:
+    """:func:`batches` with the default collation: each sample into the batch as it comes."""
     builder = BatchBuilder(batch_size, in_flight=in_flight)
     for item in items:
         builder.add(item)
@@ -151,14 +167,17 @@ def batched_incrementally(items: Iterable[Any], batch_size: int, drop_last: bool
         yield builder.finish()
 
 
-def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Any = None,
-            drop_last: bool = False, in_flight: int | None = None) -> Iterator[Any]:
-    """TEMPORARY (replaced on merge of the batching branch)."""
-    if collate_fn is None:
-        return batched_incrementally(samples, batch_size, drop_last, in_flight=in_flight)
-    from .stages import batched
-
-    return batched(samples, batch_size, collate_fn, drop_last)
+def _gathered(items: Iterable[Any], batch_size: int, collate_fn: Callable[[list], Any],
+              drop_last: bool) -> Iterator[Any]:
+    """:func:`batches` with the caller's ``collate_fn``: lists of ``batch_size`` items, collated."""
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield collate_fn(batch)
+            batch = []
+    if batch and not drop_last:
+        yield collate_fn(batch)
 
 
 # --- walking samples: plain dicts, lists and tuples; anything else goes to collate() ----------
@@ -167,7 +186,7 @@ def _is_array(leaf: Any) -> bool:
     """A field copied row by row: numeric arrays and plain dense CPU tensors. Tensors that
     require grad, sparse tensors and tensor subclasses go to collate() at the end."""
     if isinstance(leaf, np.ndarray):
-        return leaf.dtype.kind in C._NUMERIC_KINDS
+        return leaf.dtype.kind in NUMERIC_KINDS
     return (type(leaf) is torch.Tensor and leaf.device.type == "cpu"
             and leaf.layout == torch.strided and not leaf.requires_grad)
 
@@ -209,7 +228,7 @@ def _leaves(template: Any, sample: Any, path: str) -> Iterator[Any]:
         if got != len(template) or isinstance(sample, (str, bytes, Mapping)):
             raise DecodeError(f"cannot collate {path}: sample 0 has {len(template)} items, "
                               f"a later one has {got}")
-        for i, (t, s) in enumerate(zip(template, sample)):
+        for i, (t, s) in enumerate(zip(template, sample, strict=False)):  # lengths checked above
             yield from _leaves(t, s, f"{path}[{i}]")
     else:
         yield sample

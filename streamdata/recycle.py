@@ -18,7 +18,7 @@ still holds that token (a restarted worker's slots carry other tokens).  Each si
 slot only in the state the other side does not write, so plain loads and stores suffice.
 
 A batch sent anywhere else than the main process (another ``multiprocessing`` queue) is
-not tracked: pass ``recycle=False`` to :func:`streamdata.loader` for such pipelines.
+not tracked: pass ``recycle_buffers=False`` to :func:`streamdata.loader` for such pipelines.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "reclaim", "unwrap"]
+from .cuda import pin_batch
+from .tree import iter_tensors
+
+__all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "lent_count", "reclaim", "unwrap"]
 
 FREE = 0
 SLOTS_PER_WORKER = 64  # storages a worker keeps; a batch of k tensor fields uses k slots
@@ -133,7 +136,8 @@ class BufferPool:
             if self._counter - slot.last_used >= IDLE_REQUESTS:
                 self._slots[index] = None
                 self.stats["dropped"] += 1
-            elif nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK and (best is None or slot.nbytes < best.nbytes):
+            elif (nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
+                  and (best is None or slot.nbytes < best.nbytes)):
                 best = slot
         return best
 
@@ -153,8 +157,6 @@ class BufferPool:
         """Wrap ``batch`` with the tokens of the pooled storages its tensors use."""
         if not self._pending:
             return batch
-        from .collate import iter_tensors
-
         by_ptr = {slot.storage.data_ptr(): slot for slot in self._pending}
         tickets, seen = [], set()
         for position, tensor in enumerate(iter_tensors(batch)):
@@ -194,8 +196,6 @@ class _Lent:
         _register(self)
 
     def pin_memory(self) -> Any:
-        from .cuda import pin_batch
-
         return pin_batch(self.batch)  # the shared-memory storages are dropped after the copy
 
 
@@ -241,8 +241,6 @@ def _register(lent: _Lent) -> None:
         return
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from .collate import iter_tensors
-
     positions = {position: (slot, token) for position, slot, token in lent.tickets}
     refs = []
     for position, tensor in enumerate(iter_tensors(lent.batch)):
@@ -257,6 +255,12 @@ def _register(lent: _Lent) -> None:
         grown = len(_OUT) >= _prune_at
     if grown:
         reclaim()
+
+
+def lent_count() -> int:
+    """Main process: slots registered as out with a batch and not yet released."""
+    with _LOCK:
+        return len(_OUT)
 
 
 def reclaim() -> int:

@@ -1,12 +1,12 @@
-"""Small generator stages that run inside the reader: the sample shuffle buffer, batching."""
+"""The sample shuffle buffer, a stage of every sample-yielding reader (batching: ``incremental.batches``)."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
-__all__ = ["batched", "shuffled"]
+__all__ = ["shuffled"]
 
 T = TypeVar("T")
 
@@ -26,16 +26,3 @@ def shuffled(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
         yield item
     rng.shuffle(buf)
     yield from buf
-
-
-def batched(items: Iterable[T], batch_size: int, collate: Callable[[list[T]], Any],
-            drop_last: bool = False) -> Iterator[Any]:
-    """Group items into lists of ``batch_size`` and collate each; the short tail unless drop_last."""
-    batch: list[T] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == batch_size:
-            yield collate(batch)
-            batch = []
-    if batch and not drop_last:
-        yield collate(batch)

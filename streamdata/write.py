@@ -28,7 +28,7 @@ __all__ = ["write_arrow", "write_parquet"]
 
 log = logging.getLogger("streamdata")
 
-TableLike = Union[pa.Table, pa.RecordBatch, Mapping[str, Any], Iterable[Union[pa.Table, pa.RecordBatch]]]
+TableLike = Union[pa.Table, pa.RecordBatch, Mapping[str, Any], Iterable[pa.Table | pa.RecordBatch]]
 
 
 def _tables(data: TableLike) -> Iterator[pa.Table]:

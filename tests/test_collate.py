@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from streamdata import collate as C
 from streamdata.errors import DecodeError, SharedMemoryError, StreamDataError
+from streamdata.tree import iter_tensors, map_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def nested(t: torch.Tensor) -> dict:
 def test_map_tensors_rebuilds_every_container_type_and_passes_other_leaves():
     t = torch.arange(6.0).reshape(2, 3)
     batch = nested(t)
-    out = C.map_tensors(lambda x: x * 10, batch)
+    out = map_tensors(lambda x: x * 10, batch)
 
     assert type(out["ordered"]) is collections.OrderedDict
     assert type(out["default"]) is collections.defaultdict and out["default"].default_factory is list
@@ -68,7 +69,7 @@ def test_map_tensors_rebuilds_every_container_type_and_passes_other_leaves():
 
 def test_iter_tensors_finds_every_tensor_depth_first():
     t = torch.zeros(1)
-    found = list(C.iter_tensors(nested(t)))
+    found = list(iter_tensors(nested(t)))
     assert len(found) == 8
     assert all(isinstance(x, torch.Tensor) for x in found)
 
@@ -204,7 +205,7 @@ def test_shared_memory_space_reads_the_filesystem(tmp_path):
 
 def test_collate_in_a_worker_raises_before_allocating_when_shm_is_too_small(in_worker, monkeypatch):
     monkeypatch.setattr(C, "shared_memory_space", fake_space(1000, 1000))
-    monkeypatch.setattr(C, "_empty", lambda *a: pytest.fail("allocated despite the failed check"))
+    monkeypatch.setattr(C, "empty_tensor", lambda *a: pytest.fail("allocated despite the failed check"))
     with pytest.raises(SharedMemoryError, match="does not fit"):
         C.collate([np.zeros(1000)])
 
@@ -291,7 +292,7 @@ SMALL_SHM_SCRIPT = textwrap.dedent(
         print("LOADER", str(exc).splitlines()[-1])
     C.shared_memory_space = lambda path=C.SHM_PATH: None  # skip the check: torch's ENOSPC path
     try:
-        C._empty((64, 1 << 20), torch.uint8, True)
+        C.empty_tensor((64, 1 << 20), torch.uint8, True)
     except SharedMemoryError as exc:
         print("ALLOC", type(exc.__cause__).__name__, exc)
     """

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from streamdata import cuda as K
-from streamdata.collate import iter_tensors, map_tensors
 from streamdata.errors import SpecError
+from streamdata.tree import iter_tensors, map_tensors
 
 
 class Pair(NamedTuple):
@@ -51,7 +51,7 @@ def assert_same_batch(got, want) -> None:
     """Same structure, types, non-tensor leaves; tensors equal in value, dtype and shape."""
     got_t, want_t = list(iter_tensors(got)), list(iter_tensors(want))
     assert len(got_t) == len(want_t)
-    for g, w in zip(got_t, want_t):
+    for g, w in zip(got_t, want_t, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert torch.equal(g.cpu(), w.cpu())
     strip = lambda b: map_tensors(lambda t: "T", b)  # noqa: E731
@@ -207,8 +207,8 @@ def test_depth_must_be_positive():
 class RecordingOps:
     """Stands in for _StreamOps: 'copies' by cloning, and logs every call."""
 
-    def __init__(self, device=torch.device("cuda", 0), fail_copy_at: int | None = None):
-        self.device = device
+    def __init__(self, device: torch.device | None = None, fail_copy_at: int | None = None):
+        self.device = torch.device("cuda", 0) if device is None else device
         self.log: list[tuple[str, int]] = []
         self.fail_copy_at = fail_copy_at
 
@@ -325,7 +325,7 @@ def test_without_cuda_the_prefetcher_passes_the_same_batches_through(no_cuda):
     batches = [make_batch(i) for i in range(4)]
     with pytest.warns(RuntimeWarning, match="CUDA is not available"):
         out = list(K.CudaPrefetcher(batches, device="cuda", depth=2))
-    assert len(out) == 4 and all(o is b for o, b in zip(out, batches))
+    assert len(out) == 4 and all(o is b for o, b in zip(out, batches, strict=True))
     assert streamdata_threads() == []
 
 

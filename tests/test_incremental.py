@@ -13,7 +13,7 @@ import torch
 
 from streamdata import collate as C
 from streamdata.errors import DecodeError
-from streamdata.incremental import BatchBuilder, batched_incrementally
+from streamdata.incremental import BatchBuilder, batches
 
 
 def same(a, b) -> bool:
@@ -26,7 +26,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and same(dataclasses.asdict(a), dataclasses.asdict(b))
     return a == b
@@ -111,12 +111,26 @@ def test_in_a_worker_the_batch_is_in_shared_memory(monkeypatch):
     assert batch["x"].is_shared() and batch["x"][:, 0].tolist() == [0.0, 1.0, 2.0]
 
 
-def test_batched_incrementally_groups_and_keeps_or_drops_the_tail():
+def test_batches_groups_and_keeps_or_drops_the_tail():
     items = [{"i": i, "x": np.full(2, i)} for i in range(7)]
-    kept = list(batched_incrementally(iter(items), 3))
+    kept = list(batches(iter(items), 3))
     assert [b["i"].tolist() for b in kept] == [[0, 1, 2], [3, 4, 5], [6]]
-    dropped = list(batched_incrementally(iter(items), 3, drop_last=True))
+    dropped = list(batches(iter(items), 3, drop_last=True))
     assert [b["i"].tolist() for b in dropped] == [[0, 1, 2], [3, 4, 5]]
+    assert same(kept[0], C.collate(items[:3]))  # the default collation
+
+
+def test_batches_with_a_collate_fn_hands_it_lists_of_samples():
+    seen = []
+
+    def mine(samples):
+        seen.append(list(samples))
+        return len(samples)
+
+    assert list(batches(iter(range(7)), 3, collate_fn=mine)) == [3, 3, 1]
+    assert seen == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(batches(iter(range(7)), 3, collate_fn=mine, drop_last=True)) == [3, 3]
+    assert list(batches(iter([]), 3, collate_fn=mine)) == [] == list(batches(iter([]), 3))
 
 
 def test_a_full_builder_refuses_more():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import types
 
 import numpy as np
 import pytest
@@ -11,14 +13,14 @@ import torch
 import torch.multiprocessing
 from torch.utils.data import IterableDataset
 
+import streamdata
 from streamdata import collate as C
 from streamdata import cuda as K
 from streamdata.cuda import CudaPrefetcher
 from streamdata.errors import SpecError
-from streamdata.loader import (
+from streamdata.presets import (
     DEFAULT_PREFETCH_FACTOR,
     Loader,
-    _BatchedInWorkers,
     _Lending,
     _WorkerInit,
     default_num_workers,
@@ -80,8 +82,9 @@ def test_defaults_with_workers():
         assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
         assert dl.pin_memory == torch.cuda.is_available()
         assert isinstance(dl.collate_fn, _Lending) and feed.board is not None  # buffers recycled
-        # a per-sample IterableDataset is batched in the workers, sample by sample
-        assert isinstance(dl.dataset, _BatchedInWorkers) and dl.batch_size is None
+        # a per-sample IterableDataset is batched in the workers, sample by sample: the
+        # DataLoader gets a wrapper of the user's dataset that yields whole batches
+        assert dl.batch_size is None and dl.dataset is not feed.dataset
         assert (dl.dataset.batch_size, dl.dataset.in_flight) == (2, 2 * DEFAULT_PREFETCH_FACTOR)
         assert feed.prefetcher is None and feed.dataset is dl.dataset.dataset
         assert [b["i"].tolist() for b in feed] == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]
@@ -131,8 +134,24 @@ def test_defaults_without_workers_and_the_default_worker_count():
     feed = loader(Numbers(), num_workers=0)
     dl = feed.dataloader
     assert dl.prefetch_factor is None and not dl.persistent_workers and dl.batch_size == 1
-    assert 1 <= default_num_workers() <= 4
+    assert default_num_workers() == min(4, len(os.sched_getaffinity(0)))
     assert loader(Numbers()).dataloader.num_workers == default_num_workers()
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(1, 1), (3, 3), (4, 4), (64, 4)])
+def test_the_default_worker_count_follows_the_usable_cores(monkeypatch, cpus, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert default_num_workers() == expected
+    with loader(Numbers(), pin_memory=False) as feed:
+        assert feed.dataloader.num_workers == expected
+
+
+def test_the_default_worker_count_without_sched_getaffinity(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity")  # not on Linux: the CPU count
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert default_num_workers() == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert default_num_workers() == 1
 
 
 def test_everything_is_overridable():
@@ -237,5 +256,18 @@ def test_an_unknown_sharing_strategy_is_refused():
         loader(Numbers(), sharing_strategy="carrier_pigeon")
 
 
-def test_loader_returns_a_loader():
-    assert isinstance(loader(Numbers(), num_workers=0), Loader)
+def test_a_loader_without_workers_yields_the_batches_in_this_process_every_epoch():
+    feed = loader(Numbers(4), num_workers=0, batch_size=2)
+    assert isinstance(feed, Loader) and feed.dataloader.num_workers == 0
+    for _ in range(2):
+        got = list(feed)
+        assert [b["i"].tolist() for b in got] == [[0, 1], [2, 3]]
+        assert [b["x"].tolist() for b in got] == [[[0.0] * 3, [1.0] * 3], [[2.0] * 3, [3.0] * 3]]
+        assert not any(b["x"].is_shared() for b in got)  # no worker: no shared memory
+
+
+def test_the_preset_module_and_the_loader_function_have_different_names():
+    module = importlib.import_module("streamdata.presets")
+    assert isinstance(module, types.ModuleType) and module.loader is loader
+    assert streamdata.loader is loader and callable(streamdata.loader)
+    assert streamdata.Loader is Loader

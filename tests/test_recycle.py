@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from streamdata import recycle
-from streamdata.loader import loader
+from streamdata.presets import loader
 
 WIDTH = 2048  # float64 per sample: 16 KiB, a batch of 8 is 128 KiB
 
@@ -184,9 +184,9 @@ def test_batches_read_from_the_dataloader_directly_are_still_released():
     with make(n, num_workers=1) as feed:
         sizes, inodes = [], []
         for item in feed.dataloader:
-            assert isinstance(item, recycle._Lent) and intact(item.batch)
+            assert item.tickets and intact(item.batch)  # lent, naming its slots
             inodes.append(storage_inode(item.batch["x"]))
-            sizes.append(len(recycle._OUT))
+            sizes.append(recycle.lent_count())
         del item
     assert len(inodes) == n
     assert max(sizes) <= 40, sizes
@@ -217,10 +217,10 @@ def test_a_copy_of_a_lent_batch_does_not_free_its_slot(how):
 def test_an_early_break_then_a_new_epoch_keeps_reusing():
     n = 20
     with make(n) as feed:
-        for k, batch in enumerate(feed):
+        for k, _batch in enumerate(feed):
             if k == 3:
                 break
-        del batch
+        del _batch
         inodes = [storage_inode(batch["x"]) for batch in feed if intact(batch)]
     assert len(inodes) == n  # every batch of the second epoch arrived intact
     assert len(set(inodes)) <= 14
@@ -305,8 +305,9 @@ def test_lend_names_the_slots_in_the_batch_and_frees_storages_dropped_unsent(poo
     p, board, allocate, _ = pool
     used = torch.empty(0, dtype=torch.uint8).set_(p.storage(64, allocate), 0, (64,))
     p.storage(64, allocate)  # handed out, then dropped without being sent
-    lent = p.lend({"x": used, "label": "cat"})
-    assert isinstance(lent, recycle._Lent) and lent.batch["x"] is used
+    batch = {"x": used, "label": "cat"}
+    lent = p.lend(batch)
+    assert lent is not batch and lent.batch is batch and next(recycle.unwrap([lent])) is batch
     assert [(pos, slot) for pos, slot, _ in lent.tickets] == [(0, 0)]
     assert int(board.states[0][1]) == recycle.FREE and int(board.states[0][0]) != recycle.FREE
     plain = {"y": torch.zeros(2)}
@@ -316,15 +317,16 @@ def test_lend_names_the_slots_in_the_batch_and_frees_storages_dropped_unsent(poo
 def test_unpickling_registers_and_reclaim_releases_when_the_storage_is_gone(pool):
     p, board, allocate, _ = pool
     recycle.reclaim()  # what earlier tests left
-    before = len(recycle._OUT)
+    before = recycle.lent_count()
     storage = p.storage(64, allocate)
     lent = p.lend(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (64,)))
     # as the main process unpickles it: a shared mapping of its own (here, a shared copy)
-    received = recycle._Lent.__new__(recycle._Lent)
+    lent_type = type(lent)  # unpickling: a bare instance, then __setstate__
+    received = lent_type.__new__(lent_type)
     received.__setstate__((lent.batch.clone().share_memory_(), *lent.__getstate__()[1:]))
-    received_again = recycle._Lent.__new__(recycle._Lent)  # the same batch unpickled twice
+    received_again = lent_type.__new__(lent_type)  # the same batch unpickled twice
     received_again.__setstate__(received.__getstate__())
-    assert len(recycle._OUT) == before + 1
+    assert recycle.lent_count() == before + 1
     del received_again
     batch = next(recycle.unwrap([received]))
     assert int(board.states[0][0]) != recycle.FREE

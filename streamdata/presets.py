@@ -14,13 +14,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import recycle
 from ._alloc import keep_freed_memory
-from .collate import collate, to_tensors
+from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
+from .incremental import batches
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 
-DEFAULT_PREFETCH_FACTOR = 2  # batches per worker in flight; more only absorbs jitter (see docs/gpu.md)
 _MAX_DEFAULT_WORKERS = 4
 _JOIN_TIMEOUT = 10.0  # seconds close() waits for each worker that is still ending
 _UNSET: Any = object()
@@ -92,10 +92,8 @@ class _BatchedInWorkers(IterableDataset):
             setattr(self.dataset, name, value)
 
     def __iter__(self) -> Iterator[Any]:
-        from .incremental import batched_incrementally
-
-        return batched_incrementally(iter(self.dataset), self.batch_size, self.drop_last,
-                                     in_flight=self.in_flight)
+        return batches(iter(self.dataset), self.batch_size, drop_last=self.drop_last,
+                       in_flight=self.in_flight)
 
     def __len__(self) -> int:  # as DataLoader counts batches of an IterableDataset
         n = len(self.dataset)  # type: ignore[arg-type]  # TypeError when it has no len
@@ -218,20 +216,20 @@ def loader(
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
 
-    Defaults: ``num_workers`` one per core (at most 4); with workers, ``persistent_workers``
-    and ``prefetch_factor=2``; ``pin_memory`` when CUDA is available; ``batch_size=None``
-    when the dataset batches itself (a ``batch_size`` attribute that is not ``None``), else
-    DataLoader's 1; a ``collate_fn`` that builds tensors in the workers' shared memory and
-    checks ``/dev/shm`` first (with workers, a per-sample IterableDataset is batched in the
-    workers, each sample copied into its batch as it arrives: :mod:`streamdata.incremental`;
-    ``loader.dataloader`` then has ``batch_size=None``).  ``sharing_strategy="file_system"`` sets that strategy here and
-    in every worker.  ``device`` wraps the loader in a :class:`CudaPrefetcher` (``depth``,
-    ``transform``).  ``recycle_buffers`` (with workers): a worker reuses the shared memory of
-    batches the main process has dropped (:mod:`streamdata.recycle`); iterate the returned
-    ``Loader``, not its ``dataloader``.  ``reuse_worker_memory`` (with workers, glibc): a
-    worker keeps the memory it frees for the next epoch instead of giving it back to the OS
-    and page-faulting it in again (:mod:`streamdata._alloc`).  Other keyword arguments go to
-    ``DataLoader`` unchanged.
+    Defaults: ``num_workers`` one per core (at most 4); with workers, ``persistent_workers`` and
+    ``prefetch_factor=2``; ``pin_memory`` when CUDA is available; ``batch_size=None`` when the
+    dataset batches itself (a ``batch_size`` attribute that is not ``None``), else DataLoader's
+    1; a ``collate_fn`` that builds tensors in the workers' shared memory and checks
+    ``/dev/shm`` first (with workers, a per-sample IterableDataset is batched in the workers,
+    each sample copied into its batch as it arrives: :func:`streamdata.incremental.batches`;
+    ``loader.dataloader`` then has ``batch_size=None``).  ``sharing_strategy="file_system"``
+    sets that strategy here and in every worker.  ``device`` wraps the loader in a
+    :class:`CudaPrefetcher` (``depth``, ``transform``).  ``recycle_buffers`` (with workers): a
+    worker reuses the shared memory of batches the main process has dropped
+    (:mod:`streamdata.recycle`); iterate the returned ``Loader``, not its ``dataloader``.
+    ``reuse_worker_memory`` (with workers, glibc): a worker keeps the memory it frees for the
+    next epoch instead of giving it back to the OS and page-faulting it in again
+    (:mod:`streamdata._alloc`).  Other keyword arguments go to ``DataLoader`` unchanged.
     """
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
@@ -277,7 +275,7 @@ def loader(
         collate_fn=collate_fn,
         **dataloader_kwargs,
     )
-    batches = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
-    feed = (CudaPrefetcher(batches if batches is not None else dataloader, device, depth, transform)
+    unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
+    feed = (CudaPrefetcher(unwrapped if unwrapped is not None else dataloader, device, depth, transform)
             if device is not None else None)
-    return Loader(dataloader, feed, batches, dataset=dataset)
+    return Loader(dataloader, feed, unwrapped, dataset=dataset)
