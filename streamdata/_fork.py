@@ -10,6 +10,8 @@ stage in ``STAGES`` order (within a stage, in registration order):
   sessions  ``client``: every inherited aiohttp session is dropped without closing its
             connections; closing them in the child would close the parent's keep-alive
             sockets under it (seen: the parent's next request hung until its time-out).
+  pools     ``recycle``: a worker's buffer pool lends slots of its own board; a process forked
+            from the worker starts with none (RECYCLE-HANDOFF).
 
 A reset must not do I/O, take a lock another thread may have held at the fork, or raise;
 nothing is reset for spawned processes (they inherit nothing). An owner registers with
@@ -23,7 +25,7 @@ from collections.abc import Callable
 
 __all__ = ["STAGES", "at_fork_in_child"]
 
-STAGES = ("loops", "sessions")
+STAGES = ("loops", "sessions", "pools")
 
 _RESETS: dict[str, list[Callable[[], None]]] = {stage: [] for stage in STAGES}
 

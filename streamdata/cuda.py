@@ -64,11 +64,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(note)
-
-
 def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu" or tensor.is_pinned():
         return tensor
@@ -87,7 +82,7 @@ class _Failure:
         self.exc, self.index, self.thread = exc, index, thread
 
     def reraise(self) -> None:
-        _add_note(self.exc, f"streamdata: raised in thread {self.thread!r} "
+        self.exc.add_note(f"streamdata: raised in thread {self.thread!r} "
                             f"while producing batch {self.index} (counting from 0)")
         raise self.exc
 
@@ -296,7 +291,7 @@ def _copy_ahead(source: Iterator[Any], ops: Any, depth: int,
             try:
                 pending.append(ops.copy(host, transform))
             except Exception as exc:
-                _add_note(exc, f"streamdata: raised while copying batch {index} to {ops.device}")
+                exc.add_note(f"streamdata: raised while copying batch {index} to {ops.device}")
                 failure, done = exc, True
                 break
             index += 1

@@ -10,13 +10,13 @@ handlers ``f(key, data) -> value | None``; ``decode=False`` keeps raw bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from .errors import DecodeError
 
 __all__ = ["DecodeSpec", "fast_basic", "fast_npy", "make_decoder"]
 
-DecodeSpec = Union[bool, str, Callable[..., Any], Sequence[str | Callable[..., Any]], None]
+DecodeSpec = bool | str | Callable[..., Any] | Sequence[str | Callable[..., Any]] | None
 DEFAULT_IMAGE_SPEC = "torchrgb8"
 
 

@@ -19,8 +19,8 @@ def write_demo_shards(fs, prefix: str, *, shards: int, per_shard: int, floats: i
         buf = io.BytesIO()
         with wds.TarWriter(buf) as writer:
             for _ in range(per_shard):
-                writer.write({"__key__": f"sample{n:07d}", "npy": rng.standard_normal(floats, dtype=np.float32),
-                              "cls": n % 10})
+                writer.write({"__key__": f"sample{n:07d}",
+                              "npy": rng.standard_normal(floats, dtype=np.float32), "cls": n % 10})
                 n += 1
         fs.pipe_file(f"{prefix}/train-{s:06d}.tar", buf.getvalue())
     return n

@@ -36,7 +36,6 @@ class ObjectDataset(torch.utils.data.Dataset):
         self.map = map
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self._client: Any = None
-        self._pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -72,26 +71,20 @@ class ObjectDataset(torch.utils.data.Dataset):
         return self.map(sample) if self.map is not None else sample
 
     def _get_client(self) -> Any:
-        import os
-
         from .client import AsyncClient
 
-        if self._client is None or self._pid != os.getpid():
+        if self._client is None or self._client.io.inherited:  # forked: FORK-RESET closed it
             self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
                                        name="objects", url=self.shards[0].url)
-            self._pid = os.getpid()
         return self._client
 
     def close(self) -> None:
         """Close this process's connections and I/O thread (workers close theirs at exit)."""
-        if self._client is not None and self._pid is not None:
-            import os
-
-            if self._pid == os.getpid():
-                self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None and not client.io.inherited:
+            client.close()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_client"], state["_pid"] = None, None  # never inherit a loop (LOOP-AFTER-FORK)
+        state["_client"] = None  # never inherit a loop (LOOP-AFTER-FORK)
         return state

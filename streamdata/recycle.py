@@ -23,7 +23,6 @@ not tracked: pass ``recycle_buffers=False`` to :func:`streamdata.loader` for suc
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import weakref
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._fork import at_fork_in_child
 from .cuda import pin_batch
 from .tree import iter_tensors
 
@@ -202,18 +202,26 @@ class _Lent:
 # --- the worker's pool -------------------------------------------------------------------------
 
 _POOL: BufferPool | None = None
-_POOL_PID = -1  # the process that installed the pool: a process forked from it has none
 
 
 def install(board: Board, worker: int) -> None:
     """In a worker (from ``worker_init_fn``): batch storages come from a pool on ``board``."""
-    global _POOL, _POOL_PID
-    _POOL, _POOL_PID = BufferPool(board, worker), os.getpid()
+    global _POOL
+    _POOL = BufferPool(board, worker)
 
 
 def active_pool() -> BufferPool | None:
-    """This worker's pool, or ``None`` (main process, or a loader without recycling)."""
-    return _POOL if _POOL is not None and _POOL_PID == os.getpid() else None
+    """This worker's pool, or ``None`` (main process, a loader without recycling, or a process
+    forked from a worker: FORK-RESET drops the pool there)."""
+    return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None
+
+
+at_fork_in_child("pools", _forget_pool)
 
 
 def lend(batch: Any) -> Any:

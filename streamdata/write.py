@@ -15,7 +15,7 @@ import posixpath
 import string
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import pyarrow as pa
 
@@ -28,7 +28,7 @@ __all__ = ["write_arrow", "write_parquet"]
 
 log = logging.getLogger("streamdata")
 
-TableLike = Union[pa.Table, pa.RecordBatch, Mapping[str, Any], Iterable[pa.Table | pa.RecordBatch]]
+TableLike = pa.Table | pa.RecordBatch | Mapping[str, Any] | Iterable[pa.Table | pa.RecordBatch]
 
 
 def _tables(data: TableLike) -> Iterator[pa.Table]:

@@ -203,7 +203,8 @@ def _rich_table(n: int = 23) -> tuple[pa.Table, dict]:
         "word": pa.array([f"w{k % 4}" for k in i]).dictionary_encode(),
         "code": pa.array((i % 3).astype(np.int64)).dictionary_encode(),
         "blob": pa.array([bytes([k]) * (k % 3) for k in i], pa.binary()),
-        "vec": pa.FixedSizeListArray.from_arrays(pa.array((i[:, None] * [1, 10, 100]).ravel(), pa.int64()), 3),
+        "vec": pa.FixedSizeListArray.from_arrays(
+            pa.array((i[:, None] * [1, 10, 100]).ravel(), pa.int64()), 3),
         "seq": pa.array(ragged, pa.list_(pa.int16())),
         "pts": pa.array(pairs, pa.list_(pa.list_(pa.float32(), 2))),
         "deep": pa.array([[[k]] * (k % 2) for k in i], pa.list_(pa.list_(pa.int64()))),
@@ -293,7 +294,8 @@ def test_objects_round_trip_to_expected_tensors(tmp_path, kind):
 def test_user_decoder_per_value(tmp_path):
     table = pa.table({"img": [np.full(4, k, np.uint8).tobytes() for k in range(6)], "k": range(6)})
     url, = write_parquet(table, str(tmp_path / "d.parquet"))
-    ds = ParquetDataset(url, batch_size=6, decoders={"img": lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)})
+    ds = ParquetDataset(url, batch_size=6,
+                        decoders={"img": lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)})
     batch, = list(ds)
     assert batch["img"].shape == (6, 4) and batch["img"][:, 0].tolist() == list(range(6))
 

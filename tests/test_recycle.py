@@ -344,3 +344,27 @@ def test_pinned_batches_release_their_shared_memory_at_once():
     with make(n, pin_memory=True) as feed:
         kept = list(feed)
     assert len(kept) == n and all(batch["x"].is_pinned() and intact(batch) for batch in kept)
+
+
+def test_a_process_forked_from_a_worker_has_no_pool(monkeypatch):
+    """FORK-RESET ("pools"): the pool a worker installed is not inherited by its own children,
+    and the worker keeps it."""
+    import multiprocessing
+
+    board = recycle.Board(1)
+    monkeypatch.setattr(recycle, "_POOL", None)
+    recycle.install(board, 0)
+    mine = recycle.active_pool()
+
+    def child(conn):
+        conn.send(recycle.active_pool() is None)
+
+    try:
+        parent, conn = multiprocessing.get_context("fork").Pipe()
+        proc = multiprocessing.get_context("fork").Process(target=child, args=(conn,))
+        proc.start()
+        got = parent.recv() if parent.poll(30) else None
+        proc.join(30)
+        assert got is True and mine is not None and recycle.active_pool() is mine
+    finally:
+        board.close()

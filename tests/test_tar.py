@@ -117,7 +117,7 @@ def test_webdataset_reads_our_layout_and_we_read_theirs(tmp_path):
     ours = list(sd.TarDataset(str(tmp_path / "w-{000..001}.tar")))
     theirs = list(wds.WebDataset(str(tmp_path / "w-{000..001}.tar"), shardshuffle=False).decode())
     assert [s["__key__"] for s in ours] == [s["__key__"] for s in theirs] == [s["__key__"] for s in samples]
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a["cls"] == b["cls"] and a["json"] == b["json"]
         np.testing.assert_array_equal(a["npy"], b["npy"])
 
