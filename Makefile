@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-all bench clean
+.PHONY: setup demo lint test test-slow test-all bench clean
 
 # torch is pinned and installed first: an unpinned torch pulls gigabytes of CUDA wheels.
 # constraints.txt pins the versions the suite was last run with: reproducible, and pip
@@ -19,6 +19,9 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m streamdata demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check streamdata tests benchmarks
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

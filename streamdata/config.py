@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import SpecError
 
-__all__ = ["FetchConfig", "env_int", "env_snapshot", "env_str"]
+__all__ = ["FetchConfig", "env_int", "env_setdefault", "env_snapshot", "env_str"]
 
 MiB = 1 << 20
 
@@ -19,6 +19,11 @@ def env_str(name: str, default: str | None = None) -> str | None:
     """Read ``name`` from the environment (the one place the package does so)."""
     value = os.environ.get(name)
     return default if value in (None, "") else value
+
+
+def env_setdefault(name: str, value: str) -> str:
+    """``name``'s value, set to ``value`` first if unset (for a library that reads it at import)."""
+    return os.environ.setdefault(name, value)
 
 
 def env_snapshot(names: Iterable[str]) -> dict[str, str | None]:

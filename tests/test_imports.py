@@ -94,3 +94,23 @@ def test_no_module_of_the_package_imports_itself_back():
 
 def test_tree_imports_nothing_of_the_package():
     assert import_graph()["streamdata.tree"] == set()
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE.parent)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_only_config_reads_the_environment():
+    readers = [path for path, text in _sources().items()
+               if ("os.environ" in text or "getenv(" in text) and path != "streamdata/config.py"]
+    assert readers == [], f"read environment variables through streamdata/config.py, not in {readers}"
+
+
+def test_every_fork_hook_is_registered_in_one_module():
+    hooks = [path for path, text in _sources().items() if "register_at_fork(" in text]
+    assert hooks == ["streamdata/_fork.py"]
+
+
+def test_no_module_is_over_450_lines():
+    long = {path: text.count("\n") for path, text in _sources().items() if text.count("\n") > 450}
+    assert long == {}, f"split these modules (one responsibility, a few hundred lines): {long}"

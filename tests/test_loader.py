@@ -21,8 +21,6 @@ from streamdata.errors import SpecError
 from streamdata.presets import (
     DEFAULT_PREFETCH_FACTOR,
     Loader,
-    _Lending,
-    _WorkerInit,
     default_num_workers,
     loader,
 )
@@ -81,7 +79,7 @@ def test_defaults_with_workers():
         assert dl.num_workers == 2 and dl.persistent_workers
         assert dl.prefetch_factor == DEFAULT_PREFETCH_FACTOR
         assert dl.pin_memory == torch.cuda.is_available()
-        assert isinstance(dl.collate_fn, _Lending) and feed.board is not None  # buffers recycled
+        assert feed.board is not None  # buffers recycled (what that does: test_recycle.py)
         # a per-sample IterableDataset is batched in the workers, sample by sample: the
         # DataLoader gets a wrapper of the user's dataset that yields whole batches
         assert dl.batch_size is None and dl.dataset is not feed.dataset
@@ -245,10 +243,23 @@ def test_sharing_strategy_is_set_here_and_in_every_worker(restore_sharing_strate
         assert list(feed) == ["file_system"]
 
 
+_INITS_SEEN: list[int] = []  # in a worker: the ids the user's worker_init_fn was called with
+
+
+def _record_init(worker_id: int) -> None:
+    _INITS_SEEN.append(worker_id)
+
+
+class ReportInit(IterableDataset):
+    def __iter__(self):
+        yield f"{_INITS_SEEN} {torch.multiprocessing.get_sharing_strategy()}"
+
+
 def test_worker_init_keeps_the_users_function(restore_sharing_strategy):
-    called = []
-    _WorkerInit("file_system", called.append)(3)
-    assert called == [3] and torch.multiprocessing.get_sharing_strategy() == "file_system"
+    with loader(ReportInit(), num_workers=1, batch_size=None, sharing_strategy="file_system",
+                worker_init_fn=_record_init, multiprocessing_context="fork") as feed:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")  # ours still runs in the worker
+        assert list(feed) == ["[0] file_system"]
 
 
 def test_an_unknown_sharing_strategy_is_refused():

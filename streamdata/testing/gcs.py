@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import sys
@@ -13,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..config import env_str
+from ..config import env_setdefault, env_str
 from ..errors import BackendMissingError
 from ._process import _INSTALL_HINT, ServerError, _http_status, _ServerProcess, _Subprocess, free_port
 
@@ -51,7 +50,7 @@ def _use_plain_gcsfs() -> None:
     storage-control API over TLS for each bucket's layout, which an HTTP emulator cannot
     answer: every open then stalls up to 60 s and leaves a gRPC thread.
     """
-    if os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false") != "false":
+    if env_setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false") != "false":
         return  # the user asked for the extended class explicitly
     gcsfs = sys.modules.get("gcsfs")
     if gcsfs is not None and gcsfs.GCSFileSystem.__name__ != "GCSFileSystem":
