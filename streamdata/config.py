@@ -10,9 +10,17 @@ from typing import Any
 
 from .errors import SpecError
 
-__all__ = ["FetchConfig", "env_int", "env_setdefault", "env_snapshot", "env_str"]
+__all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
+           "env_str"]
 
 MiB = 1 << 20
+
+# Formats' own defaults for fields that no FetchConfig, environment variable or option set
+# (FetchConfig.resolve). Parquet/Arrow units (row groups, record batches) are smaller than
+# shards; 16 in flight is the value they have always had here, the byte budget bounds memory
+# either way. ObjectDataset fetches a whole batch's objects at once.
+UNIT_WINDOW = 16
+OBJECT_MAX_REQUESTS = 64
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .config import FetchConfig
+from .config import OBJECT_MAX_REQUESTS, FetchConfig
 from .decode import DecodeSpec, make_decoder
 from .urls import Spec, expand_spec, split_url
 
@@ -23,7 +23,7 @@ class ObjectDataset(torch.utils.data.Dataset):
     Fetch options (``max_requests``, ``retries``, ``timeout``, ...) as for the sharded datasets.
     """
 
-    fetch_defaults = {"max_requests": 64}  # objects in flight per batch, per worker
+    fetch_defaults = {"max_requests": OBJECT_MAX_REQUESTS}
 
     def __init__(self, urls: Spec, *, storage_options: dict | None = None, decode: DecodeSpec = True,
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
-from .config import FetchConfig
+from .config import UNIT_WINDOW, FetchConfig
 from .dataset import ShardedDataset
 from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
@@ -131,12 +131,9 @@ def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchCo
 
 class _ArrowTables(ShardedDataset):
     """Arrow formats: a unit's records are Arrow tables, shuffled by row and batched by slicing.
+    Units are row groups or record batches: ``config.UNIT_WINDOW`` of them in flight by default."""
 
-    Units are row groups or record batches, smaller than shards: FetchConfig.resolve gives them
-    a window of 16 units unless one is chosen (the byte budget bounds memory either way).
-    """
-
-    fetch_defaults = {"window": 16}
+    fetch_defaults = {"window": UNIT_WINDOW}
     default_shuffle_buffer = DEFAULT_SHUFFLE_ROWS  # rows
 
     def __init__(self, urls: Spec, columns: Sequence[str] | None = None, *,

@@ -161,6 +161,12 @@ class Loader:
     def __len__(self) -> int:
         return len(self.dataloader)
 
+    @property
+    def skipped(self) -> dict[str, int]:
+        """The dataset's skips under ``on_error`` per reason, over every worker (``{}`` for a
+        dataset that does not count them)."""
+        return dict(getattr(self.dataset, "skipped", {}))
+
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to ``dataset.set_epoch``; call it before iterating the epoch."""
         set_epoch = getattr(self.dataset, "set_epoch", None)

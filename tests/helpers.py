@@ -70,3 +70,18 @@ def read_keys(ds, num_workers: int, context: str | None = "fork", rank: int | No
         for item in loader:
             keys += item["__key__"] if isinstance(item["__key__"], list) else [item["__key__"]]
         return keys
+
+
+def in_forked_child(target, timeout: float = 30.0):
+    """Run ``target(conn)`` in a forked child; what it ``conn.send``s (None if nothing within
+    ``timeout``), once the child has been joined."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, conn = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(conn,))
+    proc.start()
+    try:
+        return parent.recv() if parent.poll(timeout) else None
+    finally:
+        proc.join(timeout)

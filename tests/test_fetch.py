@@ -11,7 +11,7 @@ import pytest
 import streamdata as sd
 from streamdata.config import FetchConfig
 from streamdata.fetch import FetchItem, Prefetcher
-from tests.helpers import make_samples, tar_bytes, write_shards
+from tests.helpers import in_forked_child, make_samples, tar_bytes, write_shards
 
 MiB = 1 << 20
 
@@ -393,7 +393,6 @@ def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
     """FORK-RESET: a forked child runs the registered resets stage by stage (not in the order
     they were registered), and a loop it inherited refuses work instead of hanging."""
     import asyncio
-    import multiprocessing
 
     from streamdata import _fork
     from streamdata._aio import LoopThread
@@ -414,11 +413,7 @@ def test_a_forked_child_runs_the_fork_resets_in_stage_order(monkeypatch):
         conn.send((ran, refused, lt.inherited))
 
     try:
-        parent, conn = multiprocessing.get_context("fork").Pipe()
-        proc = multiprocessing.get_context("fork").Process(target=child, args=(conn,))
-        proc.start()
-        got = parent.recv() if parent.poll(30) else None
-        proc.join(30)
+        got = in_forked_child(child)
         assert got is not None and got[0] == list(_fork.STAGES)
         assert "inherited across fork" in got[1] and got[2] and not lt.inherited
         assert lt.run(asyncio.sleep(0, result=7), 10) == 7  # the parent's loop is untouched

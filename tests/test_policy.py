@@ -68,6 +68,13 @@ def test_skips_are_counted_per_reason_over_every_worker(tmp_path):
     assert sorted(keys2) == sorted(keys) and ds.skipped["decode"] == 8
 
 
+def test_the_loader_reads_the_same_counts(tmp_path):
+    ds = sd.TarDataset(_bad_npy_shards(tmp_path), on_error="skip", batch_size=2)
+    with sd.loader(ds, num_workers=2) as feed:
+        assert sum(len(b["__key__"]) for b in feed) == 8
+        assert feed.skipped["decode"] == 4 and feed.skipped == ds.skipped
+
+
 def test_a_truncated_shard_skipped_counts_as_format(tmp_path):
     good = tar_bytes(make_samples([2])[0])
     (tmp_path / "a.tar").write_bytes(good)

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset
 
 from streamdata import recycle
 from streamdata.presets import loader
+from tests.helpers import in_forked_child
 
 WIDTH = 2048  # float64 per sample: 16 KiB, a batch of 8 is 128 KiB
 
@@ -349,7 +350,6 @@ def test_pinned_batches_release_their_shared_memory_at_once():
 def test_a_process_forked_from_a_worker_has_no_pool(monkeypatch):
     """FORK-RESET ("pools"): the pool a worker installed is not inherited by its own children,
     and the worker keeps it."""
-    import multiprocessing
 
     board = recycle.Board(1)
     monkeypatch.setattr(recycle, "_POOL", None)
@@ -360,11 +360,7 @@ def test_a_process_forked_from_a_worker_has_no_pool(monkeypatch):
         conn.send(recycle.active_pool() is None)
 
     try:
-        parent, conn = multiprocessing.get_context("fork").Pipe()
-        proc = multiprocessing.get_context("fork").Process(target=child, args=(conn,))
-        proc.start()
-        got = parent.recv() if parent.poll(30) else None
-        proc.join(30)
+        got = in_forked_child(child)
         assert got is True and mine is not None and recycle.active_pool() is mine
     finally:
         board.close()
