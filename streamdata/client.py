@@ -22,6 +22,7 @@ from ._fork import at_fork_in_child
 from .backends import close_sessions, filesystem, inherited_signer, translate_error
 from .config import FetchConfig
 from .errors import ShardFetchError, StreamDataError
+from .metrics import Counters
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -178,8 +179,9 @@ class AsyncClient:
 
     def __init__(self, protocol: str, storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, name: str = "io", url: str | None = None,
-                 fast_s3: bool = True) -> None:
+                 fast_s3: bool = True, counters: Counters | None = None) -> None:
         self.protocol = protocol
+        self.counters = counters  # the dataset's, shared with the main process (retried.*)
         self.url = url  # an example URL: carries an HDFS name node's host and port
         self.config = config or FetchConfig()
         self.stats = ClientStats()

@@ -23,7 +23,8 @@ from .errors import SpecError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats.tar import samples_from_chunks
 from .incremental import batches
-from .policy import ErrorPolicy, OnError, counters_for_skips
+from .metrics import COUNTERS, Counters
+from .policy import ErrorPolicy, OnError
 from .sharding import assign, reader_seed
 from .stages import shuffled
 from .urls import Shard, Spec, expand_spec
@@ -118,7 +119,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: each sample into a shared-memory batch as it comes
         self.map = map
-        self._skips = counters_for_skips()
+        self._counters = Counters(COUNTERS)
         self._epoch = 0
         self._passes = 0
 
@@ -139,8 +140,18 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     @property
     def skipped(self) -> dict[str, int]:
         """Records and units skipped under ``on_error`` so far, per reason, summed over this
-        process and its DataLoader workers (``policy.SKIP_REASONS``)."""
-        return self._skips.snapshot()
+        process and its DataLoader workers (``metrics.SKIP_REASONS``)."""
+        return self._counters.snapshot("skipped.")
+
+    @property
+    def retried(self) -> dict[str, int]:
+        """Requests tried again so far, per reason, over every worker (``metrics.RETRY_REASONS``)."""
+        return self._counters.snapshot("retried.")
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Every counter (``skipped.*``, ``retried.*``, ``accepted.*``), over every worker."""
+        return self._counters.snapshot()
 
     # ---- what a format supplies --------------------------------------------------------
 
@@ -175,9 +186,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         p = self.reader_pass()
         where = p.world.describe()
-        policy = ErrorPolicy(self.on_error, self._skips, where=where)
+        policy = ErrorPolicy(self.on_error, self._counters, where=where)
         fetcher = Prefetcher([self.fetch_item(u) for u in p.units], self.storage_options,
-                             self.fetch_config, where=where)
+                             self.fetch_config, where=where, counters=self._counters)
         records = policy.units(self.read_unit(u, r) for u, r in zip(p.units, fetcher, strict=True))
         return EpochIterator(self.stages(records, policy, p.seed(self.seed)), fetcher.close)
 

@@ -26,6 +26,7 @@ from .backends import translate_error
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
+from .metrics import Counters
 from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
@@ -82,7 +83,8 @@ class Prefetcher:
     """
 
     def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
-                 config: FetchConfig | None = None, *, where: str = "") -> None:
+                 config: FetchConfig | None = None, *, where: str = "",
+                 counters: Counters | None = None) -> None:
         self.items = [i if isinstance(i, FetchItem) else FetchItem(i.url, i.size) for i in items]
         self.config = config or FetchConfig()
         self.where = where
@@ -93,7 +95,7 @@ class Prefetcher:
             raise SpecError(f"one dataset reads one protocol; got {sorted(protocols)}")
         self.client = AsyncClient(protocols.pop() if protocols else "file", storage_options,
                                   self.config, name="fetch",
-                                  url=self.items[0].url if self.items else None)
+                                  url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
         self.peak_reserved = 0
         self._plans: list[concurrent.futures.Future[_Plan]] = [

@@ -3,9 +3,11 @@
 Invariant (ONE-WRITER-PER-ROW): the counts live in one small int64 tensor in shared memory,
 made with the dataset in the main process and handed to DataLoader workers with it (by fork,
 or pickled as a shared-memory handle under spawn). Each reader adds only to its own row: the
-main process (``num_workers=0``) to row 0, worker ``k`` to row ``k + 1``. So increments never
-race, except for two live iterators of one non-persistent DataLoader (their workers share
-ids): counts may then be short, never over. Reading sums the rows.
+main process (``num_workers=0``) to row 0, worker ``k`` to row ``k + 1``; within a process,
+each counter is written by one thread only (skips by the reader's thread, retries by its I/O
+thread). So increments never race, except for two live iterators of one non-persistent
+DataLoader (their workers share ids): counts may then be short, never over. Reading sums
+the rows.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Counters"]
+__all__ = ["COUNTERS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
+
+# why a record or unit was skipped under on_error (policy.skip_reason)
+SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
+# why a request was tried again (client): 503 SlowDown / 429, other 5xx, a request past its
+# time-out, a connection reset or refused, a body shorter than asked, anything else
+RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other")
+# every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried)
+COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
+            "accepted.unterminated")
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 
@@ -35,10 +46,12 @@ class Counters:
         row = 0 if info is None else 1 + info.id % (_ROWS - 1)
         self._table[row, self._index[name]] += n
 
-    def snapshot(self) -> dict[str, int]:
-        """Every counter's total so far, over all readers."""
+    def snapshot(self, prefix: str = "") -> dict[str, int]:
+        """Every counter's total so far, over all readers; with ``prefix`` (``"skipped."``),
+        only those counters, named without it."""
         totals = self._table.sum(dim=0).tolist()
-        return dict(zip(self.names, totals, strict=True))
+        return {name[len(prefix):]: n for name, n in zip(self.names, totals, strict=True)
+                if name.startswith(prefix)}
 
     def reset(self) -> None:
         self._table.zero_()

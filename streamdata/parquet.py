@@ -164,7 +164,7 @@ class _ArrowTables(ShardedDataset):
 
     def _policy(self) -> ErrorPolicy:
         """The error policy of the constructor's footer reads."""
-        return ErrorPolicy(self.on_error, self._skips, where="footers")
+        return ErrorPolicy(self.on_error, self._counters, where="footers")
 
     def prepare(self, table: pa.Table) -> pa.Table:
         """Apply the filter (subclasses then keep the requested columns)."""

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .errors import DecodeError, FetchTimeoutError, FormatError, ShardFetchError, SpecError, StreamDataError
 from .metrics import Counters
 
-__all__ = ["SKIP_REASONS", "ErrorPolicy", "skip_reason"]
+__all__ = ["ErrorPolicy", "skip_reason"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("streamdata")
 
-# why a skip happened: the counters a dataset keeps (``dataset.skipped``)
-SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
 OnError = str | Callable[[BaseException], bool]
 
 
@@ -75,7 +73,7 @@ class ErrorPolicy:
         reason = skip_reason(exc)
         self.skipped += 1
         if self.counters is not None:
-            self.counters.add(reason)
+            self.counters.add(f"skipped.{reason}")
         url = getattr(exc, "url", None)
         if url in self._warned:
             log.debug("streamdata: skipped (%s): %s", reason, exc)
@@ -110,13 +108,3 @@ class ErrorPolicy:
                 self.check(exc)
                 continue
             yield result
-
-
-def counters_for_skips() -> Counters:
-    """The shared counters a dataset keeps for its skips."""
-    return Counters(SKIP_REASONS)
-
-
-def describe(counts: dict[str, int]) -> dict[str, Any]:
-    """Counts without the zeros, for reprs and logs."""
-    return {k: v for k, v in counts.items() if v}

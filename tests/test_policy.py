@@ -60,6 +60,9 @@ def test_a_truncated_shard_in_a_worker_is_a_format_error_with_its_url(tmp_path):
 def test_skips_are_counted_per_reason_over_every_worker(tmp_path):
     ds = sd.TarDataset(_bad_npy_shards(tmp_path), on_error="skip")
     assert ds.skipped == dict.fromkeys(("fetch", "timeout", "format", "decode", "other"), 0)
+    assert ds.retried == dict.fromkeys(("throttled", "server", "timeout", "connection", "short", "other"), 0)
+    assert set(ds.counts) == {f"skipped.{k}" for k in ds.skipped} | {f"retried.{k}" for k in ds.retried} | {
+        "accepted.unterminated"}
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     keys = [s["__key__"] for s in loader]
     assert len(keys) == 8  # 4 shards x 3 samples, one bad in each
