@@ -18,6 +18,7 @@ from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
 from .incremental import batches
+from .together import EndTogether
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 
@@ -143,12 +144,14 @@ class Loader:
     """
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
-                 batches: _Unwrapped | None = None, *, dataset: Any = None) -> None:
+                 batches: _Unwrapped | None = None, *, dataset: Any = None,
+                 end_together: bool = True) -> None:
         self.dataloader = dataloader
         self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
         self._batches = batches  # with recycled buffers: unwraps, and owns the boards
         self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
+        self._together = EndTogether() if end_together else None
 
     @property
     def board(self) -> recycle.Board | None:
@@ -156,7 +159,15 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        if self._together is not None and self._together.active():
+            return self._together.wrap(iter(self._source))  # END-TOGETHER
         return iter(self._source)
+
+    @property
+    def undelivered(self) -> int:
+        """Samples of the last epoch this rank read but did not deliver because another rank
+        had run out (END-TOGETHER); 0 in a single-process job."""
+        return self._together.undelivered if self._together is not None else 0
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -218,6 +229,7 @@ def loader(
     transform: Callable[[Any], Any] | None = None,
     recycle_buffers: bool = True,
     reuse_worker_memory: bool = True,
+    end_together: bool = True,
     **dataloader_kwargs: Any,
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
@@ -235,7 +247,10 @@ def loader(
     (:mod:`streamdata.recycle`); iterate the returned ``Loader``, not its ``dataloader``.
     ``reuse_worker_memory`` (with workers, glibc): a worker keeps the memory it frees for the
     next epoch instead of giving it back to the OS and page-faulting it in again
-    (:mod:`streamdata._alloc`).  Other keyword arguments go to ``DataLoader`` unchanged.
+    (:mod:`streamdata._alloc`).  ``end_together`` (a multi-rank job): every rank ends an
+    epoch at the step where the first rank runs out of batches, so DDP never hangs on uneven
+    data; what the other ranks did not deliver is counted in ``loader.undelivered``
+    (:mod:`streamdata.together`).  Other keyword arguments go to ``DataLoader`` unchanged.
     """
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
@@ -284,4 +299,4 @@ def loader(
     unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
     feed = (CudaPrefetcher(unwrapped if unwrapped is not None else dataloader, device, depth, transform)
             if device is not None else None)
-    return Loader(dataloader, feed, unwrapped, dataset=dataset)
+    return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together)
