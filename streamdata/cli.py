@@ -10,13 +10,14 @@ __all__ = ["main"]
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from .redact import redact_url
     from .urls import expand_spec
 
     options = json.loads(args.storage_options) if args.storage_options else {}
     shards = expand_spec(args.spec, options)
     total = sum(s.size or 0 for s in shards)
     for s in shards[: args.limit]:
-        print(f"{s.size if s.size is not None else '?':>12}  {s.url}")
+        print(f"{s.size if s.size is not None else '?':>12}  {redact_url(s.url)}")
     if len(shards) > args.limit:
         print(f"... {len(shards) - args.limit} more")
     print(f"{len(shards)} shards, {total / 1e6:.1f} MB listed")

@@ -25,6 +25,7 @@ from .formats.tar import samples_from_chunks
 from .incremental import batches
 from .metrics import COUNTERS, Counters
 from .policy import ErrorPolicy, OnError
+from .redact import redact_url
 from .sharding import assign, reader_seed
 from .stages import shuffled
 from .urls import Shard, Spec, expand_spec
@@ -203,7 +204,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         return batches(samples, self.batch_size, collate_fn=self.collate_fn, drop_last=self.drop_last)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {self.shards[0].url!r}, "
+        return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "
                 f"shuffle={self.shuffle}, batch_size={self.batch_size})")
 
 
@@ -222,7 +223,9 @@ class TarDataset(ShardedDataset):
         super().__init__(spec, **options)
 
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
-        return samples_from_chunks(reader.chunks(), reader.url)
+        # samples' __url__ (and the parser's errors) name the shard without its secrets,
+        # redacted once per shard; the real URL is in self.shards
+        return samples_from_chunks(reader.chunks(), redact_url(reader.url))
 
     def prepare(self, record: dict) -> dict:
         return record if self._decoder is None else self._decoder(record)

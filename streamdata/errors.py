@@ -12,11 +12,21 @@ it raises; torch sends its formatted traceback and the main process rebuilds it 
 (``[url: ...] [key: ...] [where: ...]``), and a constructor called with torch's text alone
 reads them back from the traceback's last line: the rebuilt error has its type, ``url``,
 ``key`` and ``where``.  Pickling (``__reduce__``) keeps them too.
+
+Invariant (REDACTED-AT-BIRTH): an error's message and ``url`` are redacted
+(``redact.redact``: passwords, signatures, tokens, access key ids) when it is constructed,
+so ``str()``, ``repr()``, ``.url``, pickles, log lines and the traceback text a worker sends
+carry no secret. The exceptions it is chained to (``__cause__``, ``__context__``: a
+botocore or aiohttp error can quote a presigned URL) are redacted when they are attached
+and again when read, which is how ``traceback`` and torch's worker wrapper reach them.
 """
+
 
 from __future__ import annotations
 
 import re
+
+from .redact import redact, redact_exception, redact_url
 
 __all__ = [
     "AccessDeniedError",
@@ -40,11 +50,13 @@ class StreamDataError(Exception):
     """
 
     key: str | None = None
+    _redacts_itself = True  # see redact.redact_exception
 
     def __init__(self, message: str, *, url: str | None = None, where: str | None = None) -> None:
+        message = redact(message)  # REDACTED-AT-BIRTH
         super().__init__(message)
         self.message = message
-        self.url = url
+        self.url = redact_url(url)
         self.where = where
         if url is None and where is None and _WORKER_TEXT in message:
             self.url, self.key, self.where = _context_from_traceback(type(self), message)
@@ -56,10 +68,42 @@ class StreamDataError(Exception):
         for label, value in (("url", self.url), ("key", self.key), ("where", self.where)):
             if value:
                 text = f"{text} [{label}: {value}]"
-        return text
+        return redact(text)  # a message edited after construction, too
+
+    # REDACTED-AT-BIRTH: the chained exceptions' text, for whatever prints the traceback
+    @property
+    def __cause__(self) -> BaseException | None:
+        return _redacted_link(self, _CAUSE)
+
+    @__cause__.setter
+    def __cause__(self, value: BaseException | None) -> None:
+        _CAUSE.__set__(self, redact_exception(value))
+
+    @property
+    def __context__(self) -> BaseException | None:
+        return _redacted_link(self, _CONTEXT)
+
+    @__context__.setter
+    def __context__(self, value: BaseException | None) -> None:
+        _CONTEXT.__set__(self, redact_exception(value))
 
     def __reduce__(self):  # keep the context when pickled across a DataLoader worker pipe
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
+
+_CAUSE, _CONTEXT = BaseException.__cause__, BaseException.__context__
+
+
+def _redacted_link(err: BaseException, link) -> BaseException | None:
+    """The exception ``err`` is chained to through ``link``, redacted (``raise ... from``
+    sets the link without going through the setter)."""
+    raw = link.__get__(err)
+    clean = redact_exception(raw)
+    if clean is not raw:
+        suppress = err.__suppress_context__
+        link.__set__(err, clean)
+        err.__suppress_context__ = suppress
+    return clean
 
 
 # what torch's ExceptionWrapper.reraise puts in the text it rebuilds a worker's error from

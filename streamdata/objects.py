@@ -10,6 +10,7 @@ import torch.utils.data
 
 from .config import OBJECT_MAX_REQUESTS, FetchConfig
 from .decode import DecodeSpec, make_decoder
+from .redact import redact_url
 from .urls import Spec, expand_spec, split_url
 
 __all__ = ["ObjectDataset"]
@@ -19,7 +20,8 @@ class ObjectDataset(torch.utils.data.Dataset):
     """A map-style dataset of one object per sample; ``__getitems__`` fetches a batch's objects
     concurrently, so a ``DataLoader(batch_size=32)`` pays about one round trip per batch.
 
-    A sample is ``{"__key__": name without extension, "__url__": url, ext: decoded value}``.
+    A sample is ``{"__key__": name without extension, "__url__": url, ext: decoded value}``
+    (``__url__`` without its password or signature: ``redact.redact_url``).
     Fetch options (``max_requests``, ``retries``, ``timeout``, ...) as for the sharded datasets.
     """
 
@@ -65,7 +67,7 @@ class ObjectDataset(torch.utils.data.Dataset):
     def _sample(self, url: str, data: bytes) -> Any:
         name = posixpath.basename(split_url(url)[1])
         key, dot, ext = name.partition(".")
-        sample = {"__key__": key, "__url__": url, (ext.lower() if dot else "data"): data}
+        sample = {"__key__": key, "__url__": redact_url(url), (ext.lower() if dot else "data"): data}
         if self._decoder is not None:
             sample = self._decoder(sample)
         return self.map(sample) if self.map is not None else sample

@@ -16,12 +16,15 @@ from typing import TypeVar
 
 from .errors import DecodeError, FetchTimeoutError, FormatError, ShardFetchError, SpecError, StreamDataError
 from .metrics import Counters
+from .redact import RedactFilter, redact
 
 __all__ = ["ErrorPolicy", "skip_reason"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("streamdata")
+if not any(isinstance(f, RedactFilter) for f in log.filters):
+    log.addFilter(RedactFilter())  # every line on the streamdata logger, write.py's too
 
 OnError = str | Callable[[BaseException], bool]
 
@@ -76,11 +79,11 @@ class ErrorPolicy:
             self.counters.add(f"skipped.{reason}")
         url = getattr(exc, "url", None)
         if url in self._warned:
-            log.debug("streamdata: skipped (%s): %s", reason, exc)
+            log.debug("streamdata: skipped (%s): %s", reason, redact(str(exc)))
         else:
             self._warned.add(url)
             log.warning("streamdata: skipped (%s): %s; further skips in this shard are counted "
-                        "(dataset.skipped), not logged", reason, exc)
+                        "(dataset.skipped), not logged", reason, redact(str(exc)))
         return True
 
     def check(self, exc: StreamDataError) -> None:
