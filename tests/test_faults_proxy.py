@@ -267,3 +267,12 @@ def test_cli_fault_syntax() -> None:
     assert parse_fault("reset:after_bytes=10").after_bytes == 10
     with pytest.raises(ValueError):
         parse_fault("explode")
+
+
+def test_hang_answers_nothing_then_optionally_forwards(served) -> None:
+    _, proxy = served
+    proxy.add(Fault("hang", match="get"))
+    assert _raw_get(proxy, timeout=0.5) == (b"", b"", "timeout")
+    proxy.add(Fault("hang", seconds=0.2, match="get"))
+    assert _get(_conn(proxy)).read() == DATA
+    assert proxy.faults_injected == {"hang": 2}
