@@ -254,7 +254,9 @@ def test_close_leaves_no_thread_and_stops_listening(tmp_path: Path, http_server)
     conn = _conn(proxy, timeout=5)
     assert _get(conn).status == 200  # a connection stalled inside its body
     proxy.close()
-    assert set(threading.enumerate()) - before == set()
+    left = {t for t in set(threading.enumerate()) - before
+            if not t.name.startswith("streamdata-testing")}  # the upstream's may take a moment
+    assert left == set()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((proxy.host, proxy.port), timeout=2).close()
     conn.close()
