@@ -40,12 +40,29 @@ __all__ = [
     "parse_parquet_footer",
     "read_ipc_batch",
     "read_row_group",
+    "table_url",
+    "tag_url",
 ]
 
 Range = tuple[int, int]  # [start, end) in bytes
 PARQUET_MAGIC = b"PAR1"
 IPC_MAGIC = b"ARROW1"
 _PARQUET_MR_PAD = 100  # old parquet-mr under-reports a chunk's dictionary page header (PARQUET-816)
+
+
+URL_KEY = b"streamdata.url"  # schema metadata: the object(s) a table's rows came from
+
+
+def tag_url(table: pa.Table | pa.RecordBatch, url: str) -> pa.Table | pa.RecordBatch:
+    """``table`` marked with the object it was read from (kept through slices, takes, filters
+    and concatenation), so that a conversion error can name it."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), URL_KEY: url.encode()})
+
+
+def table_url(table: pa.Table | pa.RecordBatch) -> str | None:
+    """The object(s) ``table``'s rows came from (``tag_url``), or None."""
+    raw = (table.schema.metadata or {}).get(URL_KEY)
+    return raw.decode("utf-8", "replace") if raw else None
 
 
 # ---- byte ranges as a file -----------------------------------------------------------------
@@ -207,8 +224,9 @@ def read_row_group(meta: pq.FileMetaData, parts: Iterable[tuple[int, bytes]], si
         source = SparseFile(parts, size, url).pyarrow()
         reader = pq.ParquetFile(source, metadata=meta, pre_buffer=False,
                                 page_checksum_verification=True)
-        return reader.read_row_group(row_group, columns=None if columns is None else list(columns),
-                                     use_threads=use_threads)
+        table = reader.read_row_group(row_group, columns=None if columns is None else list(columns),
+                                      use_threads=use_threads)
+        return tag_url(table, url)
     except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
         raise FormatError(f"cannot read row group {row_group} of {url} (corrupt or truncated "
                           f"object?): {type(exc).__name__}: {exc}", url=url,
@@ -271,7 +289,7 @@ def read_ipc_batch(parts: Iterable[tuple[int, bytes]], size: int, index: int, ur
     """Decode record batch ``index`` from the footer, dictionary and batch blocks fetched."""
     try:
         reader = pa.ipc.open_file(SparseFile(parts, size, url).pyarrow())
-        return reader.get_batch(index)
+        return tag_url(reader.get_batch(index), url)
     except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
         raise FormatError(f"cannot read record batch {index} of {url} (corrupt or truncated "
                           f"object?): {type(exc).__name__}: {exc}", url=url,
@@ -297,7 +315,7 @@ def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordB
                 batch = reader.read_next_batch()
             except StopIteration:
                 return
-            yield batch
+            yield tag_url(batch, url)
             index += 1
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise FormatError(f"cannot read record batch {index} of Arrow IPC stream {url} (corrupt "
