@@ -175,9 +175,14 @@ def parquet_footer_length(tail: bytes, size: int, url: str) -> int:
 def parse_parquet_footer(footer: bytes, url: str) -> pq.FileMetaData:
     """The file metadata from the footer bytes alone (``<metadata><len:4>PAR1``)."""
     try:
-        return pq.read_metadata(pa.BufferReader(footer))
-    except (OSError, pa.ArrowException, ValueError) as exc:
-        raise FormatError(f"corrupt Parquet footer in {url}: {exc}", url=url, key="footer") from exc
+        meta = pq.read_metadata(pa.BufferReader(footer))
+        # what the readers use later, decoded now: a corrupt footer fails here, in the constructor
+        _ = meta.created_by, [meta.schema.column(i).path for i in range(meta.num_columns)]
+        _ = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        return meta
+    except (OSError, pa.ArrowException, ValueError, IndexError) as exc:  # UnicodeDecodeError too
+        raise FormatError(f"corrupt Parquet footer in {url}: {type(exc).__name__}: {exc}", url=url,
+                          key="footer") from exc
 
 
 def parquet_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None, url: str = "") -> list[int]:
@@ -212,7 +217,11 @@ def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[
         dict_at = cc.dictionary_page_offset
         if cc.has_dictionary_page and dict_at and 0 < dict_at < start:
             start = dict_at
-        out.append((start, min(size, start + cc.total_compressed_size + pad)))
+        end = min(size, start + cc.total_compressed_size + pad)
+        if not 0 <= start < end:
+            raise FormatError(f"corrupt Parquet footer: column chunk {leaf} of row group {row_group} "
+                              f"at bytes {start}..{end} of {size}", key=f"row group {row_group}")
+        out.append((start, end))
     return out
 
 

@@ -165,10 +165,10 @@ def _pax_size(pax: dict[str, str], url: str, offset: int) -> int | None:
 def _unterminated(url: str, at: int, accept: bool, callback: Callable[[], None] | None) -> None:
     """A stream that stopped at a member boundary, without (all of) the end-of-archive marker."""
     if not accept:
-        what = "is empty (0 bytes)" if at == 0 else f"ends at byte {at}"
-        raise FormatError(f"unterminated tar {url}: it {what} without the end-of-archive marker "
-                          "(truncated at a member boundary? accept_unterminated=True reads such "
-                          "shards)", url=url)
+        what = " (a zero-byte object)" if at == 0 else ""
+        raise FormatError(f"unterminated tar {url}: it ends at byte {at}{what} without the "
+                          "end-of-archive marker (truncated at a member boundary? "
+                          "accept_unterminated=True reads such shards)", url=url)
     if callback is not None:
         callback()
 
