@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import random
 import re
 import signal
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -154,6 +155,32 @@ def tar_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     return f"type {value!r} at {at}", edit_header(data, at, slice(156, 157), value)
 
 
+def targeted_tar_cases(data: bytes) -> Iterator[tuple[str, bytes]]:
+    """Every listed pax record, size field and long name once, and a cut at every block."""
+    marks = headers(data)
+    pax_at = [a for a, k in marks if k == b"x"][1]
+    member_at = [a for a, k in marks if k == b"0"][1]
+    pax_len = BLOCK + (int(data[pax_at + 124:pax_at + 135], 8) + BLOCK - 1) // BLOCK * BLOCK
+    for records in PAX_RECORDS:
+        yield f"pax {records!r}", data[:pax_at] + ext_header(b"x", records) + data[pax_at + pax_len:]
+    for value in SIZE_FIELDS:
+        yield f"size {value!r}", edit_header(data, member_at, slice(124, 136), value)
+        yield f"pax size {value!r}", edit_header(data, pax_at, slice(124, 136), value)
+    for payload, size in [(b"\xe9t\xe9.txt\0", None), (b"", None), (b"k.txt\0", (1 << 33) - 1),
+                          (b"a" * 5000 + b".txt\0", None), (b"k.txt", 1 << 21)]:
+        block = ext_header(b"L", payload, size)
+        yield f"long name {payload[:20]!r} (size {size})", data[:member_at] + block + data[member_at:]
+    for cut in range(0, len(data), BLOCK):
+        yield f"truncated at {cut}", data[:cut]
+
+
+def random_cases(data: bytes, mutate: Callable, cases: int, seed: int) -> Iterator[tuple[str, bytes]]:
+    rng = random.Random(seed)
+    for case in range(cases):
+        what, mutated = mutate(data, rng)
+        yield f"case {case} (seed {seed}, {what})", mutated
+
+
 # ---- Parquet mutations ------------------------------------------------------------------------
 
 
@@ -213,16 +240,15 @@ def tar_error_names_url_and_offset(exc: sd.StreamDataError, url: str) -> None:
         assert exc.url == url and re.search(rf"tar {re.escape(url)}: .*at byte \d+", str(exc)), str(exc)
 
 
-def fuzz(tmp_path: Path, name: str, valid: bytes, mutate: Callable, read: Callable[[str], None],
-         cases: int, seed: int, check: Callable[[sd.StreamDataError, str], None] | None = None) -> None:
-    """Run ``cases`` seeded mutations; fail listing every case that escaped or hung."""
-    rng = random.Random(seed)
-    random.seed(seed)
+def fuzz(tmp_path: Path, name: str, cases: Iterable[tuple[str, bytes]], read: Callable[[str], None],
+         check: Callable[[sd.StreamDataError, str], None] | None = None) -> None:
+    """Read each ``(description, bytes)`` case; fail on a hang, or listing the cases whose
+    error was not ours."""
+    random.seed(name)  # read_tar's choice of accept_unterminated
     path = tmp_path / name
     failures: list[str] = []
     ok = errors = 0
-    for case in range(cases):
-        what, data = mutate(valid, rng)
+    for what, data in cases:
         path.write_bytes(data)
         try:
             with time_limit(CASE_LIMIT_S):
@@ -233,35 +259,36 @@ def fuzz(tmp_path: Path, name: str, valid: bytes, mutate: Callable, read: Callab
             if check is not None:
                 check(exc, str(path))
         except Hang:
-            pytest.fail(f"case {case} (seed {seed}, {what}) hung: no result within {CASE_LIMIT_S} s")
+            pytest.fail(f"{what} hung: no result within {CASE_LIMIT_S} s")
         except Exception as exc:  # an error that is not ours escaped
             tb = "".join(traceback.format_exception(exc)[-3:])
-            failures.append(f"case {case} (seed {seed}, {what}): {type(exc).__name__}: {exc}\n{tb}")
-    assert not failures, (f"{len(failures)} of {cases} cases raised an error not ours:\n"
-                          + "\n".join(failures[:5]))
-    assert errors and ok + errors == cases  # the mutations do break things, and every case ended
+            failures.append(f"{what}: {type(exc).__name__}: {exc}\n{tb}")
+    assert not failures, (f"{len(failures)} of {ok + errors + len(failures)} cases raised an error "
+                          "not ours:\n" + "\n".join(failures[:5]))
+    assert ok and errors  # the cases do break things, and not everything
 
 
 def test_mutated_tar_ends_in_samples_or_our_error(tmp_path):
-    fuzz(tmp_path, "m.tar", valid_tar(), tar_mutation, read_tar, cases=240, seed=1,
-         check=tar_error_names_url_and_offset)
+    valid = valid_tar()
+    cases = itertools.chain(targeted_tar_cases(valid), random_cases(valid, tar_mutation, 200, seed=1))
+    fuzz(tmp_path, "m.tar", cases, read_tar, check=tar_error_names_url_and_offset)
 
 
 def test_mutated_parquet_ends_in_rows_or_our_error(tmp_path):
-    fuzz(tmp_path, "m.parquet", valid_parquet(), parquet_mutation, read_parquet, cases=60, seed=2)
+    fuzz(tmp_path, "m.parquet", random_cases(valid_parquet(), parquet_mutation, 60, seed=2), read_parquet)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10, 14))
 def test_mutated_tar_many_more_cases(tmp_path, seed):
-    fuzz(tmp_path, "m.tar", valid_tar(), tar_mutation, read_tar, cases=1500, seed=seed,
+    fuzz(tmp_path, "m.tar", random_cases(valid_tar(), tar_mutation, 1500, seed), read_tar,
          check=tar_error_names_url_and_offset)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(20, 22))
 def test_mutated_parquet_many_more_cases(tmp_path, seed):
-    fuzz(tmp_path, "m.parquet", valid_parquet(), parquet_mutation, read_parquet, cases=500, seed=seed)
+    fuzz(tmp_path, "m.parquet", random_cases(valid_parquet(), parquet_mutation, 500, seed), read_parquet)
 
 
 def test_invalid_utf8_in_a_parquet_string_column_is_a_decode_error_naming_column_and_url(tmp_path):
