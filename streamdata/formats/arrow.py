@@ -206,7 +206,7 @@ def parquet_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None, url: st
 
 
 def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[int],
-                        size: int) -> list[Range]:
+                        size: int, url: str | None = None) -> list[Range]:
     """Byte ranges of the given leaf column chunks of a row group (as pyarrow will read them)."""
     rg = meta.row_group(row_group)
     pad = _PARQUET_MR_PAD if (meta.created_by or "").startswith("parquet-mr") else 0
@@ -219,8 +219,9 @@ def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[
             start = dict_at
         end = min(size, start + cc.total_compressed_size + pad)
         if not 0 <= start < end:
-            raise FormatError(f"corrupt Parquet footer: column chunk {leaf} of row group {row_group} "
-                              f"at bytes {start}..{end} of {size}", key=f"row group {row_group}")
+            raise FormatError(f"corrupt Parquet footer in {url or 'an object'}: column chunk {leaf} "
+                              f"of row group {row_group} at bytes {start}..{end} of {size}", url=url,
+                              key=f"row group {row_group}")
         out.append((start, end))
     return out
 
