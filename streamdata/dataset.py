@@ -217,15 +217,20 @@ class TarDataset(ShardedDataset):
 
     suffixes = (".tar",)
 
-    def __init__(self, spec: Spec, *, decode: DecodeSpec = True, **options: Any) -> None:
+    def __init__(self, spec: Spec, *, decode: DecodeSpec = True, accept_unterminated: bool = False,
+                 **options: Any) -> None:
         self.decode = decode
+        self.accept_unterminated = accept_unterminated  # read shards without the end marker
         self._decoder = make_decoder(decode)
         super().__init__(spec, **options)
 
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
         # samples' __url__ (and the parser's errors) name the shard without its secrets,
         # redacted once per shard; the real URL is in self.shards
-        return samples_from_chunks(reader.chunks(), redact_url(reader.url))
+        return samples_from_chunks(
+            reader.chunks(), redact_url(reader.url), total=unit.size,
+            accept_unterminated=self.accept_unterminated,
+            on_unterminated=lambda: self._counters.add("accepted.unterminated"))
 
     def prepare(self, record: dict) -> dict:
         return record if self._decoder is None else self._decoder(record)

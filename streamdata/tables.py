@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 import torch
 
 from .errors import DecodeError, SpecError
+from .formats.arrow import table_url, tag_url
 
 __all__ = ["TensorOptions", "rebatch", "shuffle_rows", "to_rows", "to_tensors"]
 
@@ -27,9 +28,11 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     if len(tables) == 1:
         return tables[0]
     try:
-        return pa.concat_tables(tables, promote_options="permissive")
+        whole = pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise SpecError(f"objects with incompatible schemas cannot share a batch: {exc}") from exc
+    urls = list(dict.fromkeys(u for u in map(table_url, tables) if u))
+    return tag_url(whole, ", ".join(urls)) if len(urls) > 1 else whole
 
 
 def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False) -> Iterator[pa.Table]:
@@ -205,11 +208,19 @@ def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None =
     """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md."""
     opts = options or TensorOptions()
     out: dict[str, Any] = {}
+    url = table_url(table)
     for name, col in zip(table.column_names, table.columns, strict=True):
-        if isinstance(col, pa.ChunkedArray):
-            col = col.chunk(0) if col.num_chunks == 1 else (
-                col.combine_chunks() if col.num_chunks else pa.array([], col.type))
-        _column(col, name, opts, out)
+        try:
+            if isinstance(col, pa.ChunkedArray):
+                col = col.chunk(0) if col.num_chunks == 1 else (
+                    col.combine_chunks() if col.num_chunks else pa.array([], col.type))
+            _column(col, name, opts, out)
+        except DecodeError as exc:
+            exc.url = exc.url or url
+            raise
+        except (ValueError, OverflowError, pa.ArrowException) as exc:  # UnicodeDecodeError too
+            raise DecodeError(f"column {name!r} ({col.type}) of {url or 'a table'} cannot be "
+                              f"converted: {type(exc).__name__}: {exc}", url=url, key=name) from exc
     return out
 
 

@@ -129,3 +129,148 @@ def test_batches_are_collated_tensors(tmp_path):
     assert tuple(batches[0]["npy"].shape) == (4, 8) and batches[0]["cls"].tolist() == [0, 1, 2, 3]
     dropped = list(sd.TarDataset(str(tmp_path / "a.tar"), batch_size=4, drop_last=True))
     assert [len(b["__key__"]) for b in dropped] == [4, 4]
+
+
+# ---- malformed input: FormatError naming the URL and the byte offset, never a hang ------------
+
+
+def _header_offsets(data: bytes) -> list[tuple[int, bytes, str]]:
+    """``(offset, type, name)`` of each header of a valid tar, pax headers included."""
+    out, at = [], 0
+    while data[at:at + 512].count(0) != 512:
+        size = int(data[at + 124:at + 135], 8)
+        out.append((at, data[at + 156:at + 157], data[at:at + 100].split(b"\0")[0].decode()))
+        at += 512 + (size + 511) // 512 * 512
+    return out
+
+
+def _with_checksum(header: bytearray) -> bytes:
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def _pax_block(records: bytes) -> bytes:
+    header = bytearray(512)
+    header[0:14] = b"././@PaxHeader"
+    header[124:136] = b"%011o\0" % len(records)
+    header[156:157] = b"x"
+    header[257:263] = b"ustar\0"
+    return _with_checksum(header) + records + bytes(-len(records) % 512)
+
+
+def test_webdataset_tarwriter_writes_a_pax_header_per_member():
+    kinds = [kind for _, kind, _ in _header_offsets(tar_bytes(make_samples([2])[0]))]
+    assert kinds == [b"x", b"0"] * 6  # so the pax parser runs on every read
+
+
+@pytest.mark.timeout(30)  # the bug was a loop that never ended
+@pytest.mark.parametrize("records", [b"00 path=x\n", b"0 path=x\n", b"ab path=x\n", b"9 pathabc\n",
+                                     b"99999 path=x\n", b"12 path=abc", b"10 size=-1\n",
+                                     b"12 size=0x10\n"])
+def test_bad_pax_records_are_format_errors_naming_the_offset(records):
+    """A record length of 00 used to leave the parser at the same position for ever."""
+    data = tar_bytes(make_samples([2])[0])
+    pax_at, kind, _ = _header_offsets(data)[2]
+    assert kind == b"x"
+    bad = data[:pax_at] + _pax_block(records) + data[pax_at + 1024:]
+    with pytest.raises(sd.FormatError, match=rf"corrupt tar u: .* at byte {pax_at + 512}\b|"
+                                             rf"corrupt tar u: a pax size .* at byte {pax_at}\b"):
+        list(iter_members([bad], "u"))
+
+
+def test_sizes_octal_base256_and_negative():
+    data = tar_bytes([{"__key__": "k", "txt": b"hello"}])
+    at, kind, name = _header_offsets(data)[1]
+    assert (kind, name) == (b"0", "k.txt")
+
+    def with_size(field: bytes) -> bytes:
+        header = bytearray(data[at:at + 512])
+        header[124:136] = field
+        return data[:at] + _with_checksum(header) + data[at + 512:]
+
+    assert list(iter_members([with_size(b"\x80" + bytes(10) + b"\x05")])) == [("k.txt", b"hello")]
+    for field, match in [(b"\xff" * 12, "of -1 bytes"), (b"\x80" + b"\x01" + bytes(10), r"in an object of"),
+                         (b"0x5\0" + bytes(8), "bad size"), (b"+5\0" + bytes(9), "bad size")]:
+        with pytest.raises(sd.FormatError, match=rf"corrupt tar u: .*{match}.* at byte {at}\b"):
+            list(iter_members([with_size(field)], "u", total=len(data)))
+
+
+def test_gnu_long_name_records_bounded():
+    data = tar_bytes(make_samples([1])[0])
+    header = bytearray(512)
+    header[0:13] = b"././@LongLink"
+    header[124:136] = b"%011o\0" % ((1 << 33) - 1)
+    header[156:157] = b"L"
+    bad = _with_checksum(header) + data
+    with pytest.raises(sd.FormatError, match="extended header of 8589934591 bytes at byte 0"):
+        list(iter_members([bad], "u"))
+
+
+def test_non_utf8_names_decode_like_webdataset(tmp_path):
+    """latin-1 names from other tools: surrogateescape, as tarfile (and so webdataset) reads them."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
+        for name, body in [("caf\xe9.txt", b"a"), ("caf\xe9.cls", b"1")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tf.addfile(info, io.BytesIO(body))
+    (tmp_path / "l.tar").write_bytes(buf.getvalue())
+    [ours] = list(sd.TarDataset(str(tmp_path / "l.tar"), decode=False))
+    [theirs] = list(wds.WebDataset(str(tmp_path / "l.tar"), shardshuffle=False))
+    assert ours["__key__"] == theirs["__key__"] == "caf\udce9"
+    assert ours["__key__"].encode("utf-8", "surrogateescape") == b"caf\xe9"
+    assert (ours["txt"], ours["cls"]) == (theirs["txt"], theirs["cls"]) == (b"a", b"1")
+
+
+def _cut_between_samples(data: bytes, sample: int, members: int = 3) -> int:
+    """The offset where sample ``sample`` starts (its first pax header)."""
+    return _header_offsets(data)[2 * members * sample][0]
+
+
+def test_unterminated_and_zero_byte_tars_are_format_errors_unless_accepted(tmp_path):
+    data = tar_bytes(make_samples([10])[0])
+    cut = _cut_between_samples(data, 5)
+    (tmp_path / "half.tar").write_bytes(data[:cut])
+    (tmp_path / "empty.tar").write_bytes(b"")
+    (tmp_path / "onezero.tar").write_bytes(data[:cut] + bytes(512))
+    for name, at in [("half.tar", cut), ("empty.tar", 0), ("onezero.tar", cut)]:
+        url = str(tmp_path / name)
+        with pytest.raises(sd.FormatError, match=rf"unterminated tar {url}: it ends at byte {at}\b"):
+            list(sd.TarDataset(url))
+    ds = sd.TarDataset(str(tmp_path / "half.tar"), accept_unterminated=True)
+    assert [s["__key__"] for s in ds] == [f"s{i:06d}" for i in range(5)]
+    assert ds.counts["accepted.unterminated"] == 1
+    ds = sd.TarDataset(str(tmp_path / "empty.tar"), accept_unterminated=True)
+    assert list(ds) == [] and ds.counts["accepted.unterminated"] == 1
+    (tmp_path / "half.tar").write_bytes(data)  # complete now: not counted
+    mixed = sd.TarDataset(str(tmp_path), accept_unterminated=True)
+    assert len(list(mixed)) == 15 and mixed.counts["accepted.unterminated"] == 2
+    with pytest.raises(sd.FormatError, match="truncated tar u: it ends inside a header"):
+        list(iter_members([data[:cut + 100]], "u", accept_unterminated=True))
+
+
+def test_a_zero_block_followed_by_data_is_not_an_end(tmp_path):
+    data = tar_bytes(make_samples([4])[0])
+    cut = _cut_between_samples(data, 2)
+    with pytest.raises(sd.FormatError, match=rf"corrupt tar u: a zero block .* at byte {cut}\b"):
+        list(iter_members([data[:cut] + bytes(512) + data[cut:]], "u"))
+
+
+def test_truncated_shard_through_s3_is_a_format_error_or_accepted_and_counted(s3_bucket):
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    data = tar_bytes(make_samples([50])[0])
+    fs.pipe_file(f"{bucket}/half.tar", data[:_cut_between_samples(data, 25)])
+    url = f"s3://{bucket}/half.tar"
+    seen = []
+    with pytest.raises(sd.FormatError, match=rf"unterminated tar {url}: it ends at byte \d+") as info:
+        for sample in sd.TarDataset(url, storage_options=server.storage_options):
+            seen.append(sample["__key__"])
+    # the 25th sample is held until its end is known, and the error comes first
+    assert seen == [f"s{i:06d}" for i in range(24)] and info.value.url == url
+    ds = sd.TarDataset(url, storage_options=server.storage_options, accept_unterminated=True)
+    assert [s["__key__"] for s in ds] == [f"s{i:06d}" for i in range(25)]
+    assert ds.counts["accepted.unterminated"] == 1 and ds.skipped["format"] == 0

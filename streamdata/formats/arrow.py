@@ -40,12 +40,29 @@ __all__ = [
     "parse_parquet_footer",
     "read_ipc_batch",
     "read_row_group",
+    "table_url",
+    "tag_url",
 ]
 
 Range = tuple[int, int]  # [start, end) in bytes
 PARQUET_MAGIC = b"PAR1"
 IPC_MAGIC = b"ARROW1"
 _PARQUET_MR_PAD = 100  # old parquet-mr under-reports a chunk's dictionary page header (PARQUET-816)
+
+
+URL_KEY = b"streamdata.url"  # schema metadata: the object(s) a table's rows came from
+
+
+def tag_url(table: pa.Table | pa.RecordBatch, url: str) -> pa.Table | pa.RecordBatch:
+    """``table`` marked with the object it was read from (kept through slices, takes, filters
+    and concatenation), so that a conversion error can name it."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), URL_KEY: url.encode()})
+
+
+def table_url(table: pa.Table | pa.RecordBatch) -> str | None:
+    """The object(s) ``table``'s rows came from (``tag_url``), or None."""
+    raw = (table.schema.metadata or {}).get(URL_KEY)
+    return raw.decode("utf-8", "replace") if raw else None
 
 
 # ---- byte ranges as a file -----------------------------------------------------------------
@@ -158,9 +175,14 @@ def parquet_footer_length(tail: bytes, size: int, url: str) -> int:
 def parse_parquet_footer(footer: bytes, url: str) -> pq.FileMetaData:
     """The file metadata from the footer bytes alone (``<metadata><len:4>PAR1``)."""
     try:
-        return pq.read_metadata(pa.BufferReader(footer))
-    except (OSError, pa.ArrowException, ValueError) as exc:
-        raise FormatError(f"corrupt Parquet footer in {url}: {exc}", url=url, key="footer") from exc
+        meta = pq.read_metadata(pa.BufferReader(footer))
+        # what the readers use later, decoded now: a corrupt footer fails here, in the constructor
+        _ = meta.created_by, [meta.schema.column(i).path for i in range(meta.num_columns)]
+        _ = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        return meta
+    except (OSError, pa.ArrowException, ValueError, IndexError) as exc:  # UnicodeDecodeError too
+        raise FormatError(f"corrupt Parquet footer in {url}: {type(exc).__name__}: {exc}", url=url,
+                          key="footer") from exc
 
 
 def parquet_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None, url: str = "") -> list[int]:
@@ -184,7 +206,7 @@ def parquet_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None, url: st
 
 
 def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[int],
-                        size: int) -> list[Range]:
+                        size: int, url: str | None = None) -> list[Range]:
     """Byte ranges of the given leaf column chunks of a row group (as pyarrow will read them)."""
     rg = meta.row_group(row_group)
     pad = _PARQUET_MR_PAD if (meta.created_by or "").startswith("parquet-mr") else 0
@@ -195,7 +217,12 @@ def column_chunk_ranges(meta: pq.FileMetaData, row_group: int, leaves: Sequence[
         dict_at = cc.dictionary_page_offset
         if cc.has_dictionary_page and dict_at and 0 < dict_at < start:
             start = dict_at
-        out.append((start, min(size, start + cc.total_compressed_size + pad)))
+        end = min(size, start + cc.total_compressed_size + pad)
+        if not 0 <= start < end:
+            raise FormatError(f"corrupt Parquet footer in {url or 'an object'}: column chunk {leaf} "
+                              f"of row group {row_group} at bytes {start}..{end} of {size}", url=url,
+                              key=f"row group {row_group}")
+        out.append((start, end))
     return out
 
 
@@ -207,8 +234,9 @@ def read_row_group(meta: pq.FileMetaData, parts: Iterable[tuple[int, bytes]], si
         source = SparseFile(parts, size, url).pyarrow()
         reader = pq.ParquetFile(source, metadata=meta, pre_buffer=False,
                                 page_checksum_verification=True)
-        return reader.read_row_group(row_group, columns=None if columns is None else list(columns),
-                                     use_threads=use_threads)
+        table = reader.read_row_group(row_group, columns=None if columns is None else list(columns),
+                                      use_threads=use_threads)
+        return tag_url(table, url)
     except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
         raise FormatError(f"cannot read row group {row_group} of {url} (corrupt or truncated "
                           f"object?): {type(exc).__name__}: {exc}", url=url,
@@ -271,7 +299,7 @@ def read_ipc_batch(parts: Iterable[tuple[int, bytes]], size: int, index: int, ur
     """Decode record batch ``index`` from the footer, dictionary and batch blocks fetched."""
     try:
         reader = pa.ipc.open_file(SparseFile(parts, size, url).pyarrow())
-        return reader.get_batch(index)
+        return tag_url(reader.get_batch(index), url)
     except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
         raise FormatError(f"cannot read record batch {index} of {url} (corrupt or truncated "
                           f"object?): {type(exc).__name__}: {exc}", url=url,
@@ -297,7 +325,7 @@ def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordB
                 batch = reader.read_next_batch()
             except StopIteration:
                 return
-            yield batch
+            yield tag_url(batch, url)
             index += 1
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise FormatError(f"cannot read record batch {index} of Arrow IPC stream {url} (corrupt "

@@ -2,18 +2,35 @@
 
 The parser reads 512-byte headers straight from the fetcher's parts (no temp files, no
 ``tarfile`` object per member): memory is one part plus the member being assembled.
-Handles ustar names with a prefix, GNU long names (``L``) and pax ``path``/``size``
-records; directories, links and other special members are skipped.
+Handles ustar names with a prefix, GNU long names (``L``, ``K``), base-256 numbers and pax
+``path``/``size`` records; directories, links and other special members are skipped.
+
+Malformed input of any kind (a bad checksum, number, pax record or size, a member larger
+than the object, truncation anywhere) raises :class:`FormatError` naming the URL and the
+byte offset; no other exception escapes the parser.  Names that are not UTF-8 (latin-1 from
+older tools) are decoded with ``surrogateescape``, as ``tarfile`` (and so webdataset) does:
+each undecodable byte becomes one lone surrogate, and the key round-trips to the bytes.
+
+Invariant (TAR-PROGRESS): every loop iteration consumes input.  The member loop takes a
+512-byte header first; the pax loop advances by the record's length, which is checked to be
+at least the shortest record (``"5 k=\\n"``) before use; the stream's reads advance by each
+chunk.  So any input, however mutated, ends in a bounded number of steps: in samples, or in
+``FormatError``.
 
 Sample grouping follows WebDataset: the key is the member path up to the first dot of
 its basename, the rest (lower-cased) is the field name; ``__key__`` and ``__url__`` are
 added; top-level ``__name__`` style members are metadata and skipped.
+
+End of archive: a tar ends with two zero blocks.  A stream that stops at a member boundary
+without them (a half-uploaded shard, a zero-byte object) is :class:`FormatError` by default;
+with ``accept_unterminated`` its members are delivered and ``on_unterminated`` is called.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
 
 from ..errors import FormatError
 
@@ -22,6 +39,11 @@ __all__ = ["group_samples", "iter_members", "samples_from_chunks", "split_key"]
 _BLOCK = 512
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META = re.compile(r"__[^/]*__($|/)")
+_REGULAR = (b"0", b"\0", b"7")
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: tarfile reads no data
+_EXTENSIONS = (b"L", b"K", b"x", b"g", b"X")  # records about the next member
+_MAX_EXTENSION = 1 << 20  # bytes of one long-name or pax record block we are willing to hold
+_MIN_PAX_RECORD = 5  # "5 k=\n"
 
 
 class _Stream:
@@ -43,7 +65,7 @@ class _Stream:
         pieces = [buf[pos:]] if pos < len(buf) else []
         got = len(buf) - pos
         self._buf, self._pos = b"", 0
-        while got < n:
+        while got < n:  # TAR-PROGRESS: each turn takes the next chunk
             chunk = next(self._chunks, None)
             if chunk is None:
                 self.offset += got
@@ -61,7 +83,7 @@ class _Stream:
 
     def skip(self, n: int) -> bool:
         """Drop ``n`` bytes; False if the stream ends first."""
-        while n > 0:
+        while n > 0:  # TAR-PROGRESS: each turn drops bytes or takes the next chunk
             avail = len(self._buf) - self._pos
             if avail == 0:
                 chunk = next(self._chunks, None)
@@ -76,88 +98,147 @@ class _Stream:
         return True
 
 
-def _octal(field: bytes, url: str, offset: int) -> int:
-    if field and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
-        return int.from_bytes(field[1:], "big")
-    text = field.rstrip(b" \0").strip()
-    try:
-        return int(text, 8) if text else 0
-    except ValueError:
-        raise FormatError(f"corrupt tar header in {url} at byte {offset}: bad number {field!r}",
-                          url=url) from None
+def _corrupt(url: str, offset: int, what: str) -> FormatError:
+    return FormatError(f"corrupt tar {url}: {what} at byte {offset}", url=url)
+
+
+def _truncated(url: str, offset: int, what: str) -> FormatError:
+    return FormatError(f"truncated tar {url}: it ends inside {what} (header at byte {offset})", url=url)
+
+
+def _number(field: bytes, url: str, offset: int, what: str) -> int:
+    """A header number: octal text, or GNU base-256 (first byte 0x80, or 0xff: negative)."""
+    if field[:1] in (b"\x80", b"\xff"):
+        n = int.from_bytes(field[1:], "big")
+        return n - 256 ** (len(field) - 1) if field[0] == 0xFF else n
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if text and not all(48 <= c <= 55 for c in text):  # only 0-7: int() would take "+", "_", ...
+        raise _corrupt(url, offset, f"bad {what} {field!r} in a header")
+    return int(text, 8) if text else 0
 
 
 def _checksum_ok(header: bytes) -> bool:
-    stored = header[148:156].rstrip(b" \0").strip()
-    try:
-        want = int(stored, 8)
-    except ValueError:
+    """The stored checksum matches the unsigned sum, or the signed one some old tars used."""
+    stored = header[148:156].split(b"\0", 1)[0].strip(b" ")
+    if not stored or not all(48 <= c <= 55 for c in stored):
         return False
-    total = sum(header) - sum(header[148:156]) + 8 * 32
-    return total == want
+    want = int(stored, 8)
+    unsigned = sum(header) - sum(header[148:156]) + 8 * 32
+    signed = sum(struct.unpack_from("148b8x356b", header)) + 8 * 32
+    return want in (unsigned, signed)
 
 
-def _pax(records: bytes) -> dict[str, str]:
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _pax(records: bytes, url: str, offset: int) -> dict[str, str]:
+    """Pax ``"<len> <key>=<value>\\n"`` records (``offset``: where they start in the object)."""
     out, pos = {}, 0
-    while pos < len(records):
-        space = records.index(b" ", pos)
-        length = int(records[pos:space])
-        key, _, value = records[space + 1:pos + length - 1].partition(b"=")
-        out[key.decode("utf-8")] = value.decode("utf-8")
-        pos += length
+    while pos < len(records) and records[pos] != 0:  # TAR-PROGRESS: pos grows by length >= 5
+        space = records.find(b" ", pos, pos + 21)
+        digits = records[pos:space] if space > pos else b""
+        if not digits or not digits.isdigit():
+            raise _corrupt(url, offset + pos, "a pax record without a length")
+        length = int(digits)
+        end = pos + length
+        if length < max(_MIN_PAX_RECORD, space - pos + 4) or end > len(records) \
+                or records[end - 1] != 0x0A:
+            raise _corrupt(url, offset + pos, f"a pax record of bad length {length}")
+        key, eq, value = records[space + 1:end - 1].partition(b"=")
+        if not key or not eq:
+            raise _corrupt(url, offset + pos, "a pax record without 'key='")
+        out[_text(key)] = _text(value)
+        pos = end
     return out
 
 
-def iter_members(chunks: Iterable[bytes], url: str = "") -> Iterator[tuple[str, bytes]]:
-    """Yield ``(path, data)`` for each regular file of a tar stream given as byte chunks."""
+def _pax_size(pax: dict[str, str], url: str, offset: int) -> int | None:
+    if "size" not in pax:
+        return None
+    text = pax["size"]
+    if not (text.isascii() and text.isdigit()):
+        raise _corrupt(url, offset, f"a pax size {text!r}")
+    return int(text)
+
+
+def _unterminated(url: str, at: int, accept: bool, callback: Callable[[], None] | None) -> None:
+    """A stream that stopped at a member boundary, without (all of) the end-of-archive marker."""
+    if not accept:
+        what = " (a zero-byte object)" if at == 0 else ""
+        raise FormatError(f"unterminated tar {url}: it ends at byte {at}{what} without the "
+                          "end-of-archive marker (truncated at a member boundary? "
+                          "accept_unterminated=True reads such shards)", url=url)
+    if callback is not None:
+        callback()
+
+
+def iter_members(chunks: Iterable[bytes], url: str = "", *, total: int | None = None,
+                 accept_unterminated: bool = False,
+                 on_unterminated: Callable[[], None] | None = None) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(path, data)`` for each regular file of a tar stream given as byte chunks.
+
+    ``total``, when known, is the object's size: a member said to be larger than what is left
+    is refused at its header.  A stream without the end-of-archive marker (or with no bytes at
+    all) raises ``FormatError``, unless ``accept_unterminated``: then ``on_unterminated()`` is
+    called once its members have been yielded.
+    """
     stream = _Stream(chunks)
     long_name: str | None = None
     pax: dict[str, str] = {}
-    while True:
+    while True:  # TAR-PROGRESS: each turn takes a 512-byte header, or ends
         at = stream.offset
         header = stream.take(_BLOCK)
-        if header is None:
-            if stream.offset == at:
-                return  # clean end without the (optional) zero blocks
-            raise FormatError(f"truncated tar {url}: it ends inside a header at byte {at}", url=url)
-        if header.count(0) == _BLOCK:
-            return  # end-of-archive marker
+        if header is not None and header.count(0) == _BLOCK:
+            second = stream.take(_BLOCK)
+            if second == bytes(_BLOCK) and long_name is None and not pax:
+                return  # the end-of-archive marker: two zero blocks (what follows is padding)
+            if second is not None:
+                raise _corrupt(url, at, "a zero block after an extended header, or followed by "
+                               "data (a damaged header?)")
+        if header is None or header.count(0) == _BLOCK:  # the stream ended before a marker
+            if stream.offset != at and header is None or long_name is not None or pax:
+                raise _truncated(url, at, "a header")
+            _unterminated(url, at, accept_unterminated, on_unterminated)
+            return
         if not _checksum_ok(header):
-            raise FormatError(f"corrupt tar {url}: bad header checksum at byte {at} "
-                              "(not a tar file, or damaged)", url=url)
+            raise _corrupt(url, at, "a bad header checksum (not a tar file, or damaged)")
         kind = header[156:157]
-        size = _octal(header[124:136], url, at)
-        if "size" in pax:
-            size = int(pax["size"])
-        name = header[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        size = _number(header[124:136], url, at, "size")
+        name = _text(header[0:100].split(b"\0", 1)[0])
         if header[257:262] == b"ustar":
-            prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            prefix = _text(header[345:500].split(b"\0", 1)[0])
             if prefix:
                 name = f"{prefix}/{name}"
-        padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
-        if kind in (b"L", b"x", b"g"):
-            data = stream.take(padded)
+        if kind in _EXTENSIONS:
+            if not 0 <= size <= _MAX_EXTENSION:
+                raise _corrupt(url, at, f"an extended header of {size} bytes")
+            data = stream.take((size + _BLOCK - 1) // _BLOCK * _BLOCK)
             if data is None:
-                raise FormatError(f"truncated tar {url}: ends inside an extended header at byte {at}",
-                                  url=url)
+                raise _truncated(url, at, "an extended header")
             if kind == b"L":
-                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind == b"x":
-                pax = _pax(data[:size])
+                long_name = _text(data[:size].split(b"\0", 1)[0])
+            elif kind == b"x" or kind == b"X":
+                pax = {**pax, **_pax(data[:size], url, at + _BLOCK)}
             continue
         if long_name is not None:
             name, long_name = long_name, None
-        if "path" in pax:
-            name = pax["path"]
+        size = _pax_size(pax, url, at) if "size" in pax else size
+        name = pax.get("path", name)
         pax = {}
-        if kind not in (b"0", b"\0", b"7"):  # directory, link, device...: nothing to read
+        if size < 0 or total is not None and at + _BLOCK + size > total:
+            raise _corrupt(url, at, f"member {name!r} of {size} bytes"
+                           + ("" if total is None else f" in an object of {total} bytes"))
+        padded = (size + _BLOCK - 1) // _BLOCK * _BLOCK
+        if kind in _NO_DATA or kind == b"\0" and name.endswith("/"):
+            continue  # a directory, link or device: like tarfile, no data follows
+        if kind not in _REGULAR:  # another type: its data is skipped
             if not stream.skip(padded):
-                raise FormatError(f"truncated tar {url}: ends inside member {name!r}", url=url)
+                raise _truncated(url, at, f"member {name!r}")
             continue
         data = stream.take(size)
         if data is None or not stream.skip(padded - size):
-            raise FormatError(f"truncated tar {url}: ends inside member {name!r} "
-                              f"(header at byte {at}, {size} bytes expected)", url=url)
+            raise _truncated(url, at, f"member {name!r} ({size} bytes)")
         yield name, data
 
 
@@ -190,6 +271,10 @@ def group_samples(members: Iterable[tuple[str, bytes]], url: str = "") -> Iterat
         yield sample
 
 
-def samples_from_chunks(chunks: Iterable[bytes], url: str = "") -> Iterator[dict]:
-    """Tar byte chunks -> WebDataset sample dicts of raw bytes."""
-    return group_samples(iter_members(chunks, url), url)
+def samples_from_chunks(chunks: Iterable[bytes], url: str = "", *, total: int | None = None,
+                        accept_unterminated: bool = False,
+                        on_unterminated: Callable[[], None] | None = None) -> Iterator[dict]:
+    """Tar byte chunks -> WebDataset sample dicts of raw bytes (options: ``iter_members``)."""
+    members = iter_members(chunks, url, total=total, accept_unterminated=accept_unterminated,
+                           on_unterminated=on_unterminated)
+    return group_samples(members, url)
