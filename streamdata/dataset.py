@@ -19,7 +19,7 @@ import torch.utils.data
 
 from .config import FetchConfig
 from .decode import DecodeSpec, make_decoder
-from .errors import SpecError
+from .errors import SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats.tar import samples_from_chunks
 from .incremental import batches
@@ -188,9 +188,17 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         p = self.reader_pass()
         where = p.world.describe()
         policy = ErrorPolicy(self.on_error, self._counters, where=where)
-        fetcher = Prefetcher([self.fetch_item(u) for u in p.units], self.storage_options,
-                             self.fetch_config, where=where, counters=self._counters)
-        records = policy.units(self.read_unit(u, r) for u, r in zip(p.units, fetcher, strict=True))
+        units, items = [], []
+        for unit in p.units:  # a unit whose byte ranges cannot be worked out is a bad unit
+            try:
+                items.append(self.fetch_item(unit))
+            except StreamDataError as exc:
+                policy.check(exc)
+                continue
+            units.append(unit)
+        fetcher = Prefetcher(items, self.storage_options, self.fetch_config, where=where,
+                             counters=self._counters)
+        records = policy.units(self.read_unit(u, r) for u, r in zip(units, fetcher, strict=True))
         return EpochIterator(self.stages(records, policy, p.seed(self.seed)), fetcher.close)
 
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:

@@ -21,7 +21,7 @@ from torch.utils.data import get_worker_info
 
 from .config import UNIT_WINDOW, FetchConfig
 from .dataset import ShardedDataset
-from .errors import FormatError, SpecError, StreamDataError
+from .errors import DecodeError, FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
@@ -168,7 +168,14 @@ class _ArrowTables(ShardedDataset):
 
     def prepare(self, table: pa.Table) -> pa.Table:
         """Apply the filter (subclasses then keep the requested columns)."""
-        return table if self.filter is None else table.filter(self.filter)
+        if self.filter is None:
+            return table
+        try:
+            return table.filter(self.filter)
+        except (pa.ArrowException, ValueError, TypeError) as exc:  # e.g. a value the filter cannot take
+            url = fmt.table_url(table)
+            raise DecodeError(f"the filter {self.filter} failed on rows of {url}: "
+                              f"{type(exc).__name__}: {exc}", url=url, key="filter") from exc
 
     def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
         """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
@@ -254,7 +261,7 @@ class ParquetDataset(_ArrowTables):
         leaves = self._leaf_cache.get(unit.url)
         if leaves is None:
             leaves = self._leaf_cache[unit.url] = fmt.parquet_leaves(meta, self._read_columns, unit.url)
-        ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size)
+        ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
         return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
 
     def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:

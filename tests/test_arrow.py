@@ -275,6 +275,17 @@ def test_unconvertible_batches_follow_on_error(tmp_path):
     assert [b["n"].tolist() for b in ParquetDataset(url, batch_size=3, fill_null=0)] == [[1, 2, 0], [4, 5, 6]]
 
 
+def test_a_filter_that_fails_on_rows_is_a_decode_error_under_the_policy(tmp_path):
+    table = pa.table({"n": pa.array([1, 2, 3, 4, 0, 6], pa.int64())})
+    url, = write_parquet(table, str(tmp_path / "f.parquet"), row_group_size=3)
+    risky = pc.divide(pc.scalar(12), pc.field("n")) > 3  # binds, then divides by zero in group 2
+    with pytest.raises(DecodeError, match="filter") as info:
+        list(ParquetDataset(url, batch_size=2, filter=risky))
+    assert info.value.url == url and info.value.key == "filter"
+    ds = ParquetDataset(url, batch_size=2, filter=risky, on_error="skip")
+    assert [b["n"].tolist() for b in ds] == [[1, 2], [3]] and ds.skipped["decode"] == 1
+
+
 @pytest.mark.parametrize("kind", ["parquet", "arrow-file", "arrow-stream"])
 def test_objects_round_trip_to_expected_tensors(tmp_path, kind):
     table, expected = _rich_table()
