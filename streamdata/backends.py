@@ -7,9 +7,12 @@ into a working filesystem, closes it cleanly, and maps backend exceptions to our
 from __future__ import annotations
 
 import json
+import logging
+import random
+import time
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from .config import env_snapshot
 from .errors import (
@@ -22,8 +25,10 @@ from .errors import (
     StreamDataError,
 )
 
-__all__ = ["close_filesystem", "close_sessions", "filesystem", "inherited_signer", "signer_key",
-           "translate_error"]
+__all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
+           "signer_key", "translate_error"]
+
+T = TypeVar("T")
 
 # protocol -> the pip extra / package that provides it, for BackendMissingError
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
@@ -31,10 +36,12 @@ _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http":
 
 
 def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, *,
-               url: str | None = None, **extra: Any):
+               url: str | None = None, timeout: float | None = None, **extra: Any):
     """A fresh fsspec filesystem for ``protocol``, never the instance cache (LOOP-AFTER-FORK, ``_aio``).
 
     ``url`` contributes what the URL itself carries (an HDFS name node's host and port).
+    ``timeout`` (seconds per request) bounds the backend's own requests and turns its own
+    retries off, where ``storage_options`` do not say otherwise (:func:`_bounded`).
     """
     import fsspec
 
@@ -51,12 +58,12 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     options = dict(cls._get_kwargs_from_urls(url)) if url else {}
     options.update(storage_options or {})
     options.update(extra)
+    if timeout is not None:
+        options = _bounded(protocol, options, timeout)
     if protocol in ("s3", "s3a") and not {"session", "profile"} & set(options):
         options["session"] = _s3_session()
     try:
         fs = cls(skip_instance_cache=True, **options)
-        fs._streamdata_signer_key = signer_key(protocol, storage_options)
-        return fs
     except TypeError as exc:
         raise SpecError(f"storage_options not accepted by {cls.__name__}: {exc}") from exc
     except (ImportError, OSError) as exc:
@@ -64,6 +71,63 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BackendMissingError(f"the {protocol}:// backend could not start ({first}); it needs "
                                   f"{need}", url=url) from exc
+    fs._streamdata_signer_key = signer_key(protocol, storage_options)
+    if timeout is not None and protocol in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own retry loop (_error_wrapper, 5 tries): one try; ours retry
+    if protocol in ("gs", "gcs"):
+        _require_gcs_credentials(fs, options, url)
+    return fs
+
+
+def _bounded(protocol: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``options`` with the backend's request timeouts set to ``timeout`` and its own retries
+    off, so they neither outlast nor multiply ours; what the user set is kept."""
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # no retry
+        options["config_kwargs"] = config
+    elif protocol in ("gs", "gcs"):
+        options.setdefault("requests_timeout", timeout)
+        options.setdefault("timeout", timeout)
+        _quiet("gcsfs")
+    elif protocol in ("http", "https"):
+        import aiohttp
+
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout,
+                                                           sock_read=timeout))
+        options["client_kwargs"] = client
+    return options
+
+
+def _quiet(name: str) -> None:
+    """Keep a library's log records off stderr when the application configured no logging
+    (Python's last-resort handler would print them: gcsfs logs a traceback per failed
+    request); an application's own handlers still receive them."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+
+
+_GCS_HINT = ("no Google Cloud credentials were found. Tried: token= in storage_options, "
+             "GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default credentials "
+             "(gcloud auth application-default login) and the GCE metadata server. For a public "
+             "bucket pass storage_options={'token': 'anon'}")
+
+
+def _require_gcs_credentials(fs: Any, options: Mapping[str, Any], url: str | None) -> None:
+    """gcsfs falls back to anonymous access when it finds no credentials; against Google's
+    own endpoint that only fails later, slowly (retries of 401s). Fail now, saying what was
+    tried. An emulator's endpoint, or ``token="anon"``, is anonymous on purpose."""
+    creds = getattr(fs, "credentials", None)
+    if options.get("token") is not None or getattr(creds, "method", None) != "anon":
+        return
+    if "googleapis.com" not in str(getattr(fs, "_location", "googleapis.com")):
+        return
+    raise AccessDeniedError(f"cannot access {url or 'gs://'}: {_GCS_HINT}", url=url)
 
 
 async def close_sessions(fs: Any) -> None:
@@ -168,19 +232,56 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
         return exc
     name = type(exc).__name__
     text = str(exc)
-    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text:
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)  # gcsfs, aiohttp
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text \
+            or status == 404:
         err: StreamDataError = ShardNotFoundError(
             f"cannot {action} {url}: no such bucket or object. Check the bucket name, the key, "
             f"and the endpoint in storage_options ({name}: {text})", url=url)
     elif isinstance(exc, PermissionError) or "Credentials" in name or "AccessDenied" in text \
+            or status in (401, 403) \
             or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
         err = AccessDeniedError(
             f"cannot {action} {url}: access denied. Check credentials (storage_options key/secret "
             f"or token, AWS_PROFILE / AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS) and the "
             f"bucket policy ({name}: {text})", url=url)
-    elif isinstance(exc, TimeoutError):
-        err = FetchTimeoutError(f"cannot {action} {url}: timed out ({name}: {text})", url=url)
+    elif isinstance(exc, TimeoutError) or any("Timeout" in c.__name__ for c in type(exc).__mro__):
+        err = FetchTimeoutError(f"cannot {action} {url}: no answer within the timeout ({name}"
+                                f"{': ' + text if text else ''}); check the endpoint and the network",
+                                url=url)
     else:
         err = ShardFetchError(f"cannot {action} {url}: {name}: {text}", url=url)
     err.__cause__ = exc
     return err
+
+
+def _transient(err: StreamDataError) -> bool:
+    """Worth another try: a timeout or a failed request, not a missing object or refused access."""
+    return isinstance(err, FetchTimeoutError) or (
+        isinstance(err, ShardFetchError) and not isinstance(err, (ShardNotFoundError, AccessDeniedError)))
+
+
+def call_with_deadline(fn: Callable[[float], T], *, timeout: float | None, deadline: float, url: str,
+                       what: str, retries: int = 4, backoff: float = 0.1) -> T:
+    """``fn(limit)``, retried on transient errors within ``deadline`` seconds; our errors only.
+
+    ``fn`` makes one attempt and must give up after ``limit`` seconds: ``timeout`` for a single
+    request (a stat), or the time left before ``deadline`` when ``timeout`` is ``None`` (a
+    listing, all its pages; each request is bounded by the backend's own timeout, set by
+    :func:`filesystem`). Retries wait a jittered exponential backoff; none starts after
+    ``deadline``, so the whole call ends within about ``deadline`` (+ one ``timeout``).
+    """
+    start = time.monotonic()
+    for attempt in range(retries + 1):
+        left = max(deadline - (time.monotonic() - start), 0.5)
+        try:
+            return fn(left if timeout is None else min(timeout, left))
+        except Exception as exc:
+            err = translate_error(exc, url, what)
+        pause = backoff * 2 ** attempt * random.uniform(0.5, 1.0)
+        if not _transient(err) or attempt == retries or time.monotonic() - start + pause >= deadline:
+            if attempt:
+                err.message += f" (after {attempt + 1} attempts in {time.monotonic() - start:.1f} s)"
+            raise err from err.__cause__
+        time.sleep(pause)
+    raise AssertionError("unreachable")

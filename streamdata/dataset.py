@@ -111,7 +111,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
-        self.shards: list[Shard] = expand_spec(spec, self.storage_options, suffixes=self.suffixes)
+        self.shards: list[Shard] = expand_spec(spec, self.storage_options, suffixes=self.suffixes,
+                                               config=self.fetch_config)
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = ((self.default_shuffle_buffer if shuffle else 0) if shuffle_buffer is None

@@ -31,7 +31,8 @@ class ObjectDataset(torch.utils.data.Dataset):
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
                  **fetch_options: Any) -> None:
         self.storage_options = dict(storage_options or {})
-        self.shards = expand_spec(urls, self.storage_options)
+        self.shards = expand_spec(urls, self.storage_options,
+                                  config=FetchConfig.resolve(fetch_config, **fetch_options))
         self.protocol = split_url(self.shards[0].url)[0]
         self.decode = decode
         self._decoder = make_decoder(decode)

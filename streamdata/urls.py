@@ -15,10 +15,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .backends import close_filesystem, filesystem, translate_error
-from .errors import ShardNotFoundError, SpecError, StreamDataError
+from .backends import call_with_deadline, close_filesystem, filesystem
+from .config import FetchConfig
+from .errors import AccessDeniedError, ShardNotFoundError, SpecError
 
-__all__ = ["Shard", "brace_expand", "expand_spec", "split_url"]
+__all__ = ["Shard", "brace_expand", "expand_spec", "listing_deadline", "split_url"]
 
 Spec = str | Sequence[str]
 _NO_LISTING = {"http", "https"}
@@ -78,28 +79,49 @@ def brace_expand(pattern: str) -> list[str]:
     return out
 
 
-def _list_sizes(fs, protocol: str, paths: list[str]) -> dict[str, int | None]:
+def listing_deadline(config: FetchConfig) -> float:
+    """Seconds one listing or stat may take, its retries included: ``retry_deadline`` where
+    the config has one, else twice the per-request ``timeout``."""
+    return getattr(config, "retry_deadline", None) or 2 * config.timeout
+
+
+def _call(fs, config: FetchConfig, url: str, name: str, *args: Any, stat: bool = False,
+          what: str = "list", **kwargs: Any) -> Any:
+    """``fs.<name>(*args, **kwargs)`` within the config's time bounds, retried on transient
+    errors (``backends.call_with_deadline``); a stat gets ``timeout``, a listing (all its
+    pages) the listing deadline. An async backend's coroutine runs on its own loop and is
+    cancelled when its time is up; a sync one (local files, HDFS) is called directly."""
+    def attempt(limit: float) -> Any:
+        if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            from fsspec.asyn import sync
+
+            return sync(fs.loop, getattr(fs, "_" + name), *args, timeout=limit, **kwargs)
+        return getattr(fs, name)(*args, **kwargs)
+
+    return call_with_deadline(attempt, timeout=config.timeout if stat else None,
+                              deadline=listing_deadline(config), url=url, what=what,
+                              retries=config.retries, backoff=config.backoff)
+
+
+def _list_sizes(fs, protocol: str, paths: list[str], config: FetchConfig) -> dict[str, int | None]:
     """Sizes for ``paths`` from one listing per parent directory (object stores list flat)."""
     if protocol in _NO_LISTING:
         return {p: None for p in paths}
     sizes: dict[str, int | None] = {}
     for parent in sorted({posixpath.dirname(p) for p in paths}):
-        url = _join(protocol, parent)
-        try:
-            entries = fs.ls(parent, detail=True)
-        except Exception as exc:
-            raise translate_error(exc, url, "list") from None
+        entries = _call(fs, config, _join(protocol, parent), "ls", parent, detail=True)
         for e in entries:
             if e.get("type", "file") != "directory":
                 sizes[fs._strip_protocol(e["name"])] = e.get("size")
     return sizes
 
 
-def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...]) -> list[Shard]:
+def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...],
+                config: FetchConfig) -> list[Shard]:
     _, path = split_url(item)
     if "{" in path or "}" in path:
         paths = [fs._strip_protocol(p) for p in brace_expand(path)]
-        sizes = _list_sizes(fs, protocol, paths)
+        sizes = _list_sizes(fs, protocol, paths, config)
         if protocol not in _NO_LISTING:
             missing = [p for p in paths if p not in sizes]
             if missing:
@@ -108,32 +130,31 @@ def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...]) -> list
                     f"{_join(protocol, missing[0])}. Check the pattern's range and the bucket",
                     url=_join(protocol, missing[0]))
         return [Shard(_join(protocol, p), sizes.get(p)) for p in paths]
-    try:
-        if any(c in path for c in "*?["):
-            found = fs.glob(path, detail=True)
-            entries = [(n, e) for n, e in found.items() if e.get("type", "file") != "directory"]
-        elif protocol in _NO_LISTING:
-            return [Shard(item, None)]
-        elif path.endswith("/") or fs.isdir(path):
-            entries = list(fs.find(path, detail=True).items())
-        elif fs.isfile(path):
-            return [Shard(_join(protocol, fs._strip_protocol(path)), fs.size(path))]
-        else:  # the start of object names
-            parent = posixpath.dirname(fs._strip_protocol(path))
-            entries = [(e["name"], e) for e in fs.ls(parent, detail=True)
-                       if fs._strip_protocol(e["name"]).startswith(fs._strip_protocol(path))
-                       and e.get("type", "file") != "directory"]
-    except StreamDataError:
-        raise
-    except Exception as exc:
-        raise translate_error(exc, item, "list") from None
+    def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        return _call(fs, config, item, name, *args, **kwargs)
+
+    if any(c in path for c in "*?["):
+        found = call("glob", path, detail=True)
+        entries = [(n, e) for n, e in found.items() if e.get("type", "file") != "directory"]
+    elif protocol in _NO_LISTING:
+        return [Shard(item, None)]
+    elif path.endswith("/") or call("isdir", path, stat=True, what="stat"):
+        entries = list(call("find", path, detail=True).items())
+    elif call("isfile", path, stat=True, what="stat"):
+        return [Shard(_join(protocol, fs._strip_protocol(path)), call("size", path, stat=True, what="stat"))]
+    else:  # the start of object names
+        parent = posixpath.dirname(fs._strip_protocol(path))
+        entries = [(e["name"], e) for e in call("ls", parent, detail=True)
+                   if fs._strip_protocol(e["name"]).startswith(fs._strip_protocol(path))
+                   and e.get("type", "file") != "directory"]
     shards = sorted(Shard(_join(protocol, fs._strip_protocol(n)), e.get("size")) for n, e in entries)
     if suffixes:
         shards = [s for s in shards if s.url.endswith(suffixes)]
     return shards
 
 
-def _size_named_objects(filesystems: dict[str, Any], items: list[str]) -> dict[str, Shard]:
+def _size_named_objects(filesystems: dict[str, Any], items: list[str],
+                        config: FetchConfig) -> dict[str, Shard]:
     """Shards for plain object URLs of a list, sized by one listing per parent directory
     (not a stat per URL). Names not found as files are left to the general path."""
     plain = [i for i in items if not any(c in i for c in "{}*?[")]
@@ -147,50 +168,62 @@ def _size_named_objects(filesystems: dict[str, Any], items: list[str]) -> dict[s
         mine = [i for i in plain if split_url(i)[0] == protocol]
         paths = {i: fs._strip_protocol(split_url(i)[1]) for i in mine}
         try:
-            sizes = _list_sizes(fs, protocol, sorted(set(paths.values())))
-        except StreamDataError:
+            sizes = _list_sizes(fs, protocol, sorted(set(paths.values())), config)
+        except (ShardNotFoundError, AccessDeniedError):
             continue  # e.g. a parent that is not listable: the general path reports it
         out.update({i: Shard(_join(protocol, p), sizes[p]) for i, p in paths.items() if p in sizes})
     return out
 
 
 def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
-                suffixes: Iterable[str] = ()) -> list[Shard]:
+                suffixes: Iterable[str] = (), config: FetchConfig | None = None) -> list[Shard]:
     """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
 
     ``suffixes`` filters what a prefix or glob lists (e.g. ``(".tar",)``); explicit names
-    and brace patterns are taken as given.
+    and brace patterns are taken as given. ``config``'s ``timeout`` bounds each request
+    (a stat gets that long; a listing, all its pages, :func:`listing_deadline`), and transient
+    failures are retried with its ``retries`` and ``backoff`` within that deadline.
     """
+    config = config or FetchConfig()
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
         raise SpecError("the shard spec is an empty list: name at least one URL")
     suffixes = tuple(suffixes)
-    shards: list[Shard] = []
     filesystems: dict[str, Any] = {}
-    for raw in items:
-        item = raw if isinstance(raw, Shard) else os.fspath(raw)
-        if not isinstance(item, (str, Shard)) or not item:
-            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
-        url = item if isinstance(item, str) else item.url
-        protocol = split_url(url)[0]
-        if protocol not in filesystems:
-            filesystems[protocol] = filesystem(protocol, storage_options, url=url)
-    known = _size_named_objects(filesystems, [i for i in items if isinstance(i, str)])
+    try:
+        for raw in items:
+            item = raw if isinstance(raw, Shard) else os.fspath(raw)
+            if not isinstance(item, (str, Shard)) or not item:
+                raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+            url = item if isinstance(item, str) else item.url
+            protocol = split_url(url)[0]
+            if protocol not in filesystems:
+                filesystems[protocol] = filesystem(protocol, storage_options, url=url,
+                                                   timeout=config.timeout)
+        shards = _expand_items(items, filesystems, suffixes, config)
+    finally:
+        for fs in filesystems.values():
+            close_filesystem(fs)
+    dupes = len(shards) - len({s.url for s in shards})
+    if dupes:
+        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    return shards
+
+
+def _expand_items(items: list[Any], filesystems: dict[str, Any], suffixes: tuple[str, ...],
+                  config: FetchConfig) -> list[Shard]:
+    shards: list[Shard] = []
+    known = _size_named_objects(filesystems, [i for i in items if isinstance(i, str)], config)
     for raw in items:
         if isinstance(raw, Shard) or raw in known:
             shards.append(raw if isinstance(raw, Shard) else known[raw])
             continue
         item = os.fspath(raw)
         protocol, _ = split_url(item)
-        found = _expand_one(filesystems[protocol], protocol, item, suffixes)
+        found = _expand_one(filesystems[protocol], protocol, item, suffixes, config)
         if not found:
             raise ShardNotFoundError(
                 f"{item!r} matched no objects{' ending in ' + '/'.join(suffixes) if suffixes else ''}: "
                 "check the prefix or glob, and the endpoint", url=item)
         shards.extend(found)
-    for fs in filesystems.values():
-        close_filesystem(fs)
-    dupes = len(shards) - len({s.url for s in shards})
-    if dupes:
-        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
     return shards
