@@ -130,14 +130,15 @@ def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...],
                     f"{_join(protocol, missing[0])}. Check the pattern's range and the bucket",
                     url=_join(protocol, missing[0]))
         return [Shard(_join(protocol, p), sizes.get(p)) for p in paths]
+    if protocol in _NO_LISTING:  # nothing to list; a "?" starts a query (a signed URL), not a glob
+        return [Shard(item, None)]
+
     def call(name: str, *args: Any, **kwargs: Any) -> Any:
         return _call(fs, config, item, name, *args, **kwargs)
 
     if any(c in path for c in "*?["):
         found = call("glob", path, detail=True)
         entries = [(n, e) for n, e in found.items() if e.get("type", "file") != "directory"]
-    elif protocol in _NO_LISTING:
-        return [Shard(item, None)]
     elif path.endswith("/") or call("isdir", path, stat=True, what="stat"):
         entries = list(call("find", path, detail=True).items())
     elif call("isfile", path, stat=True, what="stat"):
