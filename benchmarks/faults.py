@@ -48,6 +48,8 @@ import collections
 import contextlib
 import json
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -407,10 +409,10 @@ class FaultProxy:
         finally:
             if up[1] is not None:
                 up[1].close()  # FIN: the upstream server sees a client that left
-            if graceful:
+            if graceful or client_w.is_closing():  # is_closing: a truncate's clean close
                 client_w.close()
             else:
-                client_w.transport.abort()
+                _reset(client_w)
             self._tasks.discard(task)
 
     def _pick(self, method: str, path: str, query: str,
@@ -510,6 +512,8 @@ class FaultProxy:
             client_w.close()
             raise _Closed
         if fault.kind == "reset":
+            client_w.transport.set_write_buffer_limits(high=0)  # drain: every byte handed on
+            await client_w.drain()
             raise _Closed  # the connection is aborted (RST) by _handle
         # stall: until the client closes, or for fault.seconds (then the response goes on)
         try:
@@ -528,6 +532,15 @@ class FaultProxy:
             f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         client_w.write(head.encode("latin-1") + (b"" if no_body else body))
         await client_w.drain()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (RST), not a FIN: linger on, zero seconds."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def _drain_until_eof(reader: asyncio.StreamReader) -> None:
