@@ -149,10 +149,11 @@ class _PresignedS3:
                         body.keep(piece)
                     return
                 data = await resp.read()
-            if attempt == 0 and ((status == 403 and cached) or (inherited and status >= 300)):
+            if attempt == 0 and ((status == 403 and cached) or (inherited and 300 <= status < 500)):
                 # temporary credentials may have rotated; or the inherited signer does not
                 # fit this process (other credentials, endpoint or region from the
-                # environment): re-sign once, with the filesystem's own client
+                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
+                # client. A 5xx is the server's trouble, not the signature's: retried as such
                 self._urls.pop(path, None)
                 if inherited:
                     self.signer = None

@@ -9,7 +9,7 @@ Invariant (READER-THROTTLE): every request a reader sends (a part's first try an
 retry, every backend, and HEADs) holds one slot of its client's ``Throttle`` while it is
 on the wire, and the prefetcher's scheduler starts a new part only while fewer parts are in
 flight than the throttle allows. The limit is AIMD, shared by all the reader's parts: an
-answer that says "slow down" (503 SlowDown, 429) halves it, once per round (answers to
+answer that says "slow down" (503, S3's SlowDown, 429) halves it, once per round (answers to
 requests sent before the last decrease do not decrease it again, so one burst of 503s to
 32 concurrent requests halves it once, not 32 times); each success adds ``1/limit`` (one
 slot per round of successes); floor 1, ceiling ``max_requests``. Slots are handed out
@@ -64,9 +64,11 @@ def classify(exc: BaseException) -> str | None:
         return "short" if isinstance(exc, ShardFetchError) and "short read" in exc.message else None
     text = f"{type(exc).__name__} {exc}"
     status = _status(exc)
-    if status == 429 or any(code in text for code in THROTTLE_CODES):
+    if any(code in text for code in PERMANENT_CODES):  # the body says so, whatever the status
+        return None
+    if status in (429, 503) or any(code in text for code in THROTTLE_CODES):
         return "throttled"
-    if status in PERMANENT_STATUS or any(code in text for code in PERMANENT_CODES):
+    if status in PERMANENT_STATUS:
         return None
     if isinstance(exc, TimeoutError) or status == 408:
         return "timeout"
