@@ -99,6 +99,7 @@ class Prefetcher:
         self.stats = self.client.stats
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         self.peak_reserved = 0
+        self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: list[concurrent.futures.Future[_Plan]] = [
             concurrent.futures.Future() for _ in self.items]
         self._consumer = 0
@@ -200,6 +201,7 @@ class Prefetcher:
                     self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
                 self._reserved += need
                 self._inflight += 1
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut))
                 del fut

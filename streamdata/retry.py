@@ -40,18 +40,25 @@ PERMANENT_STATUS = frozenset({400, 401, 403, 404, 405, 410, 411, 412, 416})
 _STATUS_IN_TEXT = re.compile(r"\b(?:HTTP|status(?: code)?)[ :=]*([1-5]\d\d)\b", re.IGNORECASE)
 
 
-def _status(exc: BaseException) -> int | None:
-    for name in ("status", "code", "status_code"):
-        value = getattr(exc, name, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    response = getattr(exc, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(value, int):
-            return value
-    match = _STATUS_IN_TEXT.search(str(exc))
-    return int(match.group(1)) if match else None
+def _status(exc: BaseException | None) -> int | None:
+    """The HTTP status ``exc`` (or its cause: s3fs wraps botocore's errors) carries, if any."""
+    for _ in range(3):
+        if exc is None:
+            return None
+        for name in ("status", "code", "status_code"):
+            value = getattr(exc, name, None)
+            if isinstance(value, int) and 100 <= value < 600:
+                return value
+        response = getattr(exc, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(value, int):
+                return value
+        match = _STATUS_IN_TEXT.search(str(exc))
+        if match:
+            return int(match.group(1))
+        exc = exc.__cause__
+    return None
 
 
 def classify(exc: BaseException) -> str | None:

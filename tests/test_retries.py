@@ -248,3 +248,21 @@ def test_retries_are_counted_per_reason_over_dataloader_workers(proxied):
     proxy.add(Fault("status", status=500, match="get", times=2))
     assert sorted(read_keys(ds, num_workers=2)) == sorted(keys)
     assert ds.retried == {**dict.fromkeys(RETRY_REASONS, 0), "connection": 4, "server": 2}
+
+
+def test_the_scheduler_keeps_no_more_parts_in_flight_than_the_throttle_allows(proxied):
+    bucket, fs, proxy, options = proxied
+    blobs = [os.urandom(MiB // 4) for _ in range(16)]
+    for i, blob in enumerate(blobs):
+        fs.pipe_file(f"{bucket}/b/{i:02d}", blob)
+    # the first object is sized by a HEAD: throttled again and again (s3fs retries some of
+    # them itself), it brings the limit from 32 to 1 before the scheduler plans a part
+    items = [FetchItem(f"s3://{bucket}/b/00")] + [FetchItem(f"s3://{bucket}/b/{i:02d}", MiB // 4)
+                                                  for i in range(1, 16)]
+    options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    proxy.add(Fault("status", status=503, match="head", times=12))
+    data, fetcher = _read_all(items, options)
+    assert data == blobs
+    assert fetcher.throttle.lowest == 1 and fetcher.throttle.decreases >= 5
+    # one slot more per round of successes from there: far below the 16 parts the window holds
+    assert fetcher.peak_inflight <= 8
