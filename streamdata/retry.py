@@ -73,6 +73,8 @@ def classify(exc: BaseException) -> str | None:
     status = _status(exc)
     if any(code in text for code in PERMANENT_CODES):  # the body says so, whatever the status
         return None
+    if isinstance(exc, ConnectionError) or any(name in text for name in _CONNECTION_ERRORS):
+        return "connection"  # before the status: aiohttp's payload errors carry a code of 400
     if status in (429, 503) or any(code in text for code in THROTTLE_CODES):
         return "throttled"
     if status in PERMANENT_STATUS:
@@ -81,11 +83,13 @@ def classify(exc: BaseException) -> str | None:
         return "timeout"
     if status is not None and status >= 500:
         return "server"
-    if isinstance(exc, ConnectionError) or any(
-            name in text for name in ("ClientConnect", "ClientPayload", "ServerDisconnected",
-                                      "ClientOSError", "Connection", "IncompleteRead")):
-        return "connection"
     return "other"
+
+
+# a connection refused, reset or closed before the body was complete
+_CONNECTION_ERRORS = ("ClientConnect", "ClientPayload", "ContentLengthError", "ServerDisconnected",
+                      "ClientOSError", "ConnectionReset", "ConnectionRefused", "IncompleteRead",
+                      "Connection reset", "Connection refused")
 
 
 def backoff_s(attempt: int, base: float, cap: float) -> float:

@@ -100,6 +100,7 @@ def test_throttle_blocks_past_the_limit_and_hands_slots_out_oldest_first():
     (OSError("b/k: HTTP 500 <Code>InternalError</Code>"), "server"),
     (TimeoutError(), "timeout"),
     (ConnectionResetError("reset by peer"), "connection"),
+    (OSError("ClientPayloadError: <ContentLengthError: 400, message='Not enough data'>"), "connection"),
     (OSError("b/k: HTTP 404 <Code>NoSuchKey</Code>"), None),
     (OSError("b/k: HTTP 500 <Code>NoSuchKey</Code>"), None),  # the body says it is gone
     (OSError("b/k: HTTP 400 <Code>InvalidArgument</Code>"), None),
@@ -234,7 +235,7 @@ def test_a_stalled_part_times_out_and_resumes(proxied):
     proxy.add(Fault("stall", after_bytes=100_000, match="get", times=1))
     counters = Counters(COUNTERS)
     [data], fetcher = _read_all([FetchItem(f"s3://{bucket}/big", len(blob))], options,
-                                FetchConfig(timeout=1.0), counters=counters)
+                                FetchConfig(timeout=3.0), counters=counters)
     assert data == blob
     assert counters.snapshot("retried.")["timeout"] == 1
     assert fetcher.stats.refetched == 0 and fetcher.stats.received == len(blob)
