@@ -130,7 +130,7 @@ class Throttle:
                 if fut.done() and not fut.cancelled():  # granted as we were cancelled: pass it on
                     self.active -= 1
                     self._grant()
-                else:
+                elif entry in self._waiters:  # else ``_grant`` dropped it already
                     self._waiters.remove(entry)
                     heapq.heapify(self._waiters)
                 raise

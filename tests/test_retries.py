@@ -90,6 +90,17 @@ def test_throttle_blocks_past_the_limit_and_hands_slots_out_oldest_first():
         assert order == [1.0, 2.0, 3.0]
         t.release(held.pop(), "other")
         assert t.active == 0
+        # a waiter cancelled before or after its slot was granted leaves no slot taken
+        t.limit = 1.0
+        first = await t.acquire(0)
+        queued = [asyncio.ensure_future(t.acquire(p)) for p in (1.0, 2.0)]
+        await asyncio.sleep(0.01)
+        queued[1].cancel()
+        t.release(first, "other")  # granted to queued[0]...
+        queued[0].cancel()  # ...which is cancelled before it runs
+        await asyncio.gather(*queued, return_exceptions=True)
+        assert t.active == 0 and not t._waiters
+        t.release(await t.acquire(0), "other")
 
     asyncio.run(scenario())
 
