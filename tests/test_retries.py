@@ -278,3 +278,38 @@ def test_the_scheduler_keeps_no_more_parts_in_flight_than_the_throttle_allows(pr
     assert fetcher.throttle.lowest == 1 and fetcher.throttle.decreases >= 5
     # one slot more per round of successes from there: far below the 16 parts the window holds
     assert fetcher.peak_inflight <= 8
+
+
+def test_http_backend_retries_a_whole_part_and_fails_a_404_at_once(tmp_path, http_server):
+    # fsspec's HTTP _cat_file returns a part whole or raises: its retry asks for the whole part
+    blob = os.urandom(600_000)
+    (tmp_path / "blob").write_bytes(blob)
+    server = http_server(tmp_path)
+    with FaultProxy(server.endpoint_url) as proxy:
+        url = f"{proxy.url}/blob"
+        proxy.add(Fault("reset", after_bytes=100_000, match="get", times=1))
+        proxy.add(Fault("status", status=503, match="get", times=1))
+        counters = Counters(COUNTERS)
+        [data], fetcher = _read_all([FetchItem(url, len(blob))], None, counters=counters)
+        assert data == blob
+        assert counters.snapshot("retried.") == {**dict.fromkeys(RETRY_REASONS, 0), "connection": 1,
+                                                 "throttled": 1}
+        assert fetcher.throttle.decreases == 1
+        began = time.monotonic()
+        with pytest.raises(sd.ShardNotFoundError, match="missing"):
+            _read_all([FetchItem(f"{proxy.url}/missing", 10)], None)
+        assert time.monotonic() - began < 10
+
+
+def test_a_part_fails_at_its_deadline_not_before_and_the_reader_does_not_hang(proxied):
+    bucket, fs, proxy, options = proxied
+    fs.pipe_file(f"{bucket}/a.bin", b"x" * 1000)
+    proxy.outage(120.0, mode="reset")
+    counters = Counters(COUNTERS)
+    began = time.monotonic()
+    with pytest.raises(sd.ShardFetchError, match=r"after \d+ attempts over .* retry_deadline=3 s"):
+        _read_all([FetchItem(f"s3://{bucket}/a.bin", 1000)], options,
+                  FetchConfig(retry_deadline=3.0, timeout=2.0), counters=counters)
+    assert 3.0 <= time.monotonic() - began < 30
+    assert counters.snapshot("retried.")["connection"] >= 2
+    proxy.clear()
