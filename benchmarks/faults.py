@@ -23,6 +23,8 @@ Fault kinds (``Fault(kind, ...)``):
   (``None``: right after the headers): the promised Content-Length is never met.
 - ``"stall"``: pass the headers and ``after_bytes`` body bytes (``None``: none), then send
   nothing until the client gives up (or for ``seconds``, then go on normally).
+- ``"hang"``: accept the request and answer nothing, not even headers, until the client
+  gives up (or for ``seconds``, then forward it: a slow answer).
 
 ``after_bytes`` counts body bytes as sent (chunk framing included); for reset and truncate it
 is capped at the body's length minus one, so a faulted response is always incomplete.
@@ -62,7 +64,7 @@ __all__ = ["FAULT_KINDS", "S3_SLOWDOWN_XML", "Fault", "FaultProxy", "main", "req
 
 CHUNK = 256 * 1024
 HEAD_LIMIT = 1 << 20  # longest request or response head accepted
-FAULT_KINDS = ("status", "reset", "truncate", "stall")
+FAULT_KINDS = ("status", "reset", "truncate", "stall", "hang")
 OUTAGE_MODES = ("refuse", "reset", "503")
 
 
@@ -133,7 +135,7 @@ class Fault:
     after_bytes: int | None = None
     match: Match = None
     times: int | None = 1
-    seconds: float | None = None  # stall: how long (None: until the client gives up)
+    seconds: float | None = None  # stall, hang: how long (None: until the client gives up)
     headers: dict[str, str] = field(default_factory=dict)  # status: extra response headers
 
     def __post_init__(self) -> None:
@@ -458,6 +460,9 @@ class FaultProxy:
             await self._answer(client_w, fault, no_body=method == "HEAD")
             self.history.append((kind, method, target, f"{outcome} {fault.status}"))
             return not req.wants_close()
+        if isinstance(action, Fault) and action.kind == "hang":
+            self.history.append((kind, method, target, outcome))
+            await self._fault_after_body(action, client_r, client_w)  # returns after seconds
         # forward
         if up[1] is None or up[1].is_closing():
             up[0], up[1] = await asyncio.open_connection(self.upstream_host, self.upstream_port,
@@ -515,7 +520,7 @@ class FaultProxy:
             client_w.transport.set_write_buffer_limits(high=0)  # drain: every byte handed on
             await client_w.drain()
             raise _Closed  # the connection is aborted (RST) by _handle
-        # stall: until the client closes, or for fault.seconds (then the response goes on)
+        # stall, hang: until the client closes, or for fault.seconds (then the response goes on)
         try:
             await asyncio.wait_for(_drain_until_eof(client_r), fault.seconds)
         except TimeoutError:

