@@ -106,6 +106,7 @@ class _PresignedS3:
         self.fs = fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
+        _no_hidden_retry(self.session)
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
@@ -149,11 +150,12 @@ class _PresignedS3:
                         body.keep(piece)
                     return
                 data = await resp.read()
-            if attempt == 0 and ((status == 403 and cached) or (inherited and 300 <= status < 500)):
+            if attempt == 0 and ((status == 403 and cached) or (inherited and (
+                    300 <= status < 400 or status in (400, 403)))):
                 # temporary credentials may have rotated; or the inherited signer does not
                 # fit this process (other credentials, endpoint or region from the
-                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
-                # client. A 5xx is the server's trouble, not the signature's: retried as such
+                # environment: a redirect, 400 or 403): re-sign once, with the filesystem's
+                # own client. 429 and 5xx are the server's trouble, not the signature's
                 self._urls.pop(path, None)
                 if inherited:
                     self.signer = None
@@ -174,6 +176,14 @@ class _PresignedS3:
 
     async def close(self) -> None:
         await self.session.close()
+
+
+def _no_hidden_retry(session: Any) -> None:
+    """aiohttp re-sends a GET at once, unseen, when a reused connection drops before the
+    answer; retries are ours (by deadline, throttled, counted). No public switch: the
+    attribute, where it exists."""
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
 
 
 def _forget_session(session: Any) -> None:
@@ -254,6 +264,7 @@ class AsyncClient:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:
                 await setter()
+            _no_hidden_retry(getattr(fs, "_session", None))  # HTTP's and gcsfs's aiohttp session
         elif not is_async:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
@@ -371,7 +382,7 @@ class AsyncClient:
             finally:
                 self.throttle.release(sent, outcome)
             spent = loop.time() - first - queued
-            shorts += reason == "short"
+            shorts += isinstance(last, ShardFetchError)  # complete, but shorter than asked
             if reason is None or shorts > _SHORT_RETRIES or spent >= cfg.retry_deadline or (
                     cfg.retries is not None and attempt >= cfg.retries):
                 err = translate_error(last, url)

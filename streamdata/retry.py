@@ -65,6 +65,9 @@ def classify(exc: BaseException) -> str | None:
     """Why ``exc`` is worth another try (a ``RETRY_REASONS`` name), or ``None`` if it is not."""
     from .errors import ShardFetchError, StreamDataError
 
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        # fsspec's HTTP info() calls any failure "not found": judge by what it was
+        return classify(exc.__cause__)
     if isinstance(exc, (FileNotFoundError, PermissionError)) or "Credentials" in type(exc).__name__:
         return None
     if isinstance(exc, StreamDataError):
@@ -73,8 +76,13 @@ def classify(exc: BaseException) -> str | None:
     status = _status(exc)
     if any(code in text for code in PERMANENT_CODES):  # the body says so, whatever the status
         return None
+    # before the status: aiohttp's payload errors carry a code of 400
+    if isinstance(exc, ConnectionResetError) or any(name in text for name in _RESET):
+        return "connection"
+    if any(name in text for name in _SHORT_BODY):
+        return "short"
     if isinstance(exc, ConnectionError) or any(name in text for name in _CONNECTION_ERRORS):
-        return "connection"  # before the status: aiohttp's payload errors carry a code of 400
+        return "connection"
     if status in (429, 503) or any(code in text for code in THROTTLE_CODES):
         return "throttled"
     if status in PERMANENT_STATUS:
@@ -86,10 +94,12 @@ def classify(exc: BaseException) -> str | None:
     return "other"
 
 
-# a connection refused, reset or closed before the body was complete
-_CONNECTION_ERRORS = ("ClientConnect", "ClientPayload", "ContentLengthError", "ServerDisconnected",
-                      "ClientOSError", "ConnectionReset", "ConnectionRefused", "IncompleteRead",
-                      "Connection reset", "Connection refused")
+# a connection reset (mid-body too); a body the server ended, cleanly, short of what it
+# promised (Content-Length, chunked encoding); other connection failures
+_RESET = ("ConnectionReset", "Connection reset")
+_SHORT_BODY = ("ContentLengthError", "TransferEncodingError", "IncompleteRead", "payload is not completed")
+_CONNECTION_ERRORS = ("ClientConnect", "ClientPayload", "ServerDisconnected", "ClientOSError",
+                      "ConnectionRefused", "Connection refused")
 
 
 def backoff_s(attempt: int, base: float, cap: float) -> float:

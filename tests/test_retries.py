@@ -42,6 +42,11 @@ def _read_all(items, options, config=None, counters=None):
     return data, fetcher
 
 
+def _caused(exc, cause):
+    exc.__cause__ = cause
+    return exc
+
+
 # ---- the pieces, without a network --------------------------------------------------------
 
 def test_throttle_halves_once_per_round_grows_by_one_per_round_and_keeps_floor_and_ceiling():
@@ -111,7 +116,10 @@ def test_throttle_blocks_past_the_limit_and_hands_slots_out_oldest_first():
     (OSError("b/k: HTTP 500 <Code>InternalError</Code>"), "server"),
     (TimeoutError(), "timeout"),
     (ConnectionResetError("reset by peer"), "connection"),
-    (OSError("ClientPayloadError: <ContentLengthError: 400, message='Not enough data'>"), "connection"),
+    (OSError("ClientPayloadError: <ContentLengthError: 400, message='Not enough data'>"), "short"),
+    (OSError("Response payload is not completed: <ContentLengthError: 400>. ConnectionResetError(104)"),
+     "connection"),
+    (_caused(FileNotFoundError("http://h/x"), ConnectionRefusedError()), "connection"),
     (OSError("b/k: HTTP 404 <Code>NoSuchKey</Code>"), None),
     (OSError("b/k: HTTP 500 <Code>NoSuchKey</Code>"), None),  # the body says it is gone
     (OSError("b/k: HTTP 400 <Code>InvalidArgument</Code>"), None),
