@@ -150,12 +150,12 @@ class _PresignedS3:
                         body.keep(piece)
                     return
                 data = await resp.read()
-            if attempt == 0 and ((status == 403 and cached) or (inherited and (
-                    300 <= status < 400 or status in (400, 403)))):
+            if attempt == 0 and ((status == 403 and cached) or (
+                    inherited and 300 <= status < 500 and status != 429)):
                 # temporary credentials may have rotated; or the inherited signer does not
                 # fit this process (other credentials, endpoint or region from the
-                # environment: a redirect, 400 or 403): re-sign once, with the filesystem's
-                # own client. 429 and 5xx are the server's trouble, not the signature's
+                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
+                # client. 429 and 5xx are the server's trouble, not the signature's
                 self._urls.pop(path, None)
                 if inherited:
                     self.signer = None
