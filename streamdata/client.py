@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,9 @@ from ._aio import LoopThread, wait_threads_gone
 from ._fork import at_fork_in_child
 from .backends import close_sessions, filesystem, inherited_signer, translate_error
 from .config import FetchConfig
-from .errors import ShardFetchError, StreamDataError
+from .errors import ShardFetchError
 from .metrics import Counters
+from .retry import Throttle, backoff_s, classify
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -44,13 +44,38 @@ def body_size(data: bytes | Chunks) -> int:
     return sum(map(len, data)) if type(data) is Chunks else len(data)
 
 
+class _Body:
+    """What one ranged GET has received so far, kept across its tries: a retry asks only for
+    the bytes after ``size`` (RESUME, see ``AsyncClient.get``)."""
+
+    __slots__ = ("chunks", "size", "wire")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0  # bytes kept in ``chunks``
+        self.wire = 0  # body bytes that arrived, kept or not
+
+    def keep(self, piece: bytes, wire: int | None = None) -> None:
+        if piece:
+            self.chunks.append(piece)
+            self.size += len(piece)
+        self.wire += len(piece) if wire is None else wire
+
+
 @dataclass
 class ClientStats:
-    """Request counters (read by benchmarks and tests)."""
+    """Request counters (read by benchmarks and tests).
+
+    ``bytes`` counts bytes delivered; ``received`` every body byte that reached this
+    client, tries that failed included where the backend hands them over (S3's presigned
+    GETs); ``refetched`` the difference: bytes received more than once (or thrown away).
+    """
 
     requests: int = 0
     retries: int = 0
     bytes: int = 0
+    received: int = 0
+    refetched: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -81,6 +106,7 @@ class _PresignedS3:
         self.fs = fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
+        _no_hidden_retry(self.session)
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
@@ -108,11 +134,9 @@ class _PresignedS3:
         self._urls[path] = (url, loop.time() + self.LIFETIME / 2, inherited)
         return url, inherited
 
-    async def cat_file(self, path: str, start: int = 0, end: int | None = None, *,
-                       chunks: bool = False) -> bytes | Chunks:
-        """Bytes ``[start, end)`` of ``path``; with ``chunks``, a body the server sent as
-        asked comes back as ``Chunks``."""
-        start = start or 0
+    async def cat_file(self, path: str, start: int, end: int | None, body: _Body) -> None:
+        """Append bytes ``[start, end)`` of ``path`` to ``body`` as they arrive: if the
+        connection drops, what arrived stays there, in the chunks it arrived in."""
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
@@ -121,31 +145,45 @@ class _PresignedS3:
             url, inherited = await self._url(path)
             async with self.session.get(url, headers=headers) as resp:
                 status = resp.status
-                if chunks and (status == 206 or (status == 200 and not headers)):
-                    return Chunks([piece async for piece, _ in resp.content.iter_chunks() if piece])
+                if status == 206 or (status == 200 and not headers):
+                    async for piece, _ in resp.content.iter_chunks():
+                        body.keep(piece)
+                    return
                 data = await resp.read()
-            if attempt == 0 and ((status == 403 and cached) or (inherited and status >= 300)):
+            if attempt == 0 and ((status == 403 and cached) or (
+                    inherited and 300 <= status < 500 and status != 429)):
                 # temporary credentials may have rotated; or the inherited signer does not
                 # fit this process (other credentials, endpoint or region from the
-                # environment): re-sign once, with the filesystem's own client
+                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
+                # client. 429 and 5xx are the server's trouble, not the signature's
                 self._urls.pop(path, None)
                 if inherited:
                     self.signer = None
                 continue
             break
-        if status == 206 or (status == 200 and not headers):
-            return data
         if status == 200:  # a server that ignores Range
-            return data[start:end]
+            body.keep(data[start:end], wire=len(data))
+            return
         detail = data[:300].decode("utf-8", "replace")
         if status == 404:
             raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
         if status == 403:
             raise PermissionError(f"{path}: HTTP 403 {detail}")
+        if status == 416:
+            raise OSError(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it is "
+                          "shorter than listed or changed")
         raise OSError(f"{path}: HTTP {status} {detail}")
 
     async def close(self) -> None:
         await self.session.close()
+
+
+def _no_hidden_retry(session: Any) -> None:
+    """aiohttp re-sends a GET at once, unseen, when a reused connection drops before the
+    answer; retries are ours (by deadline, throttled, counted). No public switch: the
+    attribute, where it exists."""
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
 
 
 def _forget_session(session: Any) -> None:
@@ -189,6 +227,7 @@ class AsyncClient:
         self._executor: ThreadPoolExecutor | None = None
         self._fs: Any = None
         self._presigned: _PresignedS3 | None = None
+        self.throttle = Throttle(self.config.max_requests)  # READER-THROTTLE (``retry``)
         self.fast_s3 = fast_s3
         self._opened: asyncio.Future | None = None
         self.io = LoopThread(name)
@@ -225,6 +264,7 @@ class AsyncClient:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:
                 await setter()
+            _no_hidden_retry(getattr(fs, "_session", None))  # HTTP's and gcsfs's aiohttp session
         elif not is_async:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
@@ -256,9 +296,6 @@ class AsyncClient:
         # keywords, always: s3fs's _cat_file takes version_id before start and end
         fs = await self._open()
         path = fs._strip_protocol(url)  # HTTP keeps the whole URL, object stores drop "s3://"
-        chunks = kwargs.pop("chunks", False)
-        if self._presigned is not None and async_name == "_cat_file":
-            return await self._presigned.cat_file(path, chunks=chunks, **kwargs)
         if self._executor is None:
             return await getattr(fs, async_name)(path, **kwargs)
         loop = asyncio.get_running_loop()
@@ -266,54 +303,100 @@ class AsyncClient:
         return await loop.run_in_executor(self._executor, call)
 
     async def size(self, url: str) -> int | None:
-        """The object's size (one HEAD / stat), for objects a listing did not size."""
-        try:
-            info = await asyncio.wait_for(self._call("_info", "info", url),
-                                          self.config.timeout)
-        except Exception as exc:
-            raise translate_error(exc, url, "stat") from None
+        """The object's size (one HEAD / stat, retried like a part), for objects a listing did not size."""
+        info = await self._retrying(lambda: self._call("_info", "info", url), url, "size")
         return info.get("size")
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False) -> bytes | Chunks:
-        """Bytes ``[start, end)`` of ``url``; a failed try is retried with jittered backoff.
+        """Bytes ``[start, end)`` of ``url``, retried until ``retry_deadline`` (``_retrying``).
 
         ``chunks=True`` lets the body come back unjoined (``Chunks``) where the backend can
         (S3's presigned GETs); other backends return ``bytes`` either way.
 
-        A retry re-requests only this range: ranges already delivered are never fetched again.
-        Missing objects and refused credentials fail at once (retrying cannot help).
+        RESUME: on S3's presigned GETs a retry asks only for the bytes after those already
+        received (a connection reset after k bytes re-requests ``[start + k, end)``), and the
+        part is delivered once, whole. Other backends' ``_cat_file`` returns whole bytes or
+        raises: their retry asks for the whole range again, and the bytes a failed try had
+        received never reach this client (``stats.refetched`` cannot count them). A retry
+        never re-requests ranges already delivered.
         """
-        cfg = self.config
-        last: BaseException | None = None
-        for attempt in range(cfg.retries + 1):
+        start = start or 0
+        body = _Body()
+
+        async def once() -> bytes | Chunks:
+            fs = await self._open()
+            if self._presigned is not None:
+                begin = start + body.size
+                await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
+                size = body.size
+            else:
+                data = await self._call("_cat_file", "cat_file", url, start=start, end=end)
+                size = len(data)
+                body.wire += size
+            if end is not None and size != end - start:
+                raise ShardFetchError(
+                    f"short read of {url}: {size} of {end - start} bytes at offset "
+                    f"{start}; the object is shorter than listed or changed", url=url)
+            if self._presigned is None:
+                return data
+            return Chunks(body.chunks) if chunks else b"".join(body.chunks)
+
+        try:
+            data = await self._retrying(once, url, f"bytes {start}..{end}")
+        finally:
+            self.stats.add(received=body.wire)
+        size = body_size(data)
+        self.stats.add(bytes=size, refetched=body.wire - size)
+        return data
+
+    async def _retrying(self, once: Any, url: str, what: str) -> Any:
+        """``await once()`` until it succeeds, a permanent error, or the deadline.
+
+        Each try holds a READER-THROTTLE slot and lasts at most ``timeout``; a failure that
+        a retry can fix (``retry.classify``) sleeps ``retry.backoff_s`` and tries again until
+        ``retry_deadline`` seconds of tries and sleeps have passed (time spent waiting for a
+        slot does not count), or ``retries`` retries if set. Missing objects, refused
+        credentials and bad requests fail at once. Every retry is counted per reason.
+        """
+        cfg, loop = self.config, asyncio.get_running_loop()
+        first = loop.time()
+        queued = 0.0  # seconds waiting for a slot: not counted against the deadline
+        attempt = shorts = 0
+        while True:
+            asked = loop.time()
+            sent = await self.throttle.acquire(first)
+            queued += sent - asked
+            outcome, reason, last = "failed", None, None
             try:
                 self.stats.add(requests=1)
-                data = await asyncio.wait_for(
-                    self._call("_cat_file", "cat_file", url, start=start, end=end, chunks=chunks),
-                    cfg.timeout)
-                size = body_size(data)
-                if end is not None and size != end - start:
-                    raise ShardFetchError(
-                        f"short read of {url}: {size} of {end - start} bytes at offset "
-                        f"{start}; the object is shorter than listed or changed", url=url)
-                self.stats.add(bytes=size)
-                return data
-            except (FileNotFoundError, PermissionError) as exc:
-                raise translate_error(exc, url) from None
+                result = await asyncio.wait_for(once(), cfg.timeout)
+                outcome = "ok"
+                return result
             except asyncio.CancelledError:
                 raise
-            except StreamDataError as exc:
-                if not isinstance(exc, ShardFetchError) or "short read" not in exc.message:
-                    raise
-                last = exc
             except Exception as exc:
-                if "Credentials" in type(exc).__name__:
-                    raise translate_error(exc, url) from None
-                last = exc
-            if attempt < cfg.retries:
-                self.stats.add(retries=1)
-                await asyncio.sleep(cfg.backoff * 2 ** attempt * random.uniform(0.5, 1.5))
-        err = translate_error(last, url) if last is not None else ShardFetchError("no attempt", url=url)
-        err.message += f" (bytes {start}..{end}, after {cfg.retries + 1} attempts)"
-        raise err
+                last, reason = exc, classify(exc)
+                if reason == "throttled":
+                    outcome = "throttled"
+            finally:
+                self.throttle.release(sent, outcome)
+            spent = loop.time() - first - queued
+            shorts += isinstance(last, ShardFetchError)  # complete, but shorter than asked
+            if reason is None or shorts > _SHORT_RETRIES or spent >= cfg.retry_deadline or (
+                    cfg.retries is not None and attempt >= cfg.retries):
+                err = translate_error(last, url)
+                err.message += (f" ({what}; not retried: a retry cannot fix this)" if reason is None else
+                                f" ({what}, after {attempt + 1} attempts over {spent:.1f} s; "
+                                f"retry_deadline={cfg.retry_deadline:g} s)")
+                raise err from None
+            self.stats.add(retries=1)
+            if self.counters is not None:
+                self.counters.add(f"retried.{reason}")
+            await asyncio.sleep(min(backoff_s(attempt, cfg.backoff, cfg.backoff_cap),
+                                    cfg.retry_deadline - spent))
+            attempt += 1
+
+
+# a body shorter than asked twice more is an object shorter than listed, not a blip
+_SHORT_RETRIES = 2

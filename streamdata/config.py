@@ -63,8 +63,18 @@ class FetchConfig:
                   most ``max(byte_budget, one part)``. 64 MiB: enough in flight for 100 ms
                   one-way delay at this machine's rate, while a first epoch page-faults in
                   half as much fresh memory as with 128 MiB (benchmarks/README.md, budget A/B).
-    retries:      attempts after the first for a failed part (jittered exponential backoff).
-    timeout:      seconds for one request before it counts as failed.
+    retry_deadline: seconds a failed part (or size lookup) is retried for, counted from its
+                  first attempt (waits for a slot under READER-THROTTLE, ``client``, do not
+                  count); no new attempt starts after it. 300 s: training jobs run for days
+                  and a storage blip of seconds or a minute of throttling must not end them,
+                  while a bucket that is really gone still fails within minutes, not hours.
+    retries:      optional cap on attempts after the first (``None``: by deadline only);
+                  ``0`` never retries.
+    backoff:      base of the back-off: before retry ``n`` (from 0) a part sleeps
+                  ``uniform(0, min(backoff_cap, backoff * 2**n))`` ("full jitter": retries
+                  of many parts and many workers spread out instead of arriving together).
+    backoff_cap:  the longest back-off sleep.
+    timeout:      seconds for one request before it counts as failed (and is retried).
     """
 
     window: int = 32
@@ -72,16 +82,28 @@ class FetchConfig:
     first_part: int = 256 * 1024
     max_requests: int = 32
     byte_budget: int = 64 * MiB
-    retries: int = 4
+    retry_deadline: float = 300.0
+    retries: int | None = None
     backoff: float = 0.1
+    backoff_cap: float = 10.0
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("window", "part_size", "first_part", "max_requests", "byte_budget"):
             if getattr(self, name) < 1:
                 raise SpecError(f"FetchConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.retries < 0 or self.backoff < 0 or self.timeout <= 0:
-            raise SpecError("FetchConfig: retries and backoff must be >= 0 and timeout > 0")
+        if (self.retries is not None and self.retries < 0) or self.backoff < 0 or self.timeout <= 0 \
+                or self.retry_deadline < 0 or self.backoff_cap < 0:
+            raise SpecError("FetchConfig: retries, retry_deadline, backoff and backoff_cap must be >= 0 "
+                            "and timeout > 0")
+
+    def wait_limit(self) -> float:
+        """Seconds a reader waits for one part before it raises ``FetchTimeoutError``: past
+        the moment the part's own retries must have ended (its last attempt starts before
+        ``retry_deadline`` and lasts at most ``timeout``; one more ``timeout`` for a slot under
+        READER-THROTTLE), plus slack. So a wait never hangs, and never fails before the
+        part's deadline."""
+        return self.retry_deadline + 2 * self.timeout + 30.0
 
     def replace(self, **changes) -> FetchConfig:
         return dataclasses.replace(self, **changes)

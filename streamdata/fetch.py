@@ -97,7 +97,9 @@ class Prefetcher:
                                   self.config, name="fetch",
                                   url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
+        self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         self.peak_reserved = 0
+        self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: list[concurrent.futures.Future[_Plan]] = [
             concurrent.futures.Future() for _ in self.items]
         self._consumer = 0
@@ -136,8 +138,7 @@ class Prefetcher:
             raise StreamDataError(f"the prefetcher's scheduler failed: {type(exc).__name__}: {exc}") from exc
 
     def _wait_timeout(self) -> float:
-        c = self.config
-        return c.timeout * (c.retries + 1) + c.backoff * 2 ** (c.retries + 1) + 30.0
+        return self.config.wait_limit()  # past the part's retry_deadline: never before it
 
     def _take_plan(self, index: int) -> _Plan:
         """Wait for item ``index``'s plan and drop the prefetcher's reference to it, so
@@ -194,11 +195,13 @@ class Prefetcher:
                 # No slow start: the window's requests all go out at once, in consumption
                 # order. Measured (benchmarks/README.md): starting at 4 in flight and adding
                 # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
-                # delay, for no better first batch.
-                await self._until(lambda need=need: self._inflight < cfg.max_requests and (
+                # delay, for no better first batch. READER-THROTTLE (``retry``): at most as many
+                # parts in flight as the reader's throttle allows (max_requests, unless throttled).
+                await self._until(lambda need=need: self._inflight < self.throttle.allowed and (
                     self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
                 self._reserved += need
                 self._inflight += 1
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut))
                 del fut

@@ -62,7 +62,7 @@ class ObjectDataset(torch.utils.data.Dataset):
             return await asyncio.gather(*(one(u) for u in urls))
 
         cfg = self.fetch_config
-        datas = client.io.run(fetch_all(), cfg.timeout * (cfg.retries + 1) + 30, what="a batch of objects")
+        datas = client.io.run(fetch_all(), cfg.wait_limit(), what="a batch of objects")
         return [self._sample(url, data) for url, data in zip(urls, datas, strict=True)]
 
     def _sample(self, url: str, data: bytes) -> Any:
