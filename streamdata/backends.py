@@ -6,10 +6,12 @@ into a working filesystem, closes it cleanly, and maps backend exceptions to our
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
 import time
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -74,9 +76,21 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     fs._streamdata_signer_key = signer_key(protocol, storage_options)
     if timeout is not None and protocol in ("s3", "s3a"):
         fs.retries = 1  # s3fs's own retry loop (_error_wrapper, 5 tries): one try; ours retry
+    if timeout is not None and protocol in ("gs", "gcs"):
+        _one_try_per_gcs_request(fs)
     if protocol in ("gs", "gcs"):
         _require_gcs_credentials(fs, options, url)
     return fs
+
+
+def _one_try_per_gcs_request(fs: Any) -> None:
+    """gcsfs tries every request up to 6 times, sleeping up to 32 s between tries, inside its
+    ``_request`` (a decorator bound when the class is made: no option changes it). On this
+    instance, call the undecorated method, so that ours are the only retries: bounded by our
+    deadline and counted per reason, like S3's."""
+    raw = getattr(type(fs)._request, "__wrapped__", None)
+    if raw is not None:
+        fs._request = types.MethodType(raw, fs)
 
 
 def _bounded(protocol: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -262,26 +276,27 @@ def _transient(err: StreamDataError) -> bool:
 
 
 def call_with_deadline(fn: Callable[[float], T], *, timeout: float | None, deadline: float, url: str,
-                       what: str, retries: int = 4, backoff: float = 0.1) -> T:
+                       what: str, retries: int | None = None, backoff: float = 0.1) -> T:
     """``fn(limit)``, retried on transient errors within ``deadline`` seconds; our errors only.
 
     ``fn`` makes one attempt and must give up after ``limit`` seconds: ``timeout`` for a single
     request (a stat), or the time left before ``deadline`` when ``timeout`` is ``None`` (a
     listing, all its pages; each request is bounded by the backend's own timeout, set by
     :func:`filesystem`). Retries wait a jittered exponential backoff; none starts after
-    ``deadline``, so the whole call ends within about ``deadline`` (+ one ``timeout``).
+    ``deadline``, so the whole call ends within about ``deadline`` (+ one ``timeout``);
+    ``retries`` (``None``: no cap) caps the attempts too.
     """
     start = time.monotonic()
-    for attempt in range(retries + 1):
+    for attempt in itertools.count():
         left = max(deadline - (time.monotonic() - start), 0.5)
         try:
             return fn(left if timeout is None else min(timeout, left))
         except Exception as exc:
             err = translate_error(exc, url, what)
-        pause = backoff * 2 ** attempt * random.uniform(0.5, 1.0)
+        pause = min(backoff * 2 ** attempt, 10.0) * random.uniform(0.5, 1.0)
         if not _transient(err) or attempt == retries or time.monotonic() - start + pause >= deadline:
             if attempt:
                 err.message += f" (after {attempt + 1} attempts in {time.monotonic() - start:.1f} s)"
             raise err from err.__cause__
         time.sleep(pause)
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable")  # itertools.count() never ends

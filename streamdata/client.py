@@ -257,7 +257,8 @@ class AsyncClient:
             config["max_pool_connections"] = max(config.get("max_pool_connections", 10),
                                                  self.config.max_requests)
             options["config_kwargs"] = config
-        fs = filesystem(self.protocol, options, url=self.url, **extra)
+        # the backend's own request time-outs and retries bounded, so ours are the only ones
+        fs = filesystem(self.protocol, options, url=self.url, timeout=self.config.timeout, **extra)
         fast = self.protocol in ("s3", "s3a") and self.fast_s3 and not set(_S3_SLOW_OPTIONS) & set(options)
         signer = inherited_signer(self.protocol, self._options) if fast else None
         if is_async and signer is None:  # with a signer, s3fs builds its client only if needed

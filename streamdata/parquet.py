@@ -26,7 +26,7 @@ from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
 from .tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
-from .urls import Shard, Spec, split_url
+from .urls import Shard, Spec, listing_deadline, split_url
 
 __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 
@@ -62,6 +62,8 @@ def _with_sizes(shards: list[Shard], storage_options: dict, config: FetchConfig)
         return shards
     from .client import AsyncClient
 
+    # the constructor's bound, not a part's (urls.listing_deadline)
+    config = config.replace(retry_deadline=listing_deadline(config))
     client = AsyncClient(split_url(missing[0].url)[0], storage_options, config, name="sizes")
     try:
         async def sizes() -> list[int | None]:

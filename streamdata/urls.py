@@ -80,9 +80,11 @@ def brace_expand(pattern: str) -> list[str]:
 
 
 def listing_deadline(config: FetchConfig) -> float:
-    """Seconds one listing or stat may take, its retries included: ``retry_deadline`` where
-    the config has one, else twice the per-request ``timeout``."""
-    return getattr(config, "retry_deadline", None) or 2 * config.timeout
+    """Seconds one listing or stat of the constructor may take, its retries included: twice the
+    per-request ``timeout``, at most ``retry_deadline``. Shorter than a part's deadline on
+    purpose: a job that cannot list fails at its start, where trying again costs nothing, and a
+    wrong endpoint is reported in seconds, not after the minutes a part is retried for."""
+    return min(config.retry_deadline, 2 * config.timeout)
 
 
 def _call(fs, config: FetchConfig, url: str, name: str, *args: Any, stat: bool = False,
