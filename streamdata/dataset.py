@@ -91,9 +91,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     The spec is expanded (and validated) here, in the constructing process, before any
     worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options
-    (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``retries``, ``backoff``,
-    ``timeout``, ...) are given flat or as ``fetch_config=`` (:meth:`FetchConfig.resolve`).
-    Skips under ``on_error`` are counted in :attr:`skipped`, over every worker.
+    (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``timeout``,
+    ``retry_deadline``, ``retries``, ``backoff``, ``backoff_cap``, ...) are given flat or as
+    ``fetch_config=`` (:meth:`FetchConfig.resolve`). Skips under ``on_error`` and retries are
+    counted in :attr:`skipped` and :attr:`retried`, over every worker.
     """
 
     suffixes: tuple[str, ...] = ()

@@ -10,6 +10,7 @@ import torch.utils.data
 
 from .config import OBJECT_MAX_REQUESTS, FetchConfig
 from .decode import DecodeSpec, make_decoder
+from .metrics import COUNTERS, Counters
 from .redact import redact_url
 from .urls import Spec, expand_spec, split_url
 
@@ -22,7 +23,8 @@ class ObjectDataset(torch.utils.data.Dataset):
 
     A sample is ``{"__key__": name without extension, "__url__": url, ext: decoded value}``
     (``__url__`` without its password or signature: ``redact.redact_url``).
-    Fetch options (``max_requests``, ``retries``, ``timeout``, ...) as for the sharded datasets.
+    Fetch options (``max_requests``, ``timeout``, ``retry_deadline``, ...) as for the sharded
+    datasets; retries are counted per reason in ``retried``, over every worker.
     """
 
     fetch_defaults = {"max_requests": OBJECT_MAX_REQUESTS}
@@ -31,14 +33,19 @@ class ObjectDataset(torch.utils.data.Dataset):
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
                  **fetch_options: Any) -> None:
         self.storage_options = dict(storage_options or {})
-        self.shards = expand_spec(urls, self.storage_options,
-                                  config=FetchConfig.resolve(fetch_config, **fetch_options))
+        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self.shards = expand_spec(urls, self.storage_options, config=self.fetch_config)
         self.protocol = split_url(self.shards[0].url)[0]
         self.decode = decode
         self._decoder = make_decoder(decode)
         self.map = map
-        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self._counters = Counters(COUNTERS)
         self._client: Any = None
+
+    @property
+    def retried(self) -> dict[str, int]:
+        """Requests tried again so far, per reason, over every worker (``metrics.RETRY_REASONS``)."""
+        return self._counters.snapshot("retried.")
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -78,6 +85,7 @@ class ObjectDataset(torch.utils.data.Dataset):
 
         if self._client is None or self._client.io.inherited:  # forked: FORK-RESET closed it
             self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
+                                       counters=self._counters,
                                        name="objects", url=self.shards[0].url)
         return self._client
 

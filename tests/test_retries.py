@@ -321,3 +321,20 @@ def test_a_part_fails_at_its_deadline_not_before_and_the_reader_does_not_hang(pr
     assert 3.0 <= time.monotonic() - began < 30
     assert counters.snapshot("retried.")["connection"] >= 2
     proxy.clear()
+
+
+
+def test_object_dataset_counts_its_retries(proxied):
+    """ObjectDataset's client adds to the dataset's counters too (one object per sample)."""
+    bucket, fs, proxy, options = proxied
+    payloads = {f"s3://{bucket}/objs/o{i}.bin": bytes([i]) * (1000 + i) for i in range(4)}
+    for url, data in payloads.items():
+        fs.pipe_file(url[len("s3://"):], data)
+    ds = sd.ObjectDataset(sorted(payloads), storage_options=options, decode=False)
+    try:
+        proxy.add(Fault("reset", after_bytes=100, match="get", times=2))
+        samples = ds.__getitems__(range(len(ds)))
+    finally:
+        ds.close()
+    assert [s["bin"] for s in samples] == [payloads[u] for u in sorted(payloads)]
+    assert proxy.faults_injected == {"reset": 2} and ds.retried["connection"] == 2
