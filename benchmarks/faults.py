@@ -48,16 +48,15 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import json
-import signal
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
+
+from ._looped import LoopedServer
 
 __all__ = ["FAULT_KINDS", "S3_SLOWDOWN_XML", "Fault", "FaultProxy", "main", "request_kind",
            "s3_error_xml"]
@@ -232,13 +231,15 @@ async def _body_pieces(reader: asyncio.StreamReader, msg: _Message, *, no_body: 
         yield data
 
 
-class FaultProxy:
+class FaultProxy(LoopedServer):
     """HTTP/1.1 reverse proxy injecting faults by rule, on its own loop in a background thread.
 
     ``url`` is the proxy's base URL (use it as ``endpoint_url``); ``requests`` counts requests
     by kind (:func:`request_kind`), ``faults_injected`` faults by kind (outages as
     ``"outage"``); ``history`` keeps the last requests as ``(kind, method, target, outcome)``.
     """
+
+    thread_name = "fault-proxy"
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
         parts = urlsplit(upstream if "//" in upstream else f"http://{upstream}")
@@ -255,8 +256,7 @@ class FaultProxy:
         self.history: collections.deque[tuple[str, str, str, str]] = collections.deque(maxlen=1000)
         self._outage_until = 0.0
         self._outage_mode = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._server: asyncio.Server | None = None
         self._reopen: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -308,57 +308,8 @@ class FaultProxy:
         if mode == "refuse" and self._loop is not None:
             asyncio.run_coroutine_threadsafe(self._refuse(seconds), self._loop).result(10.0)
 
-    def start(self, timeout: float = 10.0) -> FaultProxy:
-        if self._thread is not None:
-            raise RuntimeError("proxy already started")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="fault-proxy", daemon=True)
-        self._thread.start()
-        try:
-            asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout)
-        except BaseException:
-            self.close(timeout)
-            raise
-        return self
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Close every connection, stop the loop and join the thread (each step bounded)."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        if loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-            with contextlib.suppress(Exception):  # a stuck connection must not keep the thread
-                future.result(timeout)
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
-        if thread.is_alive():
-            raise RuntimeError(f"fault proxy thread did not stop within {timeout} s")
-        self._loop = self._thread = None
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    # -- listening ----------------------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+    async def _startup(self) -> None:
+        await self._listen()
 
     async def _listen(self) -> None:
         """Listen (again) on the port, unless already listening."""
@@ -591,19 +542,13 @@ def _parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
 def main(argv: Iterable[str] | None = None) -> None:
     """Run until SIGINT/SIGTERM; print the URL on start and the counters on exit."""
     args = _parse_args(argv)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     with FaultProxy(args.upstream, port=args.port) as proxy:
         for fault in args.fault:
             proxy.add(fault)
         if args.outage:
             proxy.outage(args.outage, args.outage_mode)
-        print(json.dumps({"url": proxy.url, "port": proxy.port}), flush=True)
-        while not stop.wait(1.0):
-            pass
-        counters = {"requests": proxy.requests, "faults_injected": proxy.faults_injected}
-    print(json.dumps(counters), flush=True)
+        proxy.serve_until_signalled({"url": proxy.url, "port": proxy.port}, lambda: {
+            "requests": proxy.requests, "faults_injected": proxy.faults_injected})
 
 
 if __name__ == "__main__":

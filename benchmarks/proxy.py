@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import random
-import signal
 import threading
-from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
+
+from ._looped import LoopedServer
 
 __all__ = ["LatencyProxy", "main"]
 
@@ -127,13 +126,15 @@ async def _all_or_none(*coros) -> None:
         t.result()  # re-raise the first failure
 
 
-class LatencyProxy:
+class LatencyProxy(LoopedServer):
     """Delaying TCP forwarder running on its own event loop in a background thread.
 
     Use as a context manager; ``port`` is the listening port, ``url_for(endpoint)`` rewrites an
     endpoint URL to go through the proxy. ``bytes_up`` counts client->upstream bytes delivered,
     ``bytes_down`` upstream->client; ``connections`` counts accepted connections.
     """
+
+    thread_name = "latency-proxy"
 
     def __init__(
         self,
@@ -170,8 +171,7 @@ class LatencyProxy:
         self._up = 0
         self._down = 0
         self._connections = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -207,66 +207,7 @@ class LatencyProxy:
         parts = urlsplit(endpoint_url)
         return urlunsplit(parts._replace(netloc=f"{self.host}:{self.port}"))
 
-    def start(self, timeout: float = 10.0) -> LatencyProxy:
-        if self._thread is not None:
-            raise RuntimeError("proxy already started")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="latency-proxy", daemon=True)
-        self._thread.start()
-        future = asyncio.run_coroutine_threadsafe(self._start_server(), self._loop)
-        try:
-            future.result(timeout)
-        except BaseException:
-            self.close(timeout)
-            raise
-        return self
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Close every connection, stop the loop and join the thread (each step bounded)."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        if loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-            try:
-                future.result(timeout)
-            except Exception:
-                pass  # a stuck connection must not keep the thread alive: stop the loop anyway
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
-        if thread.is_alive():
-            raise RuntimeError(f"latency proxy thread did not stop within {timeout} s")
-        self._loop = self._thread = None
-
-    def __enter__(self) -> LatencyProxy:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-
-    async def _start_server(self) -> None:
+    async def _startup(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -349,9 +290,6 @@ def main(argv: list[str] | None = None) -> None:
     """Run until SIGINT/SIGTERM; print the port on start and the byte counters on exit."""
     args = _parse_args(argv)
     host, _, port = args.upstream.rpartition(":")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     with LatencyProxy(
         host or "127.0.0.1",
         int(port),
@@ -362,11 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         link_bandwidth=args.link,
     ) as proxy:
-        print(json.dumps({"port": proxy.port, "delay_s": proxy.delay_s}), flush=True)
-        while not stop.wait(1.0):
-            pass
-        counters = {"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down}
-    print(json.dumps(counters), flush=True)
+        proxy.serve_until_signalled({"port": proxy.port, "delay_s": proxy.delay_s}, lambda: {
+            "bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down})
 
 
 if __name__ == "__main__":

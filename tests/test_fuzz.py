@@ -100,6 +100,14 @@ SIZE_FIELDS = [b"\x80" + (1 << 80).to_bytes(11, "big")[1:], b"\xff" * 12, b"\xff
                b"+1\0", b"1_0\0", b"        \0", b"99999999\0", b"\0" * 12]
 
 
+def bit_flips(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with 1 to 8 random bits flipped."""
+    flips = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        flips[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    return bytes(flips)
+
+
 def tar_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     """One random mutation of ``data``: ``(description, mutated bytes)``."""
     marks = headers(data)
@@ -108,10 +116,7 @@ def tar_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     n = len(data)
     choice = rng.randrange(12)
     if choice == 0:
-        flips = bytearray(data)
-        for _ in range(rng.randint(1, 8)):
-            flips[rng.randrange(n)] ^= 1 << rng.randrange(8)
-        return "bit flips", bytes(flips)
+        return "bit flips", bit_flips(data, rng)
     if choice == 1:
         start, length = rng.randrange(n), rng.randint(1, 600)
         fill = bytes([rng.randrange(256)]) * length if rng.random() < 0.5 else rng.randbytes(length)
@@ -198,10 +203,7 @@ def parquet_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     n = len(data)
     choice = rng.randrange(6)
     if choice == 0:
-        flips = bytearray(data)
-        for _ in range(rng.randint(1, 8)):
-            flips[rng.randrange(n)] ^= 1 << rng.randrange(8)
-        return "bit flips", bytes(flips)
+        return "bit flips", bit_flips(data, rng)
     if choice == 1:
         start, length = rng.randrange(n), rng.randint(1, 64)
         return f"byte run at {start}", data[:start] + rng.randbytes(length) + data[start + length:]
