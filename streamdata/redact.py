@@ -14,7 +14,9 @@ with ``***``, and keeps what says where the problem is (scheme, host, path, para
   ``X-Goog-Credential``, ``AWSAccessKeyId``, ``GoogleAccessId``, ``aws_secret_access_key``,
   ``aws_session_token``), and the short names ``sig`` (Azure SAS) and ``key`` after ``?``/``&``.
   Quoted, the same names followed by ``:`` too (``'aws_secret_access_key': '...'``, JSON);
-  unquoted ``Name: text`` is prose (``SignatureDoesNotMatch: The request ...``) and stays.
+  unquoted ``Name: text`` is prose (``SignatureDoesNotMatch: The request ...``) and stays;
+  so do gcsfs's ``token`` methods (``anon``, ``google_default``, ``cache``, ``cloud``,
+  ``browser``), which name how to find credentials, not credentials.
 - ``Authorization`` / ``Proxy-Authorization`` header values, to the end of the line or quote.
 - AWS access key ids: ``AKIA``/``ASIA`` and 12 or more capitals and digits.
 - the contents of S3 error-body elements that echo credentials or the signed request:
@@ -36,6 +38,8 @@ import re
 __all__ = ["MASK", "RedactFilter", "RedactedError", "redact", "redact_exception", "redact_url"]
 
 MASK = "***"
+# values of a secret-looking name that are no secret: gcsfs's ``token=`` methods, None
+_NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser", "none", "null", ""})
 
 _SECRET_WORDS = (r"signature|credential|token|secret|password|passwd|access[-_]?key|accessid"
                  r"|api[-_]?key")
@@ -68,7 +72,10 @@ def _replace(m: re.Match) -> str:
         if m.group(name) is not None:
             return m.group(name) + MASK
     if m.group("param") is not None:
-        return m.group("param") + (MASK if m.group("value") else "")
+        value = m.group("value")
+        if value.lower() in _NOT_SECRETS:  # gcsfs's token= names a method: not a credential
+            return m.group(0)
+        return m.group("param") + (MASK if value else "")
     text = m.group(0)
     return text if text[:4].upper() not in ("AKIA", "ASIA") else text[:4] + MASK
 

@@ -61,7 +61,7 @@ def test_thirty_epochs_read_everything_once_and_grow_nothing(s3_bucket):
                                                    strict=True)) / MB,  # the same workers
     }
     # a leak of one batch (16 x 32 KiB = 0.5 MB) per epoch would add 15 MB over 30 epochs
-    assert grown["main RSS MB"] < 8 and grown["worker USS MB"] < 12, grown
+    assert grown["main RSS MB"] < 8 and grown["worker USS MB"] < 12, (grown, ds.counts)
     assert after["threads"] == before["threads"]
     assert after["fds"] <= before["fds"] + 2
     assert after["lent"] <= before["lent"] + 8

@@ -89,6 +89,9 @@ def loader_error(loader) -> tuple[BaseException, list[str]]:
      "SignatureDoesNotMatch: The request signature we calculated does not match [key: s01]"),
     ("s3://bkt/train-{000..009}.tar hdfs://nn:8020/x Asiapacificregionnumber1",
      "s3://bkt/train-{000..009}.tar hdfs://nn:8020/x Asiapacificregionnumber1"),
+    # gcsfs's token methods are no secret (the GCS hint shows one); a real token is
+    ("pass storage_options={'token': 'anon'}; token=google_default; {'token': 'ya29.a0Af-x'}",
+     "pass storage_options={'token': 'anon'}; token=google_default; {'token': '***'}"),
 ])
 def test_redaction_rules(text, kept):
     assert redact(text) == kept
