@@ -325,7 +325,7 @@ class ArrowDataset(_ArrowTables):
                 self._units.append(RecordBatchUnit(shard.url, shard.size, -1))
                 continue
             try:
-                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url)
+                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url, shard.size)
                 self._check_columns(footer, shard)
             except FormatError as exc:
                 policy.check(exc)

@@ -15,6 +15,7 @@ import itertools
 import random
 import re
 import signal
+import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -199,6 +200,19 @@ def valid_parquet() -> bytes:
     return buf.getvalue()
 
 
+def valid_arrow(stream: bool) -> bytes:
+    """An Arrow IPC file (or stream) of 3 record batches: strings, ints, lists, a dictionary."""
+    rows = 60
+    table = pa.table({"text": [f"row {i} é" * (i % 4) for i in range(rows)], "n": list(range(rows)),
+                      "seq": pa.array([[i] * (i % 4) for i in range(rows)], pa.list_(pa.int32())),
+                      "tag": pa.array(["a", "b", "c"] * (rows // 3)).dictionary_encode()})
+    buf = io.BytesIO()
+    with (pa.ipc.new_stream if stream else pa.ipc.new_file)(buf, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=20):
+            writer.write_batch(batch)
+    return buf.getvalue()
+
+
 def parquet_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     n = len(data)
     choice = rng.randrange(6)
@@ -234,6 +248,13 @@ def read_parquet(path: str) -> None:
     for _ in sd.ParquetDataset(path, batch_size=16):
         pass
     for _ in sd.ParquetDataset(path, columns=["text", "seq"]):
+        pass
+
+
+def read_arrow(path: str) -> None:
+    for _ in sd.ArrowDataset(path, batch_size=7):
+        pass
+    for _ in sd.ArrowDataset(path):
         pass
 
 
@@ -280,6 +301,15 @@ def test_mutated_parquet_ends_in_rows_or_our_error(tmp_path):
     fuzz(tmp_path, "m.parquet", random_cases(valid_parquet(), parquet_mutation, 60, seed=2), read_parquet)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_mutated_arrow_ipc_ends_in_rows_or_our_error(tmp_path, stream):
+    """Found by this fuzzing: a batch with corrupt offsets made Arrow's C++ abort the process,
+    a footer block past the object's end sent the fetcher after bytes that do not exist (retried
+    until the deadline), and non-UTF-8 field names escaped as UnicodeDecodeError."""
+    name = "m.arrows" if stream else "m.arrow"
+    fuzz(tmp_path, name, random_cases(valid_arrow(stream), parquet_mutation, 80, seed=3), read_arrow)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10, 14))
 def test_mutated_tar_many_more_cases(tmp_path, seed):
@@ -291,6 +321,14 @@ def test_mutated_tar_many_more_cases(tmp_path, seed):
 @pytest.mark.parametrize("seed", range(20, 22))
 def test_mutated_parquet_many_more_cases(tmp_path, seed):
     fuzz(tmp_path, "m.parquet", random_cases(valid_parquet(), parquet_mutation, 500, seed), read_parquet)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(30, 32))
+def test_mutated_arrow_ipc_many_more_cases(tmp_path, seed):
+    for stream in (False, True):
+        fuzz(tmp_path, "m.arrows" if stream else "m.arrow",
+             random_cases(valid_arrow(stream), parquet_mutation, 300, seed), read_arrow)
 
 
 def test_invalid_utf8_in_a_parquet_string_column_is_a_decode_error_naming_column_and_url(tmp_path):
@@ -305,3 +343,26 @@ def test_invalid_utf8_in_a_parquet_string_column_is_a_decode_error_naming_column
     ds = sd.ParquetDataset(url, batch_size=2, on_error="skip")
     assert [b["n"].tolist() for b in ds] == [[3]] and ds.skipped["decode"] == 1
     assert [b["n"].tolist() for b in sd.ParquetDataset(url, columns=["n"], batch_size=2)] == [[1, 2], [3]]
+
+
+def test_an_ipc_footer_block_past_the_end_is_a_format_error_at_once(tmp_path):
+    """A footer that sends the reader after bytes the object does not have fails in the
+    constructor, instead of being fetched (and retried) until the deadline."""
+    import struct
+
+    from streamdata.formats.arrow import ipc_blocks
+
+    data = valid_arrow(stream=False)
+    footer_len = struct.unpack_from("<i", data, len(data) - 10)[0]
+    footer = data[len(data) - 10 - footer_len:]
+    _, batches = ipc_blocks(footer, "x")
+    first = struct.pack("<q", batches[0][0])
+    at = data.rindex(first)  # the first batch's Block in the footer
+    bad = data[:at] + struct.pack("<q", len(data) * 4) + data[at + 8:]
+    path = tmp_path / "far.arrow"
+    path.write_bytes(bad)
+    began = time.monotonic()
+    with pytest.raises(sd.FormatError, match="outside the object") as info:
+        with time_limit(CASE_LIMIT_S):
+            sd.ArrowDataset(str(path))
+    assert info.value.url == str(path) and time.monotonic() - began < 5

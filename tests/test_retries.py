@@ -26,10 +26,17 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def proxied(s3_bucket):
-    """(bucket, s3fs filesystem straight to the server, the proxy, storage options through it)."""
+def proxied(s3_bucket, monkeypatch):
+    """(bucket, s3fs filesystem straight to the server, the proxy, storage options through it).
+
+    The signer cache starts empty: a proxy may get the port an earlier test's proxy had, and
+    with it the same storage options, so this process would sign with that test's client
+    (SIGNER-REUSE), whose URLs re-sign once on a 404 and make the request counts differ."""
     import s3fs
 
+    from streamdata import backends
+
+    monkeypatch.setattr(backends, "_SIGNERS", {})
     server, bucket = s3_bucket
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
     with FaultProxy(server.endpoint_url) as proxy:
@@ -210,10 +217,14 @@ def test_permanent_errors_fail_at_once(proxied, status, code, error):
     fs.pipe_file(f"{bucket}/a.bin", b"x" * 1000)
     proxy.add(Fault("status", status=status, body=s3_error_xml(code, "no"), match="get", times=None))
     began = time.monotonic()
+    counters = Counters(COUNTERS)
     with pytest.raises(error, match="a.bin"):
-        _read_all([FetchItem(f"s3://{bucket}/a.bin", 1000)], options)
+        _read_all([FetchItem(f"s3://{bucket}/a.bin", 1000)], options, counters=counters)
     assert time.monotonic() - began < 10
-    assert proxy.requests.get("get", 0) == 1  # not retried
+    assert sum(counters.snapshot("retried.").values()) == 0  # not retried
+    # one GET; two at most where the URL came from a signer this process inherited, which
+    # re-signs once on an error answer (SIGNER-REUSE); CI saw 2 once, not reproduced since
+    assert 1 <= proxy.requests.get("get", 0) <= 2, proxy.history
 
 
 def test_403_after_the_url_was_signed_is_re_signed_once_then_fails(proxied):

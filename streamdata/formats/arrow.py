@@ -267,8 +267,10 @@ def _fb_field(buf: bytes, table: int, index: int) -> int | None:
     return table + offset if offset else None
 
 
-def ipc_blocks(footer: bytes, url: str) -> tuple[list[Range], list[Range]]:
-    """``(dictionary blocks, record batch blocks)`` as byte ranges, from the footer flatbuffer.
+def ipc_blocks(footer: bytes, url: str, size: int | None = None) -> tuple[list[Range], list[Range]]:
+    """``(dictionary blocks, record batch blocks)`` as byte ranges, from the footer flatbuffer;
+    with the object's ``size``, a block outside the object's data is a ``FormatError`` (a corrupt
+    footer must not send the fetcher after bytes that do not exist).
 
     ``footer`` is the object's tail (``<flatbuffer><len:4>ARROW1``).  Footer fields: 0 version,
     1 schema, 2 dictionaries, 3 recordBatches; a Block is ``{offset: i64, metaDataLength: i32,
@@ -287,7 +289,13 @@ def ipc_blocks(footer: bytes, url: str) -> tuple[list[Range], list[Range]]:
             out = []
             for k in range(count):
                 offset, meta_len, body_len = struct.unpack_from("<qi4xq", buf, vec + 4 + 24 * k)
-                out.append((offset, offset + meta_len + body_len))
+                end = offset + meta_len + body_len
+                if size is not None and not (8 <= offset and meta_len > 0 and body_len >= 0
+                                             and end <= size - len(footer)):
+                    raise FormatError(f"corrupt Arrow IPC footer in {url}: block {k} at bytes "
+                                      f"{offset}..{end} is outside the object's data (size {size})",
+                                      url=url, key="footer")
+                out.append((offset, end))
             return out
 
         return blocks(2), blocks(3)
@@ -295,11 +303,20 @@ def ipc_blocks(footer: bytes, url: str) -> tuple[list[Range], list[Range]]:
         raise FormatError(f"corrupt Arrow IPC footer in {url}: {exc}", url=url, key="footer") from exc
 
 
+def _valid(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` once fully validated: pyarrow's IPC reader checks buffers' sizes but not offsets
+    or dictionary indices, and a slice of a batch with corrupt offsets aborts the process in
+    Arrow's C++ checks (found by fuzzing), where ``validate`` raises ``ArrowInvalid``."""
+    batch.validate(full=True)
+    _ = batch.schema.names  # names that are not UTF-8 raise UnicodeDecodeError here, not later
+    return batch
+
+
 def read_ipc_batch(parts: Iterable[tuple[int, bytes]], size: int, index: int, url: str) -> pa.RecordBatch:
     """Decode record batch ``index`` from the footer, dictionary and batch blocks fetched."""
     try:
         reader = pa.ipc.open_file(SparseFile(parts, size, url).pyarrow())
-        return tag_url(reader.get_batch(index), url)
+        return tag_url(_valid(reader.get_batch(index)), url)
     except (OSError, pa.ArrowException, ValueError, IndexError) as exc:
         raise FormatError(f"cannot read record batch {index} of {url} (corrupt or truncated "
                           f"object?): {type(exc).__name__}: {exc}", url=url,
@@ -325,7 +342,7 @@ def ipc_stream_batches(chunks: Iterable[bytes], url: str) -> Iterator[pa.RecordB
                 batch = reader.read_next_batch()
             except StopIteration:
                 return
-            yield tag_url(batch, url)
+            yield tag_url(_valid(batch), url)
             index += 1
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise FormatError(f"cannot read record batch {index} of Arrow IPC stream {url} (corrupt "
