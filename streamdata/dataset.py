@@ -25,6 +25,7 @@ from .formats.tar import samples_from_chunks
 from .incremental import batches
 from .metrics import COUNTERS, Counters
 from .policy import ErrorPolicy, OnError
+from .ranks import from_rank0
 from .redact import redact_url
 from .sharding import assign, reader_seed
 from .stages import shuffled
@@ -112,8 +113,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
-        self.shards: list[Shard] = expand_spec(spec, self.storage_options, suffixes=self.suffixes,
-                                               config=self.fetch_config)
+        # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE)
+        self.shards: list[Shard] = from_rank0(lambda: expand_spec(
+            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config))
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = ((self.default_shuffle_buffer if shuffle else 0) if shuffle_buffer is None

@@ -25,6 +25,7 @@ from .errors import DecodeError, FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
+from .ranks import from_rank0
 from .tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from .urls import Shard, Spec, listing_deadline, split_url
 
@@ -157,7 +158,7 @@ class _ArrowTables(ShardedDataset):
         self.filter = filter
         self.tensor_options = TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
         self.footer_bytes = footer_bytes
-        self.shards = _with_sizes(self.shards, self.storage_options, self.fetch_config)
+        self.shards = from_rank0(lambda: _with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._footers: dict[str, bytes] = {}
         self._units: list[Any] = []
 
@@ -222,9 +223,9 @@ class ParquetDataset(_ArrowTables):
         super().__init__(urls, columns, **options)
         self.coalesce_gap = coalesce_gap
         policy = self._policy()
-        self._footers = read_footers(
+        self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
-            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, s.size, s.url), policy=policy)
+            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, s.size, s.url), policy=policy))
         self._meta_cache: dict[str, Any] = {}
         self._leaf_cache: dict[str, list[int]] = {}
         self._extra: list[str] = []
@@ -312,10 +313,10 @@ class ArrowDataset(_ArrowTables):
     def __init__(self, urls: Spec, columns: Sequence[str] | None = None, **options: Any) -> None:
         super().__init__(urls, columns, **options)
         policy = self._policy()
-        self._footers = read_footers(
+        self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
             footer_length=lambda tail, s: fmt.ipc_footer_length(tail, s.size, s.url) or 0,
-            policy=policy)
+            policy=policy))
         self._blocks: dict[str, tuple[list[fmt.Range], list[fmt.Range]]] = {}
         for shard in self.shards:
             footer = self._footers.get(shard.url)

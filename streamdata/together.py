@@ -16,7 +16,6 @@ nothing early; it costs one small all-reduce per step (benchmarks/README.md).
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -24,12 +23,12 @@ from typing import Any
 import torch
 
 from .errors import StreamDataError
+from .ranks import gloo_group, multi_rank
 
 __all__ = ["EndTogether", "samples_in"]
 
 log = logging.getLogger("streamdata")
 
-GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as torch.distributed's default group
 _HAVE, _DONE, _FAILED = 1, 0, -1
 
 
@@ -50,30 +49,16 @@ class EndTogether:
     """Wraps one rank's batches of each pass so that all ranks end it at the same step."""
 
     def __init__(self) -> None:
-        self._group: Any = None
         self.undelivered = 0  # samples of the last pass this rank read and did not hand on
         self.steps = 0  # batches the last pass handed on
 
-    @staticmethod
-    def active() -> bool:
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    def group(self) -> Any:
-        """The gloo group the flags travel on (made on first use, on every rank alike)."""
-        import torch.distributed as dist
-
-        if self._group is None:
-            self._group = (dist.group.WORLD if dist.get_backend() == "gloo"
-                           else dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
-        return self._group
+    active = staticmethod(multi_rank)
 
     def _agree(self, flag: int) -> int:
         import torch.distributed as dist
 
         value = torch.tensor([flag], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group())
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=gloo_group())
         return int(value.item())
 
     def wrap(self, batches: Iterator[Any]) -> Iterator[Any]:

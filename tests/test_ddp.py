@@ -13,6 +13,7 @@ import pytest
 from tests.helpers import UNEVEN, write_shards
 
 JOB = Path(__file__).parent / "jobs" / "ddp_uneven.py"
+LIST_JOB = Path(__file__).parent / "jobs" / "list_once.py"
 TIME_LIMIT_S = 240  # a hang shows as this time limit, not as a hung suite
 
 CASES = {  # the issue's three cases: uneven, random 10-200, equal shards not a multiple of 4
@@ -22,10 +23,10 @@ CASES = {  # the issue's three cases: uneven, random 10-200, equal shards not a 
 }
 
 
-def _torchrun(tmp_path: Path, cases: dict) -> dict[int, dict]:
+def _torchrun(tmp_path: Path, cases: dict, job: Path = JOB) -> dict[int, dict]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(JOB), str(tmp_path), json.dumps(cases)]
+           str(job), str(tmp_path), json.dumps(cases)]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIME_LIMIT_S)
     except subprocess.TimeoutExpired as exc:
@@ -52,3 +53,42 @@ def test_ddp_over_uneven_shards_ends_every_epoch_together(s3_bucket, tmp_path):
             delivered = r0["keys"] + r1["keys"]
             assert len(delivered) == len(set(delivered)) and set(delivered) <= set(keys[name])
             assert len(delivered) + r0["undelivered"] + r1["undelivered"] == len(keys[name]), (name, epoch)
+
+
+def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, tmp_path):
+    """LIST-ONCE: rank 0 expands the spec (and reads Parquet footers) for every rank; the
+    storage sees one job's worth of requests, not one per rank; rank 0's error reaches all."""
+    import pyarrow as pa
+    import s3fs
+
+    import streamdata as sd
+    from benchmarks.faults import FaultProxy
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    write_shards(fs, f"{bucket}/tar", counts=UNEVEN)
+    for i in range(3):
+        with fs.open(f"{bucket}/pq/part-{i}.parquet", "wb") as f:
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"n": list(range(10 * i, 10 * i + 10))}), f, row_group_size=4)
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        cases = {"tar": {"spec": f"s3://{bucket}/tar/", "storage_options": options},
+                 "parquet": {"spec": f"s3://{bucket}/pq/part-{{0..2}}.parquet", "storage_options": options},
+                 "missing": {"spec": f"s3://{bucket}/tar/shard-{{000..009}}.tar", "storage_options": options}}
+        for case in cases.values():  # one process: the requests one job should make
+            try:
+                (sd.ParquetDataset if case["spec"].endswith(".parquet") else sd.TarDataset)(
+                    case["spec"], storage_options=options)
+            except sd.ShardNotFoundError:
+                pass
+        alone = dict(proxy.requests)
+        proxy.reset_counters()
+        ranks = _torchrun(tmp_path, cases, LIST_JOB)
+        job = dict(proxy.requests)
+    assert alone.get("list", 0) >= 3 and alone.get("get", 0) >= 3  # listings, footers
+    assert job == alone, (job, alone)  # two ranks, one job's worth of requests
+    assert ranks[0] == ranks[1]
+    assert len(ranks[0]["tar"]["shards"]) == len(UNEVEN) and ranks[0]["parquet"]["rows"] == 30
+    assert ranks[0]["missing"]["error"] == "ShardNotFoundError"

@@ -1,0 +1,36 @@
+"""Every rank builds the same datasets; run by ``torchrun`` from tests/test_ddp.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/jobs/list_once.py OUT_DIR CASES_JSON
+
+Writes ``OUT_DIR/rank{R}.json``: per case, the shards (and rows) the rank got, or the error
+type it raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch.distributed as dist
+
+import streamdata as sd
+
+
+def main(out_dir: str, cases_json: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    out = {}
+    for name, case in json.loads(cases_json).items():
+        make = sd.ParquetDataset if case["spec"].endswith(".parquet") else sd.TarDataset
+        try:
+            ds = make(case["spec"], storage_options=case["storage_options"])
+            out[name] = {"shards": [s.url for s in ds.shards], "rows": getattr(ds, "num_rows", None)}
+        except sd.StreamDataError as exc:
+            out[name] = {"error": type(exc).__name__, "url": exc.url}
+    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
