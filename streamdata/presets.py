@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -37,7 +38,8 @@ def default_num_workers() -> int:
 
 
 class _WorkerInit:
-    """A picklable ``worker_init_fn``: keep freed memory (WORKER-MEMORY), set the sharing
+    """A picklable ``worker_init_fn``: freeze what the worker inherited from the collector and
+    keep freed memory (WORKER-MEMORY), set the sharing
     strategy, install the buffer pool, then call the user's function.
 
     The strategy is set in every worker because spawned (and forkserver) workers start with
@@ -50,6 +52,10 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         if self.keep_memory:
+            # WORKER-MEMORY: a forked worker's garbage collector would walk every object it
+            # inherited and write to their headers, copying the parent's heap into the worker
+            # page by page, epoch after epoch; frozen, they are out of its sight (O(1))
+            gc.freeze()
             keep_freed_memory()
         if self.strategy is not None:
             torch.multiprocessing.set_sharing_strategy(self.strategy)
