@@ -1,0 +1,337 @@
+"""``streamdata inspect`` (what a spec holds: counts, fields, types, bytes, index status) and
+``streamdata cat`` (one sample's fields, or one field's raw bytes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from .common import UsageError, add_common, add_format, bar, human, list_shards, storage_options, write_out
+
+__all__ = ["add_parsers", "describe"]
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect", help="shards, samples, fields, types/shapes/dtypes and bytes per field, index status",
+        description="Summarise SPEC: objects and bytes; samples (exact from the sample index or "
+                    "Parquet/Arrow footers, else counted in the first shard(s) and extrapolated "
+                    "by size); each field's decoded type, shape and dtype in the first samples, and "
+                    "its bytes per sample; whether a sample index exists and matches the listing.")
+    p.add_argument("spec", nargs="+", metavar="SPEC", help="URL, brace pattern, prefix or glob")
+    add_format(p)
+    p.add_argument("--samples", type=int, default=5, metavar="N",
+                   help="decode and describe the first N samples (default 5)")
+    p.add_argument("--scan", type=int, default=1, metavar="K",
+                   help="tar: read the first K shards whole to count samples and bytes per field (default 1)")
+    add_common(p)
+    p.set_defaults(run=run_inspect)
+
+    c = sub.add_parser(
+        "cat", help="one sample's fields (the first, or --key K), or the raw bytes of one field",
+        description="Print one sample of SPEC, read in order: each field's size in bytes and its "
+                    "decoded value in short. --field F writes that field's raw bytes to stdout "
+                    "instead (e.g. streamdata cat SPEC --key s000003 --field jpg > s000003.jpg).")
+    c.add_argument("spec", nargs="+", metavar="SPEC", help="URL, brace pattern, prefix or glob")
+    add_format(c)
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--key", metavar="K",
+                       help="the sample whose __key__ is K (shards are read in order until found)")
+    which.add_argument("--row", type=int, metavar="N", default=0,
+                       help="the N-th sample in reading order, from 0 (default 0: the first)")
+    c.add_argument("--field", metavar="F", help="write only field F's raw bytes to stdout (tar: the "
+                                                 "member's bytes; Parquet/Arrow: the value)")
+    add_common(c)
+    c.set_defaults(run=run_cat)
+
+
+# ---- describing values -------------------------------------------------------------------------
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def describe(value: Any, preview: bool = False) -> str:
+    """A decoded value in one short line: type, shape and dtype (and, with ``preview``, a glimpse)."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        out = f"Tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)}"
+        if preview and value.numel():
+            out += "  " + _short(" ".join(str(value.flatten()[:8].tolist()).split()))
+        return out
+    if isinstance(value, np.ndarray):
+        out = f"ndarray {value.dtype} {list(value.shape)}"
+        if preview and value.size:
+            out += "  " + _short(" ".join(np.array2string(value.ravel()[:8], precision=4).split()))
+        return out
+    if isinstance(value, (bool, int, float, np.generic)):
+        return f"{type(value).__name__} {value}"
+    if isinstance(value, str):
+        return f"str [{len(value)}] {_short(repr(value))}"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"bytes [{len(value)}]" + (f" {_short(repr(bytes(value[:40])))}" if preview else "")
+    if isinstance(value, (dict, list)):
+        try:
+            text = json.dumps(value, default=str)
+        except (TypeError, ValueError):
+            text = repr(value)
+        return f"{type(value).__name__} [{len(value)}] {_short(text)}"
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return f"{type(value).__name__} {value.size} {value.mode}"
+    return f"{type(value).__name__} {_short(repr(value))}"
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogateescape"))
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size() * value.numel())
+    return len(json.dumps(value, default=str).encode()) if isinstance(value, (dict, list)) else 8
+
+
+# ---- reading samples in order ----------------------------------------------------------------
+
+
+def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None) -> Iterator[dict]:
+    """Raw tar samples in order, one shard at a time (window 1: nothing fetched beyond need)."""
+    from ..dataset import TarDataset
+
+    options = storage_options(args)
+    for shard in shards:
+        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1))
+        try:
+            yield from it
+        finally:
+            it.close()
+        if pbar is not None:
+            pbar.update(1)
+
+
+def _table_samples(args: argparse.Namespace, fmt: str, shards: list) -> tuple[Any, Iterator[dict]]:
+    from .common import dataset_class
+
+    ds = dataset_class(fmt)(shards, storage_options=storage_options(args))
+    return ds, iter(ds)
+
+
+def _is_field(name: str) -> bool:
+    return not (name.startswith("__") and name.endswith("__"))
+
+
+# ---- inspect --------------------------------------------------------------------------------
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    fmt, shards = list_shards(args, args.spec, args.format)
+    total = sum(s.size or 0 for s in shards)
+    write_out(f"format    {fmt}")
+    write_out(f"objects   {len(shards)}, {total} bytes ({human(total)})")
+    if fmt == "tar":
+        _inspect_tar(args, shards, total)
+    else:
+        _inspect_table(args, fmt, shards)
+    return 0
+
+
+def kind(value: Any) -> tuple[str, tuple[int, ...] | None]:
+    """A value's type without its contents: ``("ndarray float32", (8,))``, ``("int", None)``."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"Tensor {str(value.dtype).replace('torch.', '')}", tuple(value.shape)
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype}", tuple(value.shape)
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return f"{type(value).__name__} {value.mode}", tuple(value.size)
+    return type(value).__name__, None
+
+
+def _merge(kinds: list[tuple[str, tuple[int, ...] | None]]) -> str:
+    """One line for a field's kinds over several samples: shapes that differ become ranges."""
+    labels = sorted({label for label, _ in kinds})
+    shapes = [shape for _, shape in kinds]
+    if len(labels) > 1:
+        return "varies: " + " | ".join(labels[:4]) + (" | ..." if len(labels) > 4 else "")
+    if shapes[0] is None:
+        return labels[0]
+    if len({len(s) for s in shapes}) > 1:
+        return f"{labels[0]} (ndim varies: {sorted({len(s) for s in shapes})})"
+    dims = [f"{min(d)}" if min(d) == max(d) else f"{min(d)}..{max(d)}" for d in zip(*shapes, strict=True)]
+    return f"{labels[0]} [{', '.join(dims)}]"
+
+
+def _field_table(first: list[dict], raw_bytes: dict[str, int], counted: int, what: str) -> None:
+    from ..decode import make_decoder
+
+    decode = make_decoder(True) if what == "tar" else None
+    kinds: dict[str, list] = {}
+    examples: dict[str, str] = {}
+    for sample in first:
+        decoded = decode(dict(sample)) if decode is not None else sample
+        for name, value in decoded.items():
+            if _is_field(name):
+                kinds.setdefault(name, []).append(kind(value))
+                examples.setdefault(name, describe(value, preview=True))
+    names = sorted(set(kinds) | set(raw_bytes))
+    width = max([5, *map(len, names)])
+    unit = "bytes/sample" if what == "tar" else "bytes/row"
+    write_out(f"fields    {len(names)}: types over the first {len(first)} sample(s), {unit} over "
+              f"{counted}{'' if what == 'tar' else ' (decoded)'}")
+    write_out(f"  {'field':<{width}}  {unit}  {'type':<28}  first sample")
+    for name in names:
+        per = raw_bytes.get(name, 0) / max(counted, 1)
+        merged = _merge(kinds[name]) if name in kinds else "-"
+        write_out(f"  {name:<{width}}  {per:>{len(unit)}.1f}  {merged:<28}  {examples.get(name, '-')}")
+
+
+def _inspect_tar(args: argparse.Namespace, shards: list, total: int) -> None:
+    status, counts = _index_status(args, shards)
+    scan = shards[: max(args.scan, 1)]
+    first: list[dict] = []
+    raw_bytes: dict[str, int] = {}
+    counted = scanned_bytes = 0
+    with bar(args, len(scan), "reading", unit="shard") as pbar:
+        for sample in _tar_samples(args, scan, pbar):
+            counted += 1
+            if len(first) < args.samples:
+                first.append(sample)
+            for name, value in sample.items():
+                if _is_field(name):
+                    raw_bytes[name] = raw_bytes.get(name, 0) + len(value)
+    scanned_bytes = sum(s.size or 0 for s in scan)
+    if counts is not None:
+        write_out(f"samples   {int(sum(counts))} (from the index)")
+    elif len(scan) == len(shards):
+        write_out(f"samples   {counted} (counted)")
+    elif scanned_bytes:
+        estimate = counted * total / scanned_bytes
+        write_out(f"samples   about {estimate:.0f} ({counted} in the first {len(scan)} shard(s), "
+                  f"{human(scanned_bytes)}, scaled by size; `streamdata index` makes it exact)")
+    else:
+        write_out(f"samples   unknown ({counted} in the first {len(scan)} shard(s))")
+    write_out(f"index     {status}")
+    _field_table(first, raw_bytes, counted, "tar")
+
+
+def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
+    ds, rows = _table_samples(args, fmt, shards)
+    first: list[dict] = []
+    sizes: dict[str, int] = {}
+    try:
+        for row in rows:
+            first.append(row)
+            for name, value in row.items():
+                sizes[name] = sizes.get(name, 0) + _nbytes(value)
+            if len(first) >= max(args.samples, 1):
+                break
+    finally:
+        getattr(rows, "close", lambda: None)()
+    units = len(ds.units())
+    rows_total = getattr(ds, "num_rows", None)
+    if rows_total is None:
+        rows_total = "unknown (Arrow IPC streams have no footer)"
+    unit_name = "row groups" if fmt == "parquet" else "record batches"
+    write_out(f"samples   {rows_total} rows in {units} {unit_name} (from the footers)")
+    write_out("index     not needed: row counts come from the footers")
+    _field_table(first, sizes, len(first), fmt)
+
+
+def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
+    """``(status line, per-shard counts or None)`` from the sample index, when one exists."""
+    try:
+        from .. import index as sdindex
+    except ImportError:
+        return "not available in this version", None
+    from ..errors import StreamDataError
+
+    options = storage_options(args)
+    status = sdindex.index_status(shards, storage_options=options)
+    counts = None
+    try:
+        found = sdindex.lookup(shards, "auto", options, None)
+        counts = None if found is None else found.counts
+    except StreamDataError:
+        counts = None
+    return str(status), counts
+
+
+# ---- cat ------------------------------------------------------------------------------------
+
+
+def run_cat(args: argparse.Namespace) -> int:
+    fmt, shards = list_shards(args, args.spec, args.format)
+    if args.row < 0:
+        raise UsageError(f"--row must be >= 0, got {args.row}")
+    if fmt == "tar":
+        sample = _find(args, _tar_samples(args, shards), fmt)
+    else:
+        _, rows = _table_samples(args, fmt, shards)
+        sample = _find(args, rows, fmt)
+    if args.field is not None:
+        _write_field(sample, args.field)
+        return 0
+    _print_sample(sample, fmt)
+    return 0
+
+
+def _find(args: argparse.Namespace, samples: Iterator[dict], fmt: str) -> dict:
+    found = None
+    with bar(args, None, "searching", unit="sample") as pbar:
+        try:
+            for n, sample in enumerate(samples):
+                if args.key is not None and fmt != "tar" and "__key__" not in sample:
+                    raise UsageError("--key needs a __key__ column; these rows have none: use --row N")
+                if (sample.get("__key__") == args.key) if args.key is not None else n == args.row:
+                    found = sample
+                    break
+                pbar.update(1)
+        finally:
+            getattr(samples, "close", lambda: None)()
+    if found is None:
+        what = f"no sample with key {args.key!r}" if args.key is not None else f"no sample number {args.row}"
+        raise UsageError(f"{what} in {' '.join(args.spec)}")
+    return found
+
+
+def _write_field(sample: dict, field: str) -> None:
+    if field not in sample:
+        names = ", ".join(sorted(k for k in sample if _is_field(k)))
+        raise UsageError(f"sample {sample.get('__key__', '')!r} has no field {field!r}; fields: {names}")
+    value = sample[field]
+    if hasattr(value, "numpy") and not isinstance(value, (bytes, str)):
+        value = value.numpy()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    elif hasattr(value, "tobytes"):
+        data = value.tobytes()
+    else:
+        data = (value if isinstance(value, str) else json.dumps(value, default=str)).encode()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def _print_sample(sample: dict, fmt: str) -> None:
+    from ..decode import make_decoder
+    from ..redact import redact_url
+
+    decoded = make_decoder(True)(dict(sample)) if fmt == "tar" else sample
+    names = sorted(k for k in sample if _is_field(k))
+    width = max([7, *map(len, names)])
+    for meta in ("__key__", "__url__"):
+        if meta in sample:
+            value = sample[meta]
+            write_out(f"{meta:<{width}}  {redact_url(value) if meta == '__url__' else value}")
+    for name in names:
+        write_out(f"{name:<{width}}  {_nbytes(sample[name]):>9} B  {describe(decoded[name], preview=True)}")
