@@ -1,5 +1,286 @@
-"""stub"""
+"""``streamdata convert``: an image folder (torchvision ImageFolder layout) or a JSONL file into
+WebDataset tar shards (with the sample index) or Parquet shards, at any fsspec URL.
+
+Images are copied as they are (no decoding or re-encoding): ``<key>.<ext>`` plus ``<key>.cls``
+(the class index: class directories sorted by name, as torchvision numbers them; the names
+go to ``classes.txt`` beside the shards). A JSONL line becomes ``<key>.json``. Source files
+are read by ``--workers`` threads at once, in order; finished shards upload in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import posixpath
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .common import UsageError, add_common, bar, human, parse_size, storage_options, write_out
+
+__all__ = ["IMAGE_SUFFIXES", "add_parsers"]
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
-def add_parsers(sub):
-    pass
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert", help="an image folder (ImageFolder layout) or a JSONL file into tar or Parquet shards",
+        description="Convert SRC into shards at DEST. SRC is a directory of images, either with one "
+                    "subdirectory per class (torchvision ImageFolder: <key>.<ext> + <key>.cls, class "
+                    "names in classes.txt beside the shards) or flat (<key>.<ext> only), or a JSONL "
+                    "file (<key>.json per line). DEST is a directory or prefix "
+                    "(s3://bkt/train/ -> shard-000000.tar ...) or a pattern with %06d (tar) or "
+                    "{shard:06d} (Parquet). Tar shards get the sample index (streamdata.sdx); "
+                    "Parquet shards carry their own counts in the footers.")
+    p.add_argument("src", metavar="SRC", help="image directory or JSONL file (local path or URL)")
+    p.add_argument("dest", metavar="DEST", help="output directory, prefix or shard name pattern")
+    p.add_argument("--format", choices=("tar", "parquet"), default="tar", help="shard format (default tar)")
+    p.add_argument("--maxcount", type=int, default=10000, metavar="N",
+                   help="samples per shard at most (default 10000)")
+    p.add_argument("--maxsize", type=parse_size, default=parse_size("1GiB"), metavar="BYTES",
+                   help="tar: start a new shard once a shard holds this many bytes (default 1GiB; "
+                        "500MB, 2GiB ... accepted)")
+    p.add_argument("--workers", type=int, default=8, metavar="N",
+                   help="source files read at once (default 8)")
+    p.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                   help="write the samples in an order shuffled with SEED (default: sorted by path, "
+                        "so an ImageFolder's shards would each hold one class)")
+    add_common(p)
+    p.set_defaults(run=run)
+
+
+# ---- sources ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Source:
+    """What to convert: ``items`` (image paths or JSONL lines), ``load(item) -> sample``."""
+
+    kind: str
+    items: list
+    load: Callable[[Any], dict]
+    classes: list[str]
+    total_bytes: int
+
+
+def _open_source(src: str, options: dict) -> tuple[Any, Source]:
+    from ..backends import filesystem
+    from ..urls import split_url
+
+    protocol, path = split_url(src)
+    fs = filesystem(protocol, options if protocol != "file" else None)
+    path = fs._strip_protocol(path)
+    if fs.isfile(path):
+        if not path.lower().endswith(JSONL_SUFFIXES):
+            raise UsageError(f"{src}: a file to convert must be JSONL (one JSON object per line, "
+                             f"{'/'.join(JSONL_SUFFIXES)}); or give an image directory")
+        return fs, _jsonl(fs, path, src)
+    if not fs.isdir(path):
+        raise UsageError(f"{src}: no such file or directory")
+    return fs, _images(fs, path, src)
+
+
+def _images(fs: Any, root: str, src: str) -> Source:
+    found = fs.find(root, detail=True)
+    images = sorted((name, info.get("size") or 0) for name, info in found.items()
+                    if name.lower().endswith(IMAGE_SUFFIXES))
+    if not images:
+        raise UsageError(f"{src}: no images ({', '.join(IMAGE_SUFFIXES)}) in it or below it")
+    root = root.rstrip("/")
+    relative = [(posixpath.relpath(name, root), size) for name, size in images]
+    top = [rel for rel, _ in relative if "/" not in rel]
+    nested = [rel for rel, _ in relative if "/" in rel]
+    if top and nested:
+        raise UsageError(f"{src}: {len(top)} images at the top (e.g. {top[0]}) and {len(nested)} in "
+                         "class directories: keep one layout (ImageFolder: every image in a class directory)")
+    classes = sorted({rel.split("/", 1)[0] for rel in nested})
+    number = {name: i for i, name in enumerate(classes)}
+
+    def load(item: tuple[str, str]) -> dict:
+        name, rel = item
+        ext = rel.rsplit(".", 1)[1].lower()
+        sample: dict[str, Any] = {ext: fs.cat_file(name)}
+        if classes:
+            sample["cls"] = number[rel.split("/", 1)[0]]
+        return sample
+
+    items = [(name, rel) for (name, _), (rel, _) in zip(images, relative, strict=True)]
+    return Source("imagefolder" if classes else "images", items, load, classes, sum(s for _, s in images))
+
+
+def _jsonl(fs: Any, path: str, src: str) -> Source:
+    lines = []
+    with fs.open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                raise UsageError(f"{src}: line {number} is not JSON ({exc})") from None
+            if not isinstance(value, dict):
+                raise UsageError(f"{src}: line {number} is not a JSON object")
+            lines.append(line)
+    if not lines:
+        raise UsageError(f"{src}: no JSON lines in it")
+    return Source("jsonl", lines, lambda line: {"json": line}, [], sum(map(len, lines)))
+
+
+def _ordered(load: Callable[[Any], dict], items: Iterable, workers: int) -> Iterator[dict]:
+    """``load(item)`` for each item, in order, ``workers`` at a time (a bounded window ahead)."""
+    if workers <= 1:
+        yield from map(load, items)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamdata-read") as pool:
+        window: collections.deque = collections.deque()
+        try:
+            for item in items:
+                window.append(pool.submit(load, item))
+                if len(window) >= workers * 4:
+                    yield window.popleft().result(timeout=600)
+            while window:
+                yield window.popleft().result(timeout=600)
+        finally:
+            for future in window:
+                future.cancel()
+
+
+# ---- destinations ---------------------------------------------------------------------------
+
+
+def _pattern(dest: str, fmt: str) -> str:
+    """DEST -> a shard name pattern: ``%06d`` style for tar, ``{shard:06d}`` for Parquet."""
+    if "%" in dest or "{shard" in dest:
+        if fmt == "tar":
+            return re.sub(r"\{shard(?::(0?\d*)d)?\}", lambda m: "%" + (m.group(1) or "") + "d", dest)
+        return re.sub(r"%(0?\d*)d", lambda m: "{shard:" + m.group(1) + "d}", dest)
+    name = "shard-%06d.tar" if fmt == "tar" else "shard-{shard:06d}.parquet"
+    return dest.rstrip("/") + "/" + name
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.maxcount < 1 or args.workers < 1:
+        raise UsageError("--maxcount and --workers must be >= 1")
+    options = storage_options(args)
+    fs, source = _open_source(args.src, options)
+    try:
+        items = list(source.items)
+        if args.shuffle is not None:
+            random.Random(args.shuffle).shuffle(items)
+        pattern = _pattern(args.dest, args.format)
+        start = time.perf_counter()
+        with bar(args, len(items), f"convert {source.kind}", unit="sample") as pbar:
+            samples = _keyed(_ordered(source.load, items, args.workers), pbar)
+            if args.format == "tar":
+                urls, index = _write_tar(samples, pattern, args, options)
+            else:
+                urls, index = _write_parquet(samples, pattern, args, options), None
+        elapsed = time.perf_counter() - start
+    finally:
+        from ..backends import close_filesystem
+
+        close_filesystem(fs)
+    if source.classes:
+        _write_classes(pattern, source.classes, options)
+    n = len(items)
+    what = source.kind + (f", {len(source.classes)} classes" if source.classes else "")
+    write_out(f"wrote {n} samples ({what}, {human(source.total_bytes)} of source) to {len(urls)} "
+              f"{args.format} shards in {elapsed:.1f} s ({n / max(elapsed, 1e-9):.0f} samples/s)")
+    if urls:
+        from ..redact import redact_url
+
+        write_out(f"first     {redact_url(urls[0])}")
+        write_out(f"last      {redact_url(urls[-1])}")
+    if index:
+        write_out(f"index     {index}")
+    return 0
+
+
+def _keyed(samples: Iterator[dict], pbar: Any) -> Iterator[dict]:
+    for n, sample in enumerate(samples):
+        sample["__key__"] = f"{n:09d}"
+        yield sample
+        pbar.update(1)
+
+
+def _write_classes(pattern: str, classes: list[str], options: dict) -> None:
+    from ..backends import close_filesystem, filesystem
+    from ..urls import split_url
+
+    protocol, path = split_url(pattern)
+    fs = filesystem(protocol, options if protocol != "file" else None)
+    try:
+        names = "\n".join(classes).encode() + b"\n"
+        fs.pipe_file(posixpath.join(posixpath.dirname(path), "classes.txt"), names)
+    finally:
+        close_filesystem(fs)
+
+
+def _write_tar(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
+               options: dict) -> tuple[list[str], str | None]:
+    from .tarshards import TarShards
+
+    with TarShards(pattern, maxcount=args.maxcount, maxsize=args.maxsize, storage_options=options) as out:
+        for sample in samples:
+            out.write(sample)
+    urls = [url for url, *_ in out.shards]
+    return urls, _write_index(out.shards, options)
+
+
+def _write_index(shards: list, options: dict) -> str | None:
+    """The sample index of the shards just written (``streamdata.sdx`` beside them)."""
+    import numpy as np
+
+    from ..index import ShardEntry, default_index_url, write_index
+
+    if not shards:
+        return None
+    urls = [url for url, *_ in shards]
+    url = default_index_url(urls)
+    base = url.rsplit("/", 1)[0] + "/"
+    entries = [ShardEntry(u[len(base):] if u.startswith(base) else u, size, None, count,
+                          np.asarray(offsets, dtype=np.uint64))
+               for u, size, count, offsets in shards]
+    write_index(url, entries, storage_options=options)
+    return url
+
+
+def _write_parquet(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
+                   options: dict) -> list[str]:
+    import pyarrow as pa
+
+    from ..write import write_parquet
+
+    def tables() -> Iterator[pa.Table]:
+        chunk: list[dict] = []
+        for sample in samples:
+            chunk.append(_row(sample))
+            if len(chunk) >= 1024:
+                yield pa.Table.from_pylist(chunk)
+                chunk = []
+        if chunk:
+            yield pa.Table.from_pylist(chunk)
+
+    return write_parquet(tables(), pattern, rows_per_shard=args.maxcount,
+                         row_group_size=min(args.maxcount, 1024), storage_options=options)
+
+
+def _row(sample: dict) -> dict:
+    """A sample as a Parquet row: JSON objects become columns; an image, ``image`` + ``format``."""
+    if "json" in sample:
+        return {"__key__": sample["__key__"], **json.loads(sample["json"])}
+    row: dict[str, Any] = {"__key__": sample["__key__"]}
+    for field, value in sample.items():
+        if field == "cls":
+            row["cls"] = value
+        elif field != "__key__":
+            row["image"], row["format"] = value, field
+    return row

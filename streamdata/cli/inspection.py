@@ -233,7 +233,8 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
         for row in rows:
             first.append(row)
             for name, value in row.items():
-                sizes[name] = sizes.get(name, 0) + _nbytes(value)
+                if _is_field(name):
+                    sizes[name] = sizes.get(name, 0) + _nbytes(value)
             if len(first) >= max(args.samples, 1):
                 break
     finally:
