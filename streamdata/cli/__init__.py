@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} "
+                             f"(see '{PROG} {args.command} --help')")
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130

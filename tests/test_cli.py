@@ -1,0 +1,308 @@
+"""The ``streamdata`` command against the S3 test server: every command's output, one-line
+errors with exit code 2, help, storage options, progress bars and --quiet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import streamdata as sd
+from streamdata.cli import main
+from streamdata.cli.common import UsageError, parse_storage_options
+from tests.helpers import write_shards
+
+COMMANDS = ["demo", "ls", "inspect", "cat", "index", "convert", "bench"]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *words: str) -> None:
+    assert code == 2, (code, out, err)
+    lines = err.strip("\n").split("\n")
+    assert len(lines) == 1 and lines[0].startswith("streamdata: error: "), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def _s3fs(server):
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+
+
+@pytest.fixture
+def bucket(s3_bucket):
+    """Seven tar shards (27 samples) under d/, plus objects no TarDataset reads."""
+    server, name = s3_bucket
+    fs = _s3fs(server)
+    keys = write_shards(fs, f"{name}/d")
+    fs.pipe_file(f"{name}/d/meta.json", b"{}")
+    fs.pipe_file(f"{name}/d/notes.txt", b"hello")
+    return server, name, keys, ["-o", json.dumps(server.storage_options)]
+
+
+# ---- storage options ------------------------------------------------------------------------
+
+
+def test_storage_options_json_and_key_value_pairs():
+    assert parse_storage_options(['{"anon": true, "x": 1}', "anon=false", "timeout=5", "name=abc",
+                                  "client_kwargs.region_name=eu-west-1", "url=http://h:9000/x=1",
+                                  "pad=0123"]) == {
+        "anon": False, "x": 1, "timeout": 5, "name": "abc", "url": "http://h:9000/x=1",
+        "client_kwargs": {"region_name": "eu-west-1"}, "pad": "0123"}
+    for bad in ['{"anon": tru', "[1, 2]", "novalue", "=x", '{"a": 1}x']:
+        with pytest.raises(UsageError, match="--storage-options"):
+            parse_storage_options(["a=1", bad])
+
+
+def test_key_value_options_reach_the_server(bucket, capsys):
+    server, name, _, as_json = bucket
+    pairs = ["-o", f"endpoint_url={server.endpoint_url}", "-o", f"key={server.key}",
+             "-o", f"secret={server.secret}", "-o", f"client_kwargs.region_name={server.region}",
+             "-o", "config_kwargs.s3.addressing_style=path"]
+    code, by_pairs, _ = run_cli(capsys, "ls", f"s3://{name}/d/", *pairs)
+    assert code == 0
+    assert run_cli(capsys, "ls", f"s3://{name}/d/", *as_json)[1] == by_pairs
+
+
+# ---- ls -----------------------------------------------------------------------------------
+
+
+def test_ls_lists_exactly_what_the_dataset_reads(bucket, capsys):
+    server, name, _, opts = bucket
+    spec = f"s3://{name}/d/"
+    expected = sd.TarDataset(spec, storage_options=server.storage_options).shards
+    code, out, err = run_cli(capsys, "ls", spec, *opts)
+    assert code == 0 and err == ""
+    lines = out.strip().split("\n")
+    assert [line.split()[1] for line in lines[:-1]] == [s.url for s in expected]
+    assert [int(line.split()[0]) for line in lines[:-1]] == [s.size for s in expected]
+    total = sum(s.size for s in expected)
+    assert lines[-1] == f"7 tar objects, {total} bytes ({total / 1e3:.1f} kB)"
+    assert "meta.json" not in out and "notes.txt" not in out
+    code, out, _ = run_cli(capsys, "ls", spec, "--json", "--limit", "2", *opts)
+    listed = json.loads(out)
+    assert listed["count"] == 7 and listed["total_bytes"] == total and listed["format"] == "tar"
+    code, out, _ = run_cli(capsys, "ls", spec, "--limit", "2", *opts)
+    assert out.count(f"s3://{name}/d/shard-") == 2 and "5 more" in out
+
+
+def test_ls_auto_refuses_a_mixed_listing_and_format_picks(bucket, capsys):
+    server, name, _, opts = bucket
+    sd.write_parquet({"id": np.arange(10)}, f"s3://{name}/d/part.parquet",
+                     storage_options=server.storage_options)
+    assert_one_line_error(*run_cli(capsys, "ls", f"s3://{name}/d/", *opts), "1 parquet, 7 tar", "--format")
+    code, out, _ = run_cli(capsys, "ls", f"s3://{name}/d/", "--format", "parquet", *opts)
+    assert code == 0 and out.strip().split("\n")[-1].startswith("1 parquet object, ")
+    assert out.count("s3://") == 1 and "part.parquet" in out
+
+
+# ---- errors, help, quiet --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["ls", "s3://b/x/", "-o", '{"anon": tru'], ["not valid JSON"]),
+    (["ls", "s3://b/x/", "-o", "novalue"], ["key=value"]),
+    (["ls", "--bogus", "s3://b/x/"], ["--bogus", "streamdata ls --help"]),
+    (["frobnicate"], ["invalid choice"]),
+    (["ls", "s3://b/x-{1..2.tar"], ["braces"]),
+    (["bench", "s3://b/x/", "--workers", "a,b"], ["comma-separated"]),
+    (["cat", "/definitely/not/here/"], ["/definitely/not/here/"]),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(capsys, argv, words):
+    assert_one_line_error(*run_cli(capsys, *argv), *words)
+
+
+def test_missing_bucket_is_one_line(s3_server, capsys):
+    opts = ["-o", json.dumps(s3_server.storage_options)]
+    for command in ("ls", "inspect", "cat", "bench"):
+        assert_one_line_error(*run_cli(capsys, command, "s3://no-such-bucket-xyz/d/", *opts),
+                              "no-such-bucket-xyz")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_renders_for_every_command(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 0 and err == ""
+    assert out.startswith(f"usage: streamdata {command}")
+    assert "``" not in out and ":class:" not in out and "%(" not in out
+    if command != "demo":
+        assert "--storage-options" in out and "--quiet" in out
+
+
+def test_top_level_help_reads_as_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out
+    for command in COMMANDS:
+        assert f"\n    {command} " in out
+
+
+def test_progress_bars_on_a_terminal_and_quiet_turns_them_off(bucket, capsys, monkeypatch):
+    _, name, _, opts = bucket
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run_cli(capsys, "inspect", f"s3://{name}/d/", *opts)
+    assert code == 0 and "listing" in err and "reading" in err
+    code, quiet_out, err = run_cli(capsys, "inspect", f"s3://{name}/d/", "--quiet", *opts)
+    assert code == 0 and err == "" and quiet_out == out
+
+
+def test_interrupt_exits_130_quietly(capsys, monkeypatch):
+    from streamdata.cli import listing
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(listing, "run", interrupted)
+    assert run_cli(capsys, "ls", "x") == (130, "", "")
+
+
+# ---- inspect and cat ----------------------------------------------------------------------
+
+
+def test_inspect_tar(bucket, capsys):
+    _, name, keys, opts = bucket
+    code, out, err = run_cli(capsys, "inspect", f"s3://{name}/d/", "--scan", "7", *opts)
+    assert code == 0, err
+    rows = dict(line.split(None, 1) for line in out.strip().split("\n") if not line.startswith("  "))
+    assert rows["format"] == "tar" and rows["objects"].startswith("7, ")
+    assert rows["samples"] in (f"{len(keys)} (counted)", f"{len(keys)} (from the index)")
+    fields = {line.split()[0]: line.split(None, 2)[1:] for line in out.split("\n") if line.startswith("  ")}
+    assert fields["npy"][0] == "160.0" and fields["npy"][1].startswith("ndarray float32 [8]")
+    assert fields["cls"][0] == f"{sum(len(str(int(k[1:]))) for k in keys) / len(keys):.1f}"  # "7", "16"
+    assert fields["cls"][1].startswith("int ")
+    assert fields["json"][1].startswith("dict ")
+    code, out, _ = run_cli(capsys, "inspect", f"s3://{name}/d/", *opts)  # one shard scanned
+    assert "samples   about " in out or "(from the index)" in out
+
+
+def test_inspect_parquet_counts_rows_from_the_footers(s3_bucket, capsys):
+    server, name = s3_bucket
+    table = {"id": np.arange(250), "emb": np.ones((250, 4), np.float32).tolist(),
+             "text": [f"t{i}" for i in range(250)]}
+    sd.write_parquet(table, f"s3://{name}/p/part-{{shard:03d}}.parquet", rows_per_shard=100,
+                     row_group_size=50, storage_options=server.storage_options)
+    code, out, err = run_cli(capsys, "inspect", f"s3://{name}/p/", "-o", json.dumps(server.storage_options))
+    assert code == 0, err
+    assert "objects   3, " in out and "samples   250 rows in 5 row groups (from the footers)" in out
+    assert "Tensor int64 []" in out and "Tensor float64 [4]" in out and "str" in out
+
+
+def test_cat_first_sample_by_key_and_raw_field(bucket, capsys):
+    _, name, keys, opts = bucket
+    code, out, _ = run_cli(capsys, "cat", f"s3://{name}/d/", *opts)
+    assert code == 0 and out.split("\n")[0].split() == ["__key__", keys[0]]
+    code, out, _ = run_cli(capsys, "cat", f"s3://{name}/d/", "--key", "s000016", *opts)
+    lines = {line.split()[0]: line for line in out.strip().split("\n")}
+    assert lines["__key__"].split()[1] == "s000016" and lines["__url__"].endswith("shard-003.tar")
+    assert "ndarray float32 [8]  [16. 16. 16." in lines["npy"] and "int 16" in lines["cls"]
+    code, out, _ = run_cli(capsys, "cat", f"s3://{name}/d/", "--row", "3", "--field", "json", *opts)
+    assert code == 0 and json.loads(out) == {"n": 3}
+    assert_one_line_error(*run_cli(capsys, "cat", f"s3://{name}/d/", "--key", "nope", *opts), "'nope'")
+    assert_one_line_error(*run_cli(capsys, "cat", f"s3://{name}/d/", "--field", "png", *opts),
+                          "no field 'png'", "cls, json, npy")
+
+
+# ---- convert and bench --------------------------------------------------------------------
+
+
+def _image_folder(root, classes=("cat", "dog"), per_class=5):
+    from PIL import Image
+
+    files = {}
+    for c, cls in enumerate(classes):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            path = root / cls / f"img{i}.png"
+            Image.fromarray(np.full((6, 4, 3), 10 * i + c, np.uint8)).save(path)
+            files[path.read_bytes()] = c
+    return files
+
+
+def test_convert_image_folder_to_tar_shards_on_s3(s3_bucket, tmp_path, capsys):
+    server, name = s3_bucket
+    files = _image_folder(tmp_path / "imgs")
+    opts = ["-o", json.dumps(server.storage_options)]
+    code, out, err = run_cli(capsys, "convert", str(tmp_path / "imgs"), f"s3://{name}/out/",
+                             "--maxcount", "4", "--workers", "3", "--shuffle", "1", *opts)
+    assert code == 0, err
+    assert out.startswith("wrote 10 samples (imagefolder, 2 classes") and "to 3 tar shards" in out
+    ds = sd.TarDataset(f"s3://{name}/out/", storage_options=server.storage_options, decode=False)
+    assert [s.url.rsplit("/", 1)[1] for s in ds.shards] == [f"shard-00000{i}.tar" for i in range(3)]
+    samples = list(ds)
+    assert sorted(s["__key__"] for s in samples) == [f"{i:09d}" for i in range(10)]
+    assert {s["png"]: int(s["cls"]) for s in samples} == files
+    assert _s3fs(server).cat_file(f"{name}/out/classes.txt") == b"cat\ndog\n"
+
+
+def test_convert_jsonl_to_parquet_and_tar(s3_bucket, tmp_path, capsys):
+    server, name = s3_bucket
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(json.dumps({"text": f"line {i}", "n": i}) + "\n" for i in range(25)) + "\n")
+    opts = ["-o", json.dumps(server.storage_options)]
+    code, out, err = run_cli(capsys, "convert", str(src), f"s3://{name}/pq/train-%03d.parquet",
+                             "--format", "parquet", "--maxcount", "10", *opts)
+    assert code == 0 and "to 3 parquet shards" in out, err
+    ds = sd.ParquetDataset(f"s3://{name}/pq/", storage_options=server.storage_options, batch_size=25)
+    assert [s.url.rsplit("/", 1)[1] for s in ds.shards] == ["train-000.parquet", "train-001.parquet",
+                                                            "train-002.parquet"]
+    (batch,) = list(ds)
+    assert batch["n"].tolist() == list(range(25)) and batch["text"][3] == "line 3"
+    code, out, err = run_cli(capsys, "convert", str(src), f"s3://{name}/tar/", *opts)
+    assert code == 0, err
+    samples = list(sd.TarDataset(f"s3://{name}/tar/", storage_options=server.storage_options))
+    assert [s["json"]["n"] for s in samples] == list(range(25))
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\n{"a": \n')
+    assert_one_line_error(*run_cli(capsys, "convert", str(tmp_path / "bad.jsonl"), str(tmp_path / "o")),
+                          "line 2 is not JSON")
+    assert_one_line_error(*run_cli(capsys, "convert", str(tmp_path / "nothing"), str(tmp_path / "o")),
+                          "no such file or directory")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(*run_cli(capsys, "convert", str(tmp_path / "empty"), str(tmp_path / "o")),
+                          "no images")
+
+
+def test_bench_prints_rates_per_setting_and_writes_a_png(bucket, tmp_path, capsys):
+    _, name, keys, opts = bucket
+    png = tmp_path / "bench.png"
+    code, out, err = run_cli(capsys, "bench", f"s3://{name}/d/", "--workers", "0,1", "--window", "2,8",
+                             "--seconds", "0.5", "--batch-size", "4", "--png", str(png), *opts)
+    assert code == 0, err
+    rows = [line.split() for line in out.strip().split("\n")[2:-1]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 2), (1, 2), (0, 8), (1, 8)]
+    for r in rows:
+        assert int(r[2]) >= len(keys) and float(r[4]) > 0 and float(r[5]) > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the entry point, as a user runs it -------------------------------------------------------
+
+
+def _subprocess(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamdata", *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_entry_point_runs_and_never_prints_a_traceback(bucket):
+    _, name, keys, opts = bucket
+    done = _subprocess("cat", f"s3://{name}/d/", "--field", "cls", *opts)
+    assert done.returncode == 0 and done.stdout == "0" and done.stderr == ""
+    for argv in (["ls", f"s3://{name}-missing/d/", *opts], ["ls", f"s3://{name}/d/", "-o", "{"],
+                 ["inspect", "--nope"]):
+        done = _subprocess(*argv)
+        assert_one_line_error(done.returncode, done.stdout, done.stderr)
