@@ -13,6 +13,7 @@ from .errors import (
     ShardNotFoundError,
     SharedMemoryError,
     SpecError,
+    StaleIndexError,
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
@@ -62,6 +63,7 @@ __all__ = [
     "ShardedDataset",
     "SharedMemoryError",
     "SpecError",
+    "StaleIndexError",
     "StreamDataError",
     "TarDataset",
     "World",
