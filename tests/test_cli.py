@@ -306,3 +306,52 @@ def test_entry_point_runs_and_never_prints_a_traceback(bucket):
                  ["inspect", "--nope"]):
         done = _subprocess(*argv)
         assert_one_line_error(done.returncode, done.stdout, done.stderr)
+
+
+# ---- index --------------------------------------------------------------------------------
+
+
+def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
+    from streamdata.index import read_index
+
+    server, name, keys, opts = bucket
+    spec = f"s3://{name}/d/"
+    code, out, _ = run_cli(capsys, "inspect", spec, *opts)
+    assert "index     none at " in out and "samples   about " in out
+    code, out, err = run_cli(capsys, "index", spec, *opts)
+    assert code == 0, err
+    url = f"s3://{name}/d/streamdata.sdx"
+    assert out.strip() == f"wrote {url}: 7 shards, {len(keys)} samples (offsets {8 * (len(keys) + 7)} B)"
+    entries = read_index(url, server.storage_options)
+    assert sorted(e.name for e in entries) == [f"shard-{i:03d}.tar" for i in range(7)]
+    code, out, _ = run_cli(capsys, "inspect", spec, *opts)
+    assert f"samples   {len(keys)} (from the index)" in out
+    assert f"index     {url}: 7/7 shards, {len(keys)} samples" in out
+    code, out, _ = run_cli(capsys, "ls", spec, *opts)
+    assert "streamdata.sdx" not in out  # the index is not a shard
+    other = f"s3://{name}/elsewhere/all.sdx"
+    code, out, err = run_cli(capsys, "index", spec, "--output", other, "--quiet", *opts)
+    assert code == 0 and out.startswith(f"wrote {other}: 7 shards") and err == ""
+
+
+def test_convert_writes_the_index_of_its_tar_shards(s3_bucket, tmp_path, capsys):
+    from streamdata.formats.tar import samples_from_chunks
+    from streamdata.index import lookup
+
+    server, name = s3_bucket
+    _image_folder(tmp_path / "imgs", per_class=3)
+    code, out, err = run_cli(capsys, "convert", str(tmp_path / "imgs"), f"s3://{name}/o/train-%04d.tar",
+                             "--maxcount", "4", "-o", json.dumps(server.storage_options))
+    assert code == 0, err
+    assert f"index     s3://{name}/o/streamdata.sdx" in out
+    ds = sd.TarDataset(f"s3://{name}/o/", storage_options=server.storage_options, decode=False)
+    found = lookup(ds.shards, "auto", server.storage_options)
+    assert found is not None and found.counts.tolist() == [4, 2]
+    fs = _s3fs(server)
+    for shard, offsets in zip(ds.shards, found.offsets, strict=True):  # each range holds its sample
+        data = fs.cat_file(shard.url[len("s3://"):])
+        assert offsets[-1] < len(data) and data[offsets[-1]:offsets[-1] + 1024] == bytes(1024)
+        keys = []
+        for a, b in zip(offsets[:-1], offsets[1:], strict=True):  # [a, b) + an end marker: one sample
+            keys += [s["__key__"] for s in samples_from_chunks([data[int(a):int(b)] + bytes(1024)])]
+        assert keys == [s["__key__"] for s in samples_from_chunks([data]) if s["__url__"] is not None]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import NoReturn
 
 from . import benchmark, conversion, indexing, inspection, listing
@@ -70,9 +71,20 @@ def _one_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``streamdata`` command; returns the exit code (0 ok, 2 an error, 130 interrupted)."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _warn
+        return _main(argv, debug)
+
+
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line too: ``streamdata: warning: ...``."""
+    print(f"{PROG}: warning: {_one_line(str(message))}", file=sys.stderr)
+
+
+def _main(argv: list[str] | None, debug: bool) -> int:
     from ..errors import StreamDataError
 
-    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         args, extra = build_parser().parse_known_args(argv)
         if extra:

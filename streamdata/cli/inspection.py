@@ -259,6 +259,7 @@ def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
 
     options = storage_options(args)
     status = sdindex.index_status(shards, storage_options=options)
+    status = status[len("index: "):] if status.startswith("index: ") else status
     counts = None
     try:
         found = sdindex.lookup(shards, "auto", options, None)
