@@ -355,3 +355,25 @@ def test_convert_writes_the_index_of_its_tar_shards(s3_bucket, tmp_path, capsys)
         for a, b in zip(offsets[:-1], offsets[1:], strict=True):  # [a, b) + an end marker: one sample
             keys += [s["__key__"] for s in samples_from_chunks([data[int(a):int(b)] + bytes(1024)])]
         assert keys == [s["__key__"] for s in samples_from_chunks([data]) if s["__url__"] is not None]
+
+
+def test_credentials_and_endpoint_from_the_environment(bucket, tmp_path):
+    """fsspec (botocore) reads AWS_* variables; the command adds nothing and takes nothing away."""
+    import os
+
+    server, name, _, _ = bucket
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true",
+               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    creds = {"AWS_ACCESS_KEY_ID": server.key, "AWS_SECRET_ACCESS_KEY": server.secret}
+
+    def ls(extra: dict, *argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamdata", "ls", f"s3://{name}/d/", *argv],
+                              env={**env, **extra}, capture_output=True, text=True, timeout=120)
+
+    done = ls({}, "-o", f"endpoint_url={server.endpoint_url}")
+    assert_one_line_error(done.returncode, done.stdout, done.stderr, "access denied", "credentials")
+    done = ls(creds, "-o", f"endpoint_url={server.endpoint_url}")
+    assert done.returncode == 0 and done.stdout.endswith("7 tar objects, 215040 bytes (215.0 kB)\n")
+    done = ls({**creds, "AWS_ENDPOINT_URL": server.endpoint_url, "AWS_DEFAULT_REGION": server.region})
+    assert done.returncode == 0 and "7 tar objects" in done.stdout, done.stderr

@@ -198,29 +198,32 @@ def _field_table(first: list[dict], raw_bytes: dict[str, int], counted: int, wha
 
 def _inspect_tar(args: argparse.Namespace, shards: list, total: int) -> None:
     status, counts = _index_status(args, shards)
-    scan = shards[: max(args.scan, 1)]
     first: list[dict] = []
     raw_bytes: dict[str, int] = {}
-    counted = scanned_bytes = 0
-    with bar(args, len(scan), "reading", unit="shard") as pbar:
-        for sample in _tar_samples(args, scan, pbar):
-            counted += 1
-            if len(first) < args.samples:
-                first.append(sample)
-            for name, value in sample.items():
-                if _is_field(name):
-                    raw_bytes[name] = raw_bytes.get(name, 0) + len(value)
-    scanned_bytes = sum(s.size or 0 for s in scan)
+    counted = scanned = 0
+    with bar(args, min(max(args.scan, 1), len(shards)), "reading", unit="shard") as pbar:
+        for shard in shards:  # the first --scan shards, and more while too few samples were seen
+            if scanned >= max(args.scan, 1) and len(first) >= args.samples:
+                break
+            for sample in _tar_samples(args, [shard], pbar):
+                counted += 1
+                if len(first) < args.samples:
+                    first.append(sample)
+                for name, value in sample.items():
+                    if _is_field(name):
+                        raw_bytes[name] = raw_bytes.get(name, 0) + len(value)
+            scanned += 1
+    scanned_bytes = sum(s.size or 0 for s in shards[:scanned])
     if counts is not None:
         write_out(f"samples   {int(sum(counts))} (from the index)")
-    elif len(scan) == len(shards):
+    elif scanned == len(shards):
         write_out(f"samples   {counted} (counted)")
     elif scanned_bytes:
         estimate = counted * total / scanned_bytes
-        write_out(f"samples   about {estimate:.0f} ({counted} in the first {len(scan)} shard(s), "
+        write_out(f"samples   about {estimate:.0f} ({counted} in the first {scanned} shard(s), "
                   f"{human(scanned_bytes)}, scaled by size; `streamdata index` makes it exact)")
     else:
-        write_out(f"samples   unknown ({counted} in the first {len(scan)} shard(s))")
+        write_out(f"samples   unknown ({counted} in the first {scanned} shard(s))")
     write_out(f"index     {status}")
     _field_table(first, raw_bytes, counted, "tar")
 
