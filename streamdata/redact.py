@@ -27,7 +27,7 @@ with ``***``, and keeps what says where the problem is (scheme, host, path, para
 Redacting is idempotent (``***`` is left as it is), so text redacted twice reads the same.
 Where it is applied: :class:`~streamdata.errors.StreamDataError` (message, ``url``, and the
 text of the exceptions it is chained to), the datasets' ``repr``, samples' ``__url__``, the
-``streamdata`` logger (:class:`RedactFilter`) and the ``streamdata ls`` command.
+``streamdata`` logger (:class:`RedactFilter`) and the ``streamdata`` command (output and errors).
 """
 
 from __future__ import annotations
