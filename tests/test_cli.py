@@ -114,6 +114,7 @@ def test_ls_auto_refuses_a_mixed_listing_and_format_picks(bucket, capsys):
     (["ls", "s3://b/x/", "-o", "novalue"], ["key=value"]),
     (["ls", "--bogus", "s3://b/x/"], ["--bogus", "streamdata ls --help"]),
     (["frobnicate"], ["invalid choice"]),
+    ([], ["required: COMMAND"]),
     (["ls", "s3://b/x-{1..2.tar"], ["braces"]),
     (["bench", "s3://b/x/", "--workers", "a,b"], ["comma-separated"]),
     (["cat", "/definitely/not/here/"], ["/definitely/not/here/"]),
@@ -159,7 +160,7 @@ def test_progress_bars_on_a_terminal_and_quiet_turns_them_off(bucket, capsys, mo
     assert code == 0 and err == "" and quiet_out == out
 
 
-def test_interrupt_exits_130_quietly(capsys, monkeypatch):
+def test_interrupt_exits_130_quietly_and_a_bug_is_one_line(capsys, monkeypatch):
     from streamdata.cli import listing
 
     def interrupted(args):
@@ -167,6 +168,16 @@ def test_interrupt_exits_130_quietly(capsys, monkeypatch):
 
     monkeypatch.setattr(listing, "run", interrupted)
     assert run_cli(capsys, "ls", "x") == (130, "", "")
+
+    def bug(args):
+        raise TypeError("unsupported operand\nsecond line")
+
+    monkeypatch.setattr(listing, "run", bug)
+    code, out, err = run_cli(capsys, "ls", "x")
+    assert code == 1 and out == "" and err == ("streamdata: error: unexpected TypeError: unsupported operand "
+                                               "second line (--debug shows the traceback)\n")
+    with pytest.raises(TypeError):
+        main(["ls", "x", "--debug"])
 
 
 # ---- inspect and cat ----------------------------------------------------------------------
@@ -275,6 +286,17 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert_one_line_error(*run_cli(capsys, "convert", str(tmp_path / "empty"), str(tmp_path / "o")),
                           "no images")
+    _image_folder(tmp_path / "imgs", classes=("a", "b"), per_class=1)
+    (tmp_path / "imgs" / "c").mkdir()  # torchvision would number it 2, and refuses it
+    assert_one_line_error(*run_cli(capsys, "convert", str(tmp_path / "imgs"), str(tmp_path / "o")),
+                          "class directory 'c' holds no images")
+    (tmp_path / "imgs" / "c" / "notes.txt").write_text("x")
+    (tmp_path / "imgs" / "c" / "x.jpg").write_bytes((tmp_path / "imgs" / "a" / "img0.png").read_bytes())
+    (tmp_path / "imgs" / "b" / "labels.csv").write_text("x")
+    code, out, err = run_cli(capsys, "convert", str(tmp_path / "imgs"), str(tmp_path / "o"))
+    assert code == 0 and "wrote 3 samples (imagefolder, 3 classes" in out, err
+    assert "skipped   2 files that are not images (.jpg, ...): b/labels.csv, c/notes.txt" in out
+    assert (tmp_path / "o" / "classes.txt").read_text() == "a\nb\nc\n"
 
 
 def test_bench_prints_rates_per_setting_and_writes_a_png(bucket, tmp_path, capsys):

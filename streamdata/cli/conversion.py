@@ -68,6 +68,7 @@ class Source:
     load: Callable[[Any], dict]
     classes: list[str]
     total_bytes: int
+    skipped: list[str] = dataclasses.field(default_factory=list)  # files that are not images
 
 
 def _open_source(src: str, options: dict) -> tuple[Any, Source]:
@@ -89,18 +90,27 @@ def _open_source(src: str, options: dict) -> tuple[Any, Source]:
 
 def _images(fs: Any, root: str, src: str) -> Source:
     found = fs.find(root, detail=True)
+    root = root.rstrip("/")
     images = sorted((name, info.get("size") or 0) for name, info in found.items()
                     if name.lower().endswith(IMAGE_SUFFIXES))
+    others = sorted(posixpath.relpath(name, root) for name in found
+                    if not name.lower().endswith(IMAGE_SUFFIXES))
     if not images:
         raise UsageError(f"{src}: no images ({', '.join(IMAGE_SUFFIXES)}) in it or below it")
-    root = root.rstrip("/")
-    relative = [(posixpath.relpath(name, root), size) for name, size in images]
-    top = [rel for rel, _ in relative if "/" not in rel]
-    nested = [rel for rel, _ in relative if "/" in rel]
+    relative = [posixpath.relpath(name, root) for name, _ in images]
+    top = [rel for rel in relative if "/" not in rel]
+    nested = [rel for rel in relative if "/" in rel]
     if top and nested:
         raise UsageError(f"{src}: {len(top)} images at the top (e.g. {top[0]}) and {len(nested)} in "
                          "class directories: keep one layout (ImageFolder: every image in a class directory)")
     classes = sorted({rel.split("/", 1)[0] for rel in nested})
+    if classes:  # torchvision numbers every class directory, and refuses one without images
+        dirs = sorted(posixpath.basename(e["name"].rstrip("/")) for e in fs.ls(root, detail=True)
+                      if e.get("type") == "directory")
+        empty = [d for d in dirs if d not in classes]
+        if empty:
+            raise UsageError(f"{src}: class directory {empty[0]!r} holds no images (torchvision's "
+                             "ImageFolder refuses it too): remove it, or add its images")
     number = {name: i for i, name in enumerate(classes)}
 
     def load(item: tuple[str, str]) -> dict:
@@ -111,8 +121,9 @@ def _images(fs: Any, root: str, src: str) -> Source:
             sample["cls"] = number[rel.split("/", 1)[0]]
         return sample
 
-    items = [(name, rel) for (name, _), (rel, _) in zip(images, relative, strict=True)]
-    return Source("imagefolder" if classes else "images", items, load, classes, sum(s for _, s in images))
+    items = [(name, rel) for (name, _), rel in zip(images, relative, strict=True)]
+    return Source("imagefolder" if classes else "images", items, load, classes,
+                  sum(s for _, s in images), others)
 
 
 def _jsonl(fs: Any, path: str, src: str) -> Source:
@@ -194,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
     what = source.kind + (f", {len(source.classes)} classes" if source.classes else "")
     write_out(f"wrote {n} samples ({what}, {human(source.total_bytes)} of source) to {len(urls)} "
               f"{args.format} shards in {elapsed:.1f} s ({n / max(elapsed, 1e-9):.0f} samples/s)")
+    if source.skipped:
+        write_out(f"skipped   {len(source.skipped)} files that are not images ({IMAGE_SUFFIXES[0]}, ...): "
+                  f"{', '.join(source.skipped[:3])}{', ...' if len(source.skipped) > 3 else ''}")
     if urls:
         from ..redact import redact_url
 

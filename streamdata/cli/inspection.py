@@ -103,11 +103,20 @@ def _nbytes(value: Any) -> int:
 # ---- reading samples in order ----------------------------------------------------------------
 
 
-def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None) -> Iterator[dict]:
-    """Raw tar samples in order, one shard at a time (window 1: nothing fetched beyond need)."""
+def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
+                 window: int = 1) -> Iterator[dict]:
+    """Raw tar samples in order: one shard at a time with ``window`` 1 (nothing fetched beyond
+    need), else one pass over all of them with that many shards in flight (a search)."""
     from ..dataset import TarDataset
 
     options = storage_options(args)
+    if window > 1:
+        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window))
+        try:
+            yield from it
+        finally:
+            it.close()
+        return
     for shard in shards:
         it = iter(TarDataset([shard], storage_options=options, decode=False, window=1))
         try:
@@ -280,7 +289,8 @@ def run_cat(args: argparse.Namespace) -> int:
     if args.row < 0:
         raise UsageError(f"--row must be >= 0, got {args.row}")
     if fmt == "tar":
-        sample = _find(args, _tar_samples(args, shards), fmt)
+        search = args.key is not None or args.row > 0  # then several shards in flight
+        sample = _find(args, _tar_samples(args, shards, window=8 if search else 1), fmt)
     else:
         _, rows = _table_samples(args, fmt, shards)
         sample = _find(args, rows, fmt)
