@@ -147,8 +147,8 @@ def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mappin
             fs.makedirs(posixpath.dirname(path) or ".", exist_ok=True)
         _call(fs, url, config, "pipe_file", tmp, data, what="write the sample index")
         if getattr(fs, "async_impl", False) and not hasattr(fs, "_mv"):  # s3fs: copy (atomic), delete
-            _call(fs, url, config, "copy", tmp, path, what="write the sample index")
-            _call(fs, url, config, "rm", tmp, what="write the sample index")
+            _call(fs, url, config, "cp_file", tmp, path, what="write the sample index")
+            _call(fs, url, config, "rm_file", tmp, what="write the sample index")
         else:
             _call(fs, url, config, "mv", tmp, path, what="write the sample index")
     except StreamDataError:

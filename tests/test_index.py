@@ -447,3 +447,19 @@ def test_build_local_equals_the_entries_made_by_hand(tmp_path, capsys):
     assert "indexing 3 shards" in capsys.readouterr().err  # the bar, drawn when asked for
     with pytest.raises(sd.SpecError, match="unknown option 'windw'"):
         sdx.build_index(str(tmp_path / "s-0.tar"), windw=3)
+
+
+def test_old_signed_header_checksums_still_read():
+    import struct
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT, encoding="latin-1") as tar:
+        _member(tar, "caf\u00e9.txt", b"x")  # 0xe9 in the name: signed and unsigned sums differ
+    data = bytearray(buf.getvalue())
+    signed = sum(struct.unpack_from("148b8x356b", bytes(data[:512]))) + 8 * 32
+    data[148:156] = b"%06o\0 " % signed
+    assert [s["__key__"] for s in samples_from_chunks([bytes(data)], "mem://s.tar")] == ["caf\udce9"]
+    assert sdx.tar_sample_offsets([bytes(data)], "mem://s.tar").tolist() == [0, 1024]
+    data[148:156] = b"%06o\0 " % (signed + 1)
+    with pytest.raises(sd.FormatError, match="checksum"):
+        sdx.tar_sample_offsets([bytes(data)], "mem://s.tar")
