@@ -17,6 +17,7 @@ from .errors import (
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
+from .index import build_index
 from .objects import ObjectDataset
 from .presets import Loader, loader
 from .urls import Shard, expand_spec
@@ -67,6 +68,7 @@ __all__ = [
     "StreamDataError",
     "TarDataset",
     "World",
+    "build_index",
     "expand_spec",
     "loader",
     "pin_batch",

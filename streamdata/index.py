@@ -3,36 +3,25 @@
 One index object per directory of shards, ``<directory>/streamdata.sdx`` (:data:`INDEX_NAME`;
 for shards in several directories, their longest common directory). Its entries are keyed by
 the shard's URL relative to that directory (the absolute URL for a shard outside it), so a
-copied bucket keeps a working index.
-
-Format v1 (little-endian)::
-
-    b"SDIDX\\x00"  u16 version (1)  u64 header length  header (UTF-8 JSON)  offsets
-
-The header is ``{"format": "streamdata-index", "version": 1, "shards": [{"name", "size",
-"etag", "samples"}, ...], "crc32": ...}``; then, for each shard in header order,
-``samples + 1`` uint64 offsets: offset ``i`` is the byte where sample ``i``'s first header
-block begins (its long-name or pax header, if any), the last is where the end-of-archive
-marker begins, so samples ``[a, b)`` are bytes ``[off[a], off[b])`` (``formats.tar.
-sample_offsets`` defines the boundaries). About 8 bytes per sample. ``crc32`` is zlib's CRC
-of the ``shards`` list as compact sorted JSON followed by the offsets, so a changed byte
-anywhere is caught. A WebDataset/wids shard list (``{"shardlist": [{"url", "nsamples"}, ...]}``)
-is read as an index too: counts, no offsets.
+copied bucket keeps a working index. The bytes (format v1, checksummed; or a wids shard-list
+JSON, counts only) are ``formats.sdx``'s.
 
 An entry is *stale* when its shard's size, or its ETag where both are known, differs from the
-listing: :func:`lookup` refuses it (``StaleIndexError``) rather than read wrong bytes.
-Building (``build_index``, in ``indexing``) reads every shard through the prefetcher.
+listing: :func:`lookup` refuses it (``StaleIndexError``) rather than read the wrong bytes.
+:func:`build_index` reads every shard through the prefetcher, saves what it has every few
+seconds and at the end, and on a second run reads only the shards without a fresh entry.
+Compressed shards (``.tar.gz``, ``.tgz``, ``.tar.zst``) get no entry: a ranged read cannot
+start inside a compressed stream.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import posixpath
-import struct
+import time
 import uuid
 import warnings
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,46 +29,18 @@ import numpy as np
 
 from .backends import call_with_deadline, close_filesystem, filesystem, translate_error
 from .config import FetchConfig
-from .errors import FormatError, ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
+from .errors import ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
 from .fetch import FetchItem, Prefetcher
-from .formats.tar import sample_offsets
+from .formats.sdx import REBUILD, ShardEntry, decode_index, encode_index, tar_sample_offsets
+from .progress import progress as _progress
 from .redact import redact_url
-from .urls import Shard, listing_deadline, split_url
+from .urls import Shard, Spec, expand_spec, listing_deadline, split_url
 
-__all__ = ["INDEX_NAME", "IndexedShards", "ShardEntry", "decode_index", "default_index_url",
+__all__ = ["INDEX_NAME", "IndexedShards", "ShardEntry", "build_index", "decode_index", "default_index_url",
            "encode_index", "entry_name", "index_status", "lookup", "read_index", "tar_sample_offsets",
            "write_index"]
 
 INDEX_NAME = "streamdata.sdx"
-MAGIC = b"SDIDX\x00"
-VERSION = 1
-FORMAT = "streamdata-index"
-_PREAMBLE = struct.Struct("<HQ")
-_REBUILD = "run `streamdata index SPEC` again"
-
-
-@dataclass(frozen=True, eq=False)
-class ShardEntry:
-    """One shard in an index: ``name`` (URL relative to the index's directory, or absolute),
-    ``size`` in bytes (``-1``: unknown, a wids list without ``filesize``), ``etag`` (``None``:
-    unknown), sample count, and ``samples + 1`` uint64 offsets (``None``: counts only)."""
-
-    name: str
-    size: int
-    etag: str | None
-    samples: int
-    offsets: np.ndarray | None
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ShardEntry):
-            return NotImplemented
-        same = (self.name, self.size, self.etag, self.samples) == (
-            other.name, other.size, other.etag, other.samples)
-        if self.offsets is None or other.offsets is None:
-            return same and self.offsets is other.offsets
-        return same and np.array_equal(self.offsets, other.offsets)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,99 +87,6 @@ def entry_name(index_url: str, shard_url: str) -> str:
     under it, else the shard's absolute URL."""
     base = _directory(index_url)
     return shard_url[len(base):] if base and shard_url.startswith(base) else shard_url
-
-
-# ---------------------------------------------------------------------------- format
-
-
-def _canonical(shards: list[dict]) -> bytes:
-    return json.dumps(shards, separators=(",", ":"), sort_keys=True).encode()
-
-
-def encode_index(entries: Sequence[ShardEntry]) -> bytes:
-    """The v1 bytes of an index (entries in the given order; each must carry offsets)."""
-    shards, arrays = [], []
-    for e in entries:
-        if e.offsets is None:
-            raise SpecError(f"index entry {e.name!r} has counts but no offsets: the binary index "
-                            "holds offsets (build it with `streamdata index SPEC`)")
-        offsets = np.asarray(e.offsets, dtype="<u8")
-        if offsets.shape != (e.samples + 1,):
-            raise SpecError(f"index entry {e.name!r}: {e.samples} samples need {e.samples + 1} "
-                            f"offsets, got {offsets.shape}")
-        shards.append({"name": e.name, "size": int(e.size), "etag": e.etag, "samples": int(e.samples)})
-        arrays.append(offsets.tobytes())
-    payload = b"".join(arrays)
-    crc = zlib.crc32(payload, zlib.crc32(_canonical(shards)))
-    header = json.dumps({"format": FORMAT, "version": VERSION, "shards": shards, "crc32": crc},
-                        separators=(",", ":")).encode()
-    return MAGIC + _PREAMBLE.pack(VERSION, len(header)) + header + payload
-
-
-def _corrupt(url: str, what: str) -> FormatError:
-    return FormatError(f"corrupt sample index {url}: {what}; delete it and {_REBUILD}", url=url)
-
-
-def decode_index(data: bytes, url: str) -> list[ShardEntry]:
-    """Entries of an index's bytes: the v1 binary format, or a wids shard-list JSON (counts
-    only). Anything else, a bad checksum or an unknown version is ``FormatError`` naming ``url``."""
-    url = redact_url(url) or ""
-    if not data.startswith(MAGIC):
-        if data.lstrip()[:1] == b"{":
-            return _decode_wids(data, url)
-        raise _corrupt(url, "not a streamdata index (bad magic) nor a shard-list JSON")
-    if len(data) < len(MAGIC) + _PREAMBLE.size:
-        raise _corrupt(url, f"{len(data)} bytes, shorter than the preamble")
-    version, length = _PREAMBLE.unpack_from(data, len(MAGIC))
-    if version != VERSION:
-        raise FormatError(f"sample index {url} has format version {version}; this streamdata reads "
-                          f"version {VERSION}: upgrade streamdata, or {_REBUILD}", url=url)
-    start = len(MAGIC) + _PREAMBLE.size
-    try:
-        header = json.loads(data[start:start + length])
-        shards = header["shards"]
-        names = [str(s["name"]) for s in shards]
-        sizes = np.array([s["size"] for s in shards], dtype=np.int64)
-        etags = [s["etag"] for s in shards]
-        samples = np.array([s["samples"] for s in shards], dtype=np.int64)
-        crc = int(header["crc32"])
-    except (ValueError, KeyError, TypeError, OverflowError) as exc:
-        raise _corrupt(url, f"unreadable header ({type(exc).__name__}: {exc})") from None
-    if header.get("format") != FORMAT or (sizes < 0).any() or (samples < 0).any() \
-            or not all(e is None or isinstance(e, str) for e in etags):
-        raise _corrupt(url, "header fields out of range")
-    payload = data[start + length:]
-    want = 8 * int((samples + 1).sum())
-    if len(payload) != want:
-        raise _corrupt(url, f"{len(payload)} bytes of offsets where the header says {want}")
-    if zlib.crc32(payload, zlib.crc32(_canonical(shards))) != crc:
-        raise _corrupt(url, "checksum mismatch")
-    flat = np.frombuffer(payload, dtype="<u8")
-    ends = np.cumsum(samples + 1)
-    steps = np.diff(flat.astype(np.int64))
-    inside = np.ones(len(steps), dtype=bool)
-    inside[ends[:-1] - 1] = False  # a step from one shard's last offset to the next's first
-    if (steps[inside] <= 0).any() or (len(ends) and (flat[ends - 1] > sizes.astype(np.uint64)).any()):
-        raise _corrupt(url, "offsets that decrease or pass the end of their shard")
-    bounds = np.concatenate([[0], ends])
-    return [ShardEntry(names[i], int(sizes[i]), etags[i], int(samples[i]), flat[bounds[i]:bounds[i + 1]])
-            for i in range(len(names))]
-
-
-def _decode_wids(data: bytes, url: str) -> list[ShardEntry]:
-    """A WebDataset/wids shard list: ``{"shardlist": [{"url", "nsamples", "filesize"?}...]}``."""
-    try:
-        items = json.loads(data)["shardlist"]
-        return [ShardEntry(str(i["url"]), int(i.get("filesize", -1)), None, int(i["nsamples"]), None)
-                for i in items]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise FormatError(f"unreadable shard-list JSON {url}: {type(exc).__name__}: {exc} (a wids list "
-                          "is {\"shardlist\": [{\"url\": ..., \"nsamples\": ...}, ...]})", url=url) from None
-
-
-def tar_sample_offsets(chunks: Iterable[bytes], url: str, total: int | None = None) -> np.ndarray:
-    """The ``samples + 1`` uint64 offsets of a tar shard's bytes (``formats.tar.sample_offsets``)."""
-    return np.asarray(sample_offsets(chunks, url, total=total), dtype=np.uint64)
 
 
 # ---------------------------------------------------------------------------- storage
@@ -279,8 +147,8 @@ def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mappin
             fs.makedirs(posixpath.dirname(path) or ".", exist_ok=True)
         _call(fs, url, config, "pipe_file", tmp, data, what="write the sample index")
         if getattr(fs, "async_impl", False) and not hasattr(fs, "_mv"):  # s3fs: copy (atomic), delete
-            _call(fs, url, config, "copy", tmp, path, what="write the sample index")
-            _call(fs, url, config, "rm", tmp, what="write the sample index")
+            _call(fs, url, config, "cp_file", tmp, path, what="write the sample index")
+            _call(fs, url, config, "rm_file", tmp, what="write the sample index")
         else:
             _call(fs, url, config, "mv", tmp, path, what="write the sample index")
     except StreamDataError:
@@ -348,7 +216,7 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
         why = _stale(shard, entry)  # type: ignore[arg-type]
         if why:
             raise StaleIndexError(f"the sample index {shown} is stale for {redact_url(shard.url)}: {why} "
-                                  f"(the shard changed since the index was built); {_REBUILD}",
+                                  f"(the shard changed since the index was built); {REBUILD}",
                                   url=shard.url)
     return IndexedShards(url, np.array([e.samples for e in found], dtype=np.int64),  # type: ignore[union-attr]
                          [e.offsets for e in found])  # type: ignore[union-attr]
@@ -373,3 +241,86 @@ def index_status(shards: Sequence[Shard], storage_options: Mapping[str, Any] | N
     if stale or missing:
         line += f", {stale} stale, {missing} missing: run `streamdata index SPEC`"
     return line
+
+
+# ---------------------------------------------------------------------------- building
+
+COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd")
+SAVE_EVERY_S = 5.0  # the partial index is written this often while building (and at the end)
+
+
+def _counted(chunks: Iterable[bytes], seen: list[int], bar: Any) -> Iterator[bytes]:
+    for chunk in chunks:
+        seen[0] += len(chunk)
+        bar.update(len(chunk))
+        yield chunk
+
+
+def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, output: str | None = None, *,
+                progress: bool | Callable[[ShardEntry], None] | None = None, **fetch_options: Any) -> str:
+    """Index every uncompressed tar shard of ``spec``; returns the URL written.
+
+    ``output``: the index's URL (default :func:`default_index_url` of the shards). Shards are
+    read whole, in parallel, through the prefetcher (``fetch_options``: ``window``,
+    ``max_requests``, ``part_size``, ..., or ``config=`` a ``FetchConfig``). Resumable: an entry
+    already in ``output`` whose shard's size and ETag still match is kept and that shard not
+    read; the index (with the entries of shards outside ``spec`` kept) is written every
+    :data:`SAVE_EVERY_S` seconds and at the end, also when interrupted. ``progress``: a bar of
+    bytes on stderr (``None``: when it is a terminal; ``True``/``False``), or a callable, given
+    each new entry as it is made (the bar then shows when stderr is a terminal). A shard that
+    cannot be read or parsed does not stop the others; the first such error is raised at the
+    end, after the rest are saved. Compressed shards are skipped with a warning.
+    """
+    config = FetchConfig.resolve(fetch_options.pop("config", None), **fetch_options)
+    shards = expand_spec(spec, storage_options, suffixes=(".tar", *COMPRESSED), config=config)
+    compressed = [s for s in shards if s.url.endswith(COMPRESSED)]
+    if compressed:
+        named = ", ".join(redact_url(s.url) or "" for s in compressed[:3])
+        warnings.warn(f"{len(compressed)} compressed shard(s) get no sample index (a ranged read cannot "
+                      f"start inside a compressed stream): {named}{', ...' if len(compressed) > 3 else ''}",
+                      stacklevel=2)
+        shards = [s for s in shards if not s.url.endswith(COMPRESSED)]
+    if not shards:
+        raise SpecError(f"nothing to index in {spec!r}: no uncompressed .tar shards")
+    output = output or default_index_url([s.url for s in shards])
+    entries = {e.name: e for e in read_index(output, storage_options, config) or [] if e.offsets is not None}
+    todo: list[Shard] = []
+    for shard in shards:  # RESUME: keep what is still fresh, drop what is stale
+        name = entry_name(output, shard.url)
+        entry = entries.get(name)
+        if entry is None or shard.size is None or _stale(shard, entry):
+            entries.pop(name, None)
+            todo.append(shard)
+    failures: list[StreamDataError] = []
+    total = sum(s.size for s in todo) if all(s.size is not None for s in todo) else None
+    bar = _progress(total, desc=f"indexing {len(todo)} shards", unit="B", unit_scale=True,
+                    enabled=progress if isinstance(progress, bool) else None)
+    saved = time.monotonic()
+    try:
+        with bar, Prefetcher(todo, dict(storage_options or {}), config) as fetcher:
+            for shard, reader in zip(todo, fetcher, strict=True):
+                seen = [0]
+                try:
+                    with contextlib.closing(reader.chunks()) as chunks:
+                        counted = _counted(chunks, seen, bar)
+                        offsets = tar_sample_offsets(counted, redact_url(shard.url) or "", total=shard.size)
+                        for _ in counted:  # the padding after the end-of-archive marker: the size
+                            pass
+                except StreamDataError as exc:
+                    failures.append(exc)
+                    continue
+                name = entry_name(output, shard.url)
+                entries[name] = ShardEntry(name, seen[0], shard.etag, len(offsets) - 1, offsets)
+                if callable(progress):
+                    progress(entries[name])
+                if time.monotonic() - saved >= SAVE_EVERY_S:
+                    write_index(output, entries.values(), storage_options, merge=False, config=config)
+                    saved = time.monotonic()
+    finally:
+        write_index(output, entries.values(), storage_options, merge=False, config=config)
+    if failures:
+        err = failures[0]
+        err.message += (f" ({len(failures)} of {len(todo)} shards could not be indexed; {output} holds "
+                        f"the other {len(todo) - len(failures)}: {REBUILD} to index the rest)")
+        raise err
+    return output

@@ -22,7 +22,7 @@ from streamdata import index as sdx
 from streamdata.formats.tar import member_offsets, samples_from_chunks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds benchmarks/
-from benchmarks.faults import FaultProxy  # noqa: E402
+from benchmarks.faults import Fault, FaultProxy  # noqa: E402
 from tests.helpers import make_samples, tar_bytes  # noqa: E402
 
 # ---------------------------------------------------------------------------- tar offsets
@@ -357,3 +357,109 @@ def test_local_write_and_lookup(tmp_path):
     sdx.write_index(url, entries)
     assert sdx.lookup(shards, "auto").counts.tolist() == [4, 6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s-0.tar", "s-1.tar", "streamdata.sdx"]
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _gets(proxy: FaultProxy) -> list[str]:
+    """The object each GET of the proxy's history asked for (its last path segment)."""
+    return sorted(target.split("?", 1)[0].rsplit("/", 1)[-1] for kind, _, target, _ in proxy.history
+                  if kind == "get")
+
+
+def _expected(fs, shards) -> list[list[int]]:
+    return [sdx.tar_sample_offsets([fs.cat_file(s.url)], s.url).tolist() for s in shards]
+
+
+def test_build_skips_compressed_and_resumes_after_a_failed_shard(s3):
+    server, bucket, fs = s3
+    counts = [5, 1, 9, 3, 0, 7, 2, 4]
+    shards = _upload(fs, bucket, counts)
+    fs.pipe_file(f"{bucket}/ds/extra.tar.gz", b"\x1f\x8b not indexed")
+    url = f"s3://{bucket}/ds/streamdata.sdx"
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        proxy.add(Fault("status", status=404, times=None,
+                        match=lambda method, path, query: method == "GET" and "shard-005" in path))
+        compressed = r"1 compressed shard\(s\) get no sample index.*extra\.tar\.gz"
+        failed = r"1 of 8 shards could not be indexed.*streamdata index SPEC"
+        with pytest.warns(UserWarning, match=compressed), pytest.raises(sd.ShardNotFoundError, match=failed):
+            sdx.build_index(f"s3://{bucket}/ds/", options, progress=False)
+        partial = sdx.read_index(url, server.storage_options)
+        assert [e.name for e in partial] == [f"shard-{i:03d}.tar" for i in range(8) if i != 5]
+        proxy.clear()
+        proxy.reset_counters()
+        with pytest.warns(UserWarning, match="compressed"):
+            assert sdx.build_index(f"s3://{bucket}/ds/", options, progress=False) == url
+        assert _gets(proxy) == ["shard-005.tar", "streamdata.sdx"]  # the index, and the one shard left
+    found = sdx.lookup(shards, "auto", server.storage_options)
+    assert found.counts.tolist() == counts
+    assert [o.tolist() for o in found.offsets] == _expected(fs, shards)
+    assert [e.size for e in sdx.read_index(url, server.storage_options)] == [s.size for s in shards]
+
+
+def test_interrupted_build_resumes_and_stale_shards_are_read_again(s3, monkeypatch):
+    server, bucket, fs = s3
+    counts = [3, 4, 5, 6, 7, 8, 9, 10]
+    shards = _upload(fs, bucket, counts)
+    url = f"s3://{bucket}/ds/streamdata.sdx"
+    monkeypatch.setattr(sdx, "SAVE_EVERY_S", 0.0)  # save after every shard
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_three(entry):
+        seen.append(entry.name)
+        if len(seen) == 2:  # the partial index is saved while the build runs
+            assert [e.name for e in sdx.read_index(url, server.storage_options)] == seen[:1]
+        if len(seen) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        sdx.build_index(f"s3://{bucket}/ds/shard-{{000..007}}.tar", server.storage_options,
+                        progress=stop_after_three, window=2)
+    assert [e.name for e in sdx.read_index(url, server.storage_options)] == seen  # saved when stopped
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        sdx.build_index(f"s3://{bucket}/ds/shard-{{000..007}}.tar", options, progress=False)
+        assert _gets(proxy) == [f"shard-{i:03d}.tar" for i in range(3, 8)] + ["streamdata.sdx"]
+        fs.pipe_file(shards[6].url, tar_bytes(make_samples([1])[0]))  # shard 6 changes: stale
+        proxy.reset_counters()
+        sdx.build_index(f"s3://{bucket}/ds/", options, progress=False)
+        assert _gets(proxy) == ["shard-006.tar", "streamdata.sdx"]
+    fresh = sd.expand_spec(f"s3://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
+    assert sdx.lookup(fresh, "auto", server.storage_options).counts.tolist() == counts[:6] + [1] + counts[7:]
+
+
+def test_build_local_equals_the_entries_made_by_hand(tmp_path, capsys):
+    made = []
+    for i, shard in enumerate(make_samples([4, 0, 6])):
+        data = tar_bytes(shard)
+        (tmp_path / f"s-{i}.tar").write_bytes(data)
+        off = sdx.tar_sample_offsets([data], "x")
+        made.append(sdx.ShardEntry(f"s-{i}.tar", len(data), None, len(off) - 1, off))
+    (tmp_path / "other.sdx").write_bytes(sdx.encode_index(made[:1]))
+    out = sdx.build_index(str(tmp_path / "s-{0..2}.tar"), progress=True)
+    assert out == str(tmp_path / "streamdata.sdx")
+    assert sdx.read_index(out) == made
+    assert "indexing 3 shards" in capsys.readouterr().err  # the bar, drawn when asked for
+    with pytest.raises(sd.SpecError, match="unknown option 'windw'"):
+        sdx.build_index(str(tmp_path / "s-0.tar"), windw=3)
+
+
+def test_old_signed_header_checksums_still_read():
+    import struct
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT, encoding="latin-1") as tar:
+        _member(tar, "caf\u00e9.txt", b"x")  # 0xe9 in the name: signed and unsigned sums differ
+    data = bytearray(buf.getvalue())
+    signed = sum(struct.unpack_from("148b8x356b", bytes(data[:512]))) + 8 * 32
+    data[148:156] = b"%06o\0 " % signed
+    assert [s["__key__"] for s in samples_from_chunks([bytes(data)], "mem://s.tar")] == ["caf\udce9"]
+    assert sdx.tar_sample_offsets([bytes(data)], "mem://s.tar").tolist() == [0, 1024]
+    data[148:156] = b"%06o\0 " % (signed + 1)
+    with pytest.raises(sd.FormatError, match="checksum"):
+        sdx.tar_sample_offsets([bytes(data)], "mem://s.tar")
