@@ -151,13 +151,24 @@ def test_top_level_help_reads_as_plain_text(capsys):
         assert f"\n    {command} " in out
 
 
-def test_progress_bars_on_a_terminal_and_quiet_turns_them_off(bucket, capsys, monkeypatch):
+def test_progress_bars_on_a_terminal_and_quiet_turns_them_off(bucket, capsys, monkeypatch, tmp_path):
     _, name, _, opts = bucket
+    _image_folder(tmp_path / "imgs", per_class=2)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    code, out, err = run_cli(capsys, "inspect", f"s3://{name}/d/", *opts)
-    assert code == 0 and "listing" in err and "reading" in err
-    code, quiet_out, err = run_cli(capsys, "inspect", f"s3://{name}/d/", "--quiet", *opts)
-    assert code == 0 and err == "" and quiet_out == out
+    runs = {"inspect": (["inspect", f"s3://{name}/d/"], ["listing", "reading"]),
+            "cat": (["cat", f"s3://{name}/d/", "--key", "s000020"], ["searching"]),
+            "index": (["index", f"s3://{name}/d/", "--output", f"s3://{name}/i/{{}}.sdx"],
+                      ["indexing", "B/s"]),
+            "convert": (["convert", str(tmp_path / "imgs"), f"s3://{name}/c{{}}/"],
+                        ["convert imagefolder", "4/4"]),
+            "bench": (["bench", f"s3://{name}/d/", "--workers", "0", "--seconds", "0.2"], ["bench", "1/1"])}
+    for command, (argv, words) in runs.items():
+        code, out, err = run_cli(capsys, *[a.format("loud") for a in argv], *opts)
+        assert code == 0 and all(w in err for w in words), (command, err)
+        code, quiet_out, err = run_cli(capsys, *[a.format("quiet") for a in argv], "--quiet", *opts)
+        assert code == 0 and err == "", (command, err)
+        if command in ("inspect", "cat"):
+            assert quiet_out == out
 
 
 def test_interrupt_exits_130_quietly_and_a_bug_is_one_line(capsys, monkeypatch):
