@@ -31,8 +31,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``streamdata: error: ...`` and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        where = self.prog if self.prog != PROG else PROG
-        raise UsageError(f"{message} (see '{where} --help')")
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -45,6 +44,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="print the full traceback of an unexpected error (a bug: please report it)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True,
@@ -94,9 +96,11 @@ def _main(argv: list[str] | None, debug: bool) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `streamdata ls ... | head`: stop quietly
+        import contextlib
         import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no more flush errors at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (UsageError, StreamDataError, OSError) as exc:
         if debug:
