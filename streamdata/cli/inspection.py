@@ -144,8 +144,10 @@ def _is_field(name: str) -> bool:
 def run_inspect(args: argparse.Namespace) -> int:
     fmt, shards = list_shards(args, args.spec, args.format)
     total = sum(s.size or 0 for s in shards)
+    unknown = sum(s.size is None for s in shards)
     write_out(f"format    {fmt}")
-    write_out(f"objects   {len(shards)}, {total} bytes ({human(total)})")
+    write_out(f"objects   {len(shards)}, {total} bytes ({human(total)})"
+              + (f", {unknown} of unknown size" if unknown else ""))
     if fmt == "tar":
         _inspect_tar(args, shards, total)
     else:
