@@ -18,6 +18,7 @@ from .errors import (
 from .fetch import FetchItem, Prefetcher
 from .objects import ObjectDataset
 from .presets import Loader, loader
+from .shardwriter import ShardWriter
 from .urls import Shard, expand_spec
 from .world import World
 
@@ -59,6 +60,7 @@ __all__ = [
     "Shard",
     "ShardFetchError",
     "ShardNotFoundError",
+    "ShardWriter",
     "ShardedDataset",
     "SharedMemoryError",
     "SpecError",
