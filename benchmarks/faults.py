@@ -397,10 +397,15 @@ class FaultProxy(LoopedServer):
         signed = req.get("authorization") is not None or "X-Amz-Signature" in query
         kind, action = self._pick(method, path, query, signed)
         expect = (req.get("expect") or "").lower() == "100-continue"
-        if expect and action is None:
+        answer_now = action in ("refuse", "reset", "503") or (isinstance(action, Fault) and (
+            action.kind == "status" or action.kind == "reset" and action.after_bytes is None))
+        if expect and not answer_now:
             client_w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # a client that asked for a 100 Continue holds its body back: a fault answered at once
+        # reads none (none comes), and the connection ends after it
         body = [p async for p in _body_pieces(client_r, req, no_body=False)] \
-            if req.get("content-length") or req.get("transfer-encoding") else []
+            if (req.get("content-length") or req.get("transfer-encoding")) and not (expect and answer_now) \
+            else []
         outcome = action.kind if isinstance(action, Fault) else f"outage-{action}" if action else ""
         if action in ("refuse", "reset") or (isinstance(action, Fault) and action.kind == "reset"
                                               and action.after_bytes is None):
@@ -410,7 +415,7 @@ class FaultProxy(LoopedServer):
             fault = action if isinstance(action, Fault) else Fault("status", body=_OUTAGE_BODY)
             await self._answer(client_w, fault, no_body=method == "HEAD")
             self.history.append((kind, method, target, f"{outcome} {fault.status}"))
-            return not req.wants_close()
+            return not (req.wants_close() or expect)
         if isinstance(action, Fault) and action.kind == "hang":
             self.history.append((kind, method, target, outcome))
             await self._fault_after_body(action, client_r, client_w)  # returns after seconds

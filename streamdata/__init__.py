@@ -20,6 +20,7 @@ from .fetch import FetchItem, Prefetcher
 from .index import build_index
 from .objects import ObjectDataset
 from .presets import Loader, loader
+from .shardwriter import ShardWriter
 from .urls import Shard, expand_spec
 from .world import World
 
@@ -61,6 +62,7 @@ __all__ = [
     "Shard",
     "ShardFetchError",
     "ShardNotFoundError",
+    "ShardWriter",
     "ShardedDataset",
     "SharedMemoryError",
     "SpecError",

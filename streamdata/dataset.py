@@ -21,6 +21,7 @@ from .config import FetchConfig
 from .decode import DecodeSpec, make_decoder
 from .errors import SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
+from .formats.compress import TAR_SUFFIXES, decompressed
 from .formats.tar import samples_from_chunks
 from .incremental import batches
 from .metrics import COUNTERS, Counters
@@ -227,7 +228,7 @@ class TarDataset(ShardedDataset):
     with ``batch_size``, collated batches built inside the worker.  See the README for options.
     """
 
-    suffixes = (".tar",)
+    suffixes = TAR_SUFFIXES
 
     def __init__(self, spec: Spec, *, decode: DecodeSpec = True, accept_unterminated: bool = False,
                  **options: Any) -> None:
@@ -239,8 +240,9 @@ class TarDataset(ShardedDataset):
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
         # samples' __url__ (and the parser's errors) name the shard without its secrets,
         # redacted once per shard; the real URL is in self.shards
-        return samples_from_chunks(
-            reader.chunks(), redact_url(reader.url), total=unit.size,
+        chunks, compressed = decompressed(reader.chunks(), redact_url(reader.url))
+        yield from samples_from_chunks(
+            chunks, redact_url(reader.url), total=None if compressed else unit.size,
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
 

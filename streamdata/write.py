@@ -4,14 +4,18 @@ The shard URL is a pattern with a ``{shard}`` field (``"s3://bkt/train-{shard:05
 formatted with 0, 1, 2...; rows fill each shard up to ``rows_per_shard``.  Within a shard, rows
 are regrouped into row groups (Parquet) or record batches (IPC) of exactly ``row_group_size`` /
 ``batch_size`` rows (the last of a shard may be shorter), so readers that split by row group
-get even units whatever the input's chunking.  Memory: about one row group.
+get even units whatever the input's chunking.  Memory: about one row group.  Each shard is
+written to a local spool file and uploaded in the background (``upload.Uploader``: a temporary
+key moved into place, retries by deadline, multipart for big objects) while the next is written;
+the call returns once every shard is in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-import posixpath
+import os
 import string
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,9 +23,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from .backends import close_filesystem, filesystem, translate_error
+from .backends import translate_error
 from .errors import SpecError, StreamDataError
 from .parquet import rebatch
+from .upload import Uploader
 from .urls import split_url
 
 __all__ = ["write_arrow", "write_parquet"]
@@ -102,27 +107,31 @@ def _write_sharded(data: TableLike, url_pattern: str, *, rows_per_shard: int | N
         raise SpecError(f"{what}: rows_per_shard needs a {{shard}} field in the URL pattern, e.g. "
                         f"'s3://bkt/train-{{shard:05d}}.parquet'; got {url_pattern!r}")
     protocol, _ = split_url(url_pattern)
-    fs = filesystem(protocol, storage_options)
+    uploader = Uploader(protocol, storage_options, desc=f"{what}: shards uploaded")
     try:
-        return _write_all(fs, protocol, data, url_pattern, sharded, rows_per_shard, chunk_rows,
+        urls = _write_all(uploader, data, url_pattern, sharded, rows_per_shard, chunk_rows,
                           _Progress(what, log_every_s), open_writer, write_chunk)
-    finally:
-        close_filesystem(fs)  # its connections now, not from whichever thread collects it
+        uploader.wait()
+    except BaseException:
+        uploader.close(cancel=True)
+        raise
+    uploader.close()
+    return urls
 
 
-def _write_all(fs: Any, protocol: str, data: TableLike, url_pattern: str, sharded: bool,
+def _write_all(uploader: Uploader, data: TableLike, url_pattern: str, sharded: bool,
                rows_per_shard: int | None, chunk_rows: int, progress: _Progress,
                open_writer: Callable[[Any, pa.Schema], Any],
                write_chunk: Callable[[Any, pa.Table], None]) -> list[str]:
+    """Each shard into a local spool file, then handed to the background uploader (PUBLISH-WHOLE,
+    ``upload``): the next shard is written while the last ones go up."""
     what = progress.what
     urls: list[str] = []
     for index, pieces in itertools.groupby(_pieces(_tables(data), rows_per_shard), key=lambda p: p[0]):
         url = url_pattern.format(shard=index) if sharded else url_pattern
-        path = split_url(url)[1]
+        spool = uploader.spool_path(url)
         try:
-            if protocol == "file":
-                fs.makedirs(posixpath.dirname(path) or ".", exist_ok=True)
-            with fs.open(path, "wb") as sink:
+            with open(spool, "wb") as sink:
                 writer = None
                 try:
                     for chunk in rebatch((p for _, p in pieces), chunk_rows):
@@ -133,12 +142,15 @@ def _write_all(fs: Any, protocol: str, data: TableLike, url_pattern: str, sharde
                     if writer is not None:
                         writer.close()
                 progress.bytes += sink.tell()
-        except StreamDataError:
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.remove(spool)
+            if isinstance(exc, (pa.ArrowInvalid, pa.ArrowTypeError)):
+                raise SpecError(f"{what}: cannot write {url}: {exc}") from exc
+            if isinstance(exc, OSError) and not isinstance(exc, StreamDataError):
+                raise translate_error(exc, url, "write") from None
             raise
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise SpecError(f"{what}: cannot write {url}: {exc}") from exc
-        except Exception as exc:
-            raise translate_error(exc, url, "write") from None
+        uploader.submit(spool, url)
         urls.append(url)
         progress.shards += 1
     progress.done(urls)
