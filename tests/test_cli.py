@@ -293,6 +293,14 @@ def test_convert_jsonl_to_parquet_and_tar(s3_bucket, tmp_path, capsys):
     assert code == 0, err
     samples = list(sd.TarDataset(f"s3://{name}/tar/", storage_options=server.storage_options))
     assert [s["json"]["n"] for s in samples] == list(range(25))
+    code, out, err = run_cli(capsys, "convert", str(src), f"s3://{name}/zst/", "--compress", "zst",
+                             "--maxcount", "20", *opts)
+    assert code == 0 and "index     none: compressed" in out, err
+    ds = sd.TarDataset(f"s3://{name}/zst/", storage_options=server.storage_options)
+    assert [s.url.rsplit("/", 1)[1] for s in ds.shards] == ["shard-000000.tar.zst", "shard-000001.tar.zst"]
+    assert [s["json"]["n"] for s in ds] == list(range(25))
+    assert_one_line_error(*run_cli(capsys, "convert", str(src), f"s3://{name}/x/", "--compress", "gz",
+                                   "--format", "parquet", *opts), "--compress is for tar")
 
 
 def test_convert_errors_are_one_line(tmp_path, capsys):

@@ -47,6 +47,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--maxsize", type=parse_size, default=parse_size("1GiB"), metavar="BYTES",
                    help="tar: start a new shard once a shard holds this many bytes (default 1GiB; "
                         "500MB, 2GiB ... accepted)")
+    p.add_argument("--compress", choices=("gz", "zst"), default=None,
+                   help="tar: compress each shard (.tar.gz / .tar.zst; read whole, so no sample index)")
     p.add_argument("--workers", type=int, default=8, metavar="N",
                    help="source files read at once (default 8)")
     p.add_argument("--shuffle", type=int, default=None, metavar="SEED",
@@ -167,13 +169,15 @@ def _ordered(load: Callable[[Any], dict], items: Iterable, workers: int) -> Iter
 # ---- destinations ---------------------------------------------------------------------------
 
 
-def _pattern(dest: str, fmt: str) -> str:
+def _pattern(dest: str, fmt: str, compress: str | None = None) -> str:
     """DEST -> a shard name pattern: ``%06d`` style for tar, ``{shard:06d}`` for Parquet."""
     if "%" in dest or "{shard" in dest:
         if fmt == "tar":
             return re.sub(r"\{shard(?::(0?\d*)d)?\}", lambda m: "%" + (m.group(1) or "") + "d", dest)
         return re.sub(r"%(0?\d*)d", lambda m: "{shard:" + m.group(1) + "d}", dest)
     name = "shard-%06d.tar" if fmt == "tar" else "shard-{shard:06d}.parquet"
+    if fmt == "tar" and compress:
+        name += ".gz" if compress == "gz" else ".zst"
     return dest.rstrip("/") + "/" + name
 
 
@@ -186,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
         items = list(source.items)
         if args.shuffle is not None:
             random.Random(args.shuffle).shuffle(items)
-        pattern = _pattern(args.dest, args.format)
+        if args.compress and args.format != "tar":
+            raise UsageError("--compress is for tar shards (Parquet compresses its columns itself)")
+        pattern = _pattern(args.dest, args.format, args.compress)
         start = time.perf_counter()
         with bar(args, len(items), f"convert {source.kind}", unit="sample") as pbar:
             samples = _keyed(_ordered(source.load, items, args.workers), pbar)
@@ -208,13 +214,15 @@ def run(args: argparse.Namespace) -> int:
     if source.skipped:
         write_out(f"skipped   {len(source.skipped)} files that are not images ({IMAGE_SUFFIXES[0]}, ...): "
                   f"{', '.join(source.skipped[:3])}{', ...' if len(source.skipped) > 3 else ''}")
-    if urls:
-        from ..redact import redact_url
+    from ..redact import redact_url
 
+    if urls:
         write_out(f"first     {redact_url(urls[0])}")
         write_out(f"last      {redact_url(urls[-1])}")
     if index:
-        write_out(f"index     {index}")
+        write_out(f"index     {redact_url(index)}")
+    elif args.format == "tar" and urls:
+        write_out("index     none: compressed shards are split by shard and read whole")
     return 0
 
 
@@ -240,31 +248,17 @@ def _write_classes(pattern: str, classes: list[str], options: dict) -> None:
 
 def _write_tar(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
                options: dict) -> tuple[list[str], str | None]:
-    from .tarshards import TarShards
+    """Samples into ``sd.ShardWriter`` (uploads in the background, the sample index at close)."""
+    from ..index import default_index_url
+    from ..shardwriter import ShardWriter
 
-    with TarShards(pattern, maxcount=args.maxcount, maxsize=args.maxsize, storage_options=options) as out:
+    with ShardWriter(pattern, maxcount=args.maxcount, maxsize=args.maxsize, storage_options=options,
+                     compress=args.compress, progress=False) as out:
         for sample in samples:
             out.write(sample)
-    urls = [url for url, *_ in out.shards]
-    return urls, _write_index(out.shards, options)
-
-
-def _write_index(shards: list, options: dict) -> str | None:
-    """The sample index of the shards just written (``streamdata.sdx`` beside them)."""
-    import numpy as np
-
-    from ..index import ShardEntry, default_index_url, write_index
-
-    if not shards:
-        return None
-    urls = [url for url, *_ in shards]
-    url = default_index_url(urls)
-    base = url.rsplit("/", 1)[0] + "/"
-    entries = [ShardEntry(u[len(base):] if u.startswith(base) else u, size, None, count,
-                          np.asarray(offsets, dtype=np.uint64))
-               for u, size, count, offsets in shards]
-    write_index(url, entries, storage_options=options)
-    return url
+    if not out.urls:
+        return [], None
+    return out.urls, (default_index_url(out.urls) if out.codec is None else None)
 
 
 def _write_parquet(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
