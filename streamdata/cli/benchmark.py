@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 from typing import Any
 
@@ -150,18 +151,12 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
             first = f"{r['first_batch_s']:.3f}" if r["first_batch_s"] is not None else "-"
             pbar.write(f"{workers:>7}  {window:>6}  {r['samples']:>9}  {r['seconds']:>7.2f}  "
-                       f"{r['samples_per_s']:>10.0f}  {r['mb_per_s']:>8.3g}  {first:>13}", file=_stdout())
+                       f"{r['samples_per_s']:>10.0f}  {r['mb_per_s']:>8.3g}  {first:>13}", file=sys.stdout)
             pbar.update(1)
     if args.png:
         _chart(results, args.png, f"{' '.join(args.spec)} ({fmt}, batch {args.batch_size})")
         write_out(f"chart     {args.png}")
     return 0
-
-
-def _stdout() -> Any:
-    import sys
-
-    return sys.stdout
 
 
 def _chart(results: list[dict], path: str, title: str) -> None:
