@@ -63,10 +63,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 @dataclasses.dataclass
 class Source:
-    """What to convert: ``items`` (image paths or JSONL lines), ``load(item) -> sample``."""
+    """What to convert: ``items`` (image paths, or JSONL lines: read again on each iteration,
+    never all held), ``count`` of them, ``load(item) -> sample``."""
 
     kind: str
-    items: list
+    items: Iterable
+    count: int
     load: Callable[[Any], dict]
     classes: list[str]
     total_bytes: int
@@ -124,27 +126,40 @@ def _images(fs: Any, root: str, src: str) -> Source:
         return sample
 
     items = [(name, rel) for (name, _), rel in zip(images, relative, strict=True)]
-    return Source("imagefolder" if classes else "images", items, load, classes,
+    return Source("imagefolder" if classes else "images", items, len(items), load, classes,
                   sum(s for _, s in images), others)
 
 
+class _Lines:
+    """The non-blank lines of a JSONL file, read from the start on each iteration."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        with self.fs.open(self.path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                line = line.strip()
+                if line:
+                    yield number, line
+
+
 def _jsonl(fs: Any, path: str, src: str) -> Source:
-    lines = []
-    with fs.open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as exc:
-                raise UsageError(f"{src}: line {number} is not JSON ({exc})") from None
-            if not isinstance(value, dict):
-                raise UsageError(f"{src}: line {number} is not a JSON object")
-            lines.append(line)
-    if not lines:
+    """A first pass checks every line (a bad one is reported before anything is written) and
+    counts them; the conversion reads the file again, so no line is held meanwhile."""
+    lines = _Lines(fs, path)
+    count = nbytes = 0
+    for number, line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            raise UsageError(f"{src}: line {number} is not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise UsageError(f"{src}: line {number} is not a JSON object")
+        count, nbytes = count + 1, nbytes + len(line)
+    if not count:
         raise UsageError(f"{src}: no JSON lines in it")
-    return Source("jsonl", lines, lambda line: {"json": line}, [], sum(map(len, lines)))
+    return Source("jsonl", lines, count, lambda item: {"json": item[1]}, [], nbytes)
 
 
 def _ordered(load: Callable[[Any], dict], items: Iterable, workers: int) -> Iterator[dict]:
@@ -187,14 +202,15 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options(args)
     fs, source = _open_source(args.src, options)
     try:
-        items = list(source.items)
-        if args.shuffle is not None:
+        items = source.items
+        if args.shuffle is not None:  # (JSONL lines are then held in memory)
+            items = list(items)
             random.Random(args.shuffle).shuffle(items)
         if args.compress and args.format != "tar":
             raise UsageError("--compress is for tar shards (Parquet compresses its columns itself)")
         pattern = _pattern(args.dest, args.format, args.compress)
         start = time.perf_counter()
-        with bar(args, len(items), f"convert {source.kind}", unit="sample") as pbar:
+        with bar(args, source.count, f"convert {source.kind}", unit="sample") as pbar:
             samples = _keyed(_ordered(source.load, items, args.workers), pbar)
             if args.format == "tar":
                 urls, index = _write_tar(samples, pattern, args, options)
@@ -207,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         close_filesystem(fs)
     if source.classes:
         _write_classes(pattern, source.classes, options)
-    n = len(items)
+    n = source.count
     what = source.kind + (f", {len(source.classes)} classes" if source.classes else "")
     write_out(f"wrote {n} samples ({what}, {human(source.total_bytes)} of source) to {len(urls)} "
               f"{args.format} shards in {elapsed:.1f} s ({n / max(elapsed, 1e-9):.0f} samples/s)")
