@@ -227,6 +227,14 @@ def test_inspect_parquet_counts_rows_from_the_footers(s3_bucket, capsys):
     assert code == 0, err
     assert "objects   3, " in out and "samples   250 rows in 5 row groups (from the footers)" in out
     assert "Tensor int64 []" in out and "Tensor float64 [4]" in out and "str" in out
+    sd.write_arrow({"id": np.arange(30)}, f"s3://{name}/a/part-{{shard:02d}}.arrow", rows_per_shard=20,
+                   batch_size=10, storage_options=server.storage_options)
+    code, out, err = run_cli(capsys, "inspect", f"s3://{name}/a/", "-o", json.dumps(server.storage_options))
+    assert code == 0 and "format    arrow" in out, err
+    assert "samples   not in Arrow IPC footers: 3 record batches in files, 0 stream object(s)" in out
+    code, out, err = run_cli(capsys, "cat", f"s3://{name}/a/", "--row", "25", "--field", "id",
+                             "-o", json.dumps(server.storage_options))
+    assert code == 0 and np.frombuffer(out.encode("latin-1"), np.int64).tolist() == [25], err
 
 
 def test_cat_first_sample_by_key_and_raw_field(bucket, capsys):

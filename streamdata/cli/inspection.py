@@ -253,13 +253,15 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
                 break
     finally:
         getattr(rows, "close", lambda: None)()
-    units = len(ds.units())
-    rows_total = getattr(ds, "num_rows", None)
-    if rows_total is None:
-        rows_total = "unknown (Arrow IPC streams have no footer)"
-    unit_name = "row groups" if fmt == "parquet" else "record batches"
-    write_out(f"samples   {rows_total} rows in {units} {unit_name} (from the footers)")
-    write_out("index     not needed: row counts come from the footers")
+    units = ds.units()
+    if fmt == "parquet":
+        write_out(f"samples   {ds.num_rows} rows in {len(units)} row groups (from the footers)")
+    else:
+        streams = sum(1 for u in units if u.index < 0)
+        write_out(f"samples   not in Arrow IPC footers: {len(units) - streams} record batches in files, "
+                  f"{streams} stream object(s) (each read whole)")
+    write_out("index     not needed: " + ("row counts come from the footers" if fmt == "parquet"
+                                          else "record batches are the units read"))
     _field_table(first, sizes, len(first), fmt)
 
 
