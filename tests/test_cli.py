@@ -432,3 +432,18 @@ def test_credentials_and_endpoint_from_the_environment(bucket, tmp_path):
     assert done.returncode == 0 and done.stdout.endswith("7 tar objects, 215040 bytes (215.0 kB)\n")
     done = ls({**creds, "AWS_ENDPOINT_URL": server.endpoint_url, "AWS_DEFAULT_REGION": server.region})
     assert done.returncode == 0 and "7 tar objects" in done.stdout, done.stderr
+
+
+def test_timeout_bounds_a_listing_of_an_unreachable_endpoint(capsys, monkeypatch):
+    from streamdata.testing import free_port
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, out, err = run_cli(capsys, "ls", "s3://bkt/x/", "-o", f"endpoint_url={endpoint}",
+                             "--timeout", "0.5")
+    assert_one_line_error(code, out, err, "cannot list s3://bkt/x/", "attempts in")
+    import re
+
+    assert float(re.search(r"attempts in ([0-9.]+) s", err).group(1)) < 5  # not the default 120 s
+    assert_one_line_error(*run_cli(capsys, "ls", "s3://bkt/x/", "--timeout", "0"), "--timeout must be > 0")

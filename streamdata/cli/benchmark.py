@@ -23,6 +23,7 @@ from .common import (
     add_format,
     bar,
     dataset_class,
+    fetch_options,
     list_shards,
     storage_options,
     write_out,
@@ -107,10 +108,10 @@ def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window:
     if fmt == "tar":
         ds = dataset_class(fmt)(shards, storage_options=options, decode=False, map=_Measure(args.decode),
                                 batch_size=args.batch_size, collate_fn=_sizes, window=window,
-                                shuffle=True)
+                                shuffle=True, **fetch_options(args))
     else:
         ds = dataset_class(fmt)(shards, storage_options=options, batch_size=args.batch_size,
-                                window=window, shuffle=True)
+                                window=window, shuffle=True, **fetch_options(args))
     samples = nbytes = 0
     first = None
     start = time.perf_counter()

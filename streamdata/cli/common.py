@@ -18,7 +18,7 @@ from typing import Any
 from ..progress import progress
 
 __all__ = ["FORMATS", "UsageError", "add_common", "add_format", "bar", "busy", "dataset_class",
-           "format_of", "human", "list_shards", "parse_size", "parse_storage_options",
+           "fetch_options", "format_of", "human", "list_shards", "parse_size", "parse_storage_options",
            "storage_options", "write_out"]
 
 FORMATS = ("tar", "parquet", "arrow")
@@ -40,6 +40,9 @@ def add_common(parser: argparse.ArgumentParser, *, quiet: bool = True) -> None:
              "(repeatable; the value is read as JSON when it parses, so anon=true is a boolean "
              "and timeout=5 a number; a dotted key nests: client_kwargs.region_name=eu-west-1). "
              "Credentials come from the environment as fsspec reads them")
+    group.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="seconds per request (default 60); a listing gives up after twice that, "
+                            "a read retries for --timeout-bounded tries up to its deadline")
     if quiet:
         group.add_argument("-q", "--quiet", action="store_true",
                            help="no progress bars (they are drawn only when stderr is a terminal)")
@@ -86,6 +89,14 @@ def parse_storage_options(values: Sequence[str]) -> dict[str, Any]:
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return parse_storage_options(getattr(args, "storage_options", []) or [])
+
+
+def fetch_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The fetch options the command line sets (``timeout``), for datasets and writers."""
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and timeout <= 0:
+        raise UsageError(f"--timeout must be > 0, got {timeout:g}")
+    return {} if timeout is None else {"timeout": timeout}
 
 
 def _quiet(args: argparse.Namespace) -> bool | None:
@@ -145,13 +156,16 @@ def list_shards(args: argparse.Namespace, spec: Sequence[str] | str, fmt: str = 
     that dataset's suffix rules. ``auto`` lists with every format's suffixes and takes the one
     format found (a listing holding two is a UsageError; names matching none are read as tar,
     as ``TarDataset`` reads any name it is given)."""
+    from ..config import FetchConfig
     from ..urls import expand_spec
 
     options = storage_options(args)
+    config = FetchConfig.resolve(None, **fetch_options(args))
     suffixes = (tuple(dataset_class(fmt).suffixes) if fmt != "auto"
                 else tuple(s for f in FORMATS for s in dataset_class(f).suffixes))
     with busy(args, "listing") as pbar:
-        shards = expand_spec(list(spec) if not isinstance(spec, str) else spec, options, suffixes=suffixes)
+        shards = expand_spec(list(spec) if not isinstance(spec, str) else spec, options, suffixes=suffixes,
+                             config=config)
         pbar.update(len(shards))
     if fmt != "auto":
         return fmt, shards

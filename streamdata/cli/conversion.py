@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .common import UsageError, add_common, bar, human, parse_size, storage_options, write_out
+from .common import UsageError, add_common, bar, fetch_options, human, parse_size, storage_options, write_out
 
 __all__ = ["IMAGE_SUFFIXES", "add_parsers"]
 
@@ -269,7 +269,7 @@ def _write_tar(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
     from ..shardwriter import ShardWriter
 
     with ShardWriter(pattern, maxcount=args.maxcount, maxsize=args.maxsize, storage_options=options,
-                     compress=args.compress, progress=False) as out:
+                     compress=args.compress, progress=False, **fetch_options(args)) as out:
         for sample in samples:
             out.write(sample)
     if not out.urls:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_common, busy, human, storage_options, write_out
+from .common import add_common, busy, fetch_options, human, storage_options, write_out
 
 __all__ = ["add_parsers"]
 
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from ..redact import redact_url
 
     options = storage_options(args)
-    fetch = {} if args.window is None else {"window": args.window}
+    fetch = fetch_options(args) | ({} if args.window is None else {"window": args.window})
     spec = args.spec[0] if len(args.spec) == 1 else list(args.spec)
     url = build_index(spec, storage_options=options, output=args.output,
                       progress=False if args.quiet else None, **fetch)

@@ -9,7 +9,17 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from .common import UsageError, add_common, add_format, bar, human, list_shards, storage_options, write_out
+from .common import (
+    UsageError,
+    add_common,
+    add_format,
+    bar,
+    fetch_options,
+    human,
+    list_shards,
+    storage_options,
+    write_out,
+)
 
 __all__ = ["add_parsers", "describe"]
 
@@ -111,14 +121,15 @@ def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
 
     options = storage_options(args)
     if window > 1:
-        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window))
+        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window,
+                             **fetch_options(args)))
         try:
             yield from it
         finally:
             it.close()
         return
     for shard in shards:
-        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1))
+        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1, **fetch_options(args)))
         try:
             yield from it
         finally:
@@ -130,7 +141,7 @@ def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
 def _table_samples(args: argparse.Namespace, fmt: str, shards: list) -> tuple[Any, Iterator[dict]]:
     from .common import dataset_class
 
-    ds = dataset_class(fmt)(shards, storage_options=storage_options(args))
+    ds = dataset_class(fmt)(shards, storage_options=storage_options(args), **fetch_options(args))
     return ds, iter(ds)
 
 
@@ -267,18 +278,17 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
 
 def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
     """``(status line, per-shard counts or None)`` from the sample index, when one exists."""
-    try:
-        from .. import index as sdindex
-    except ImportError:
-        return "not available in this version", None
+    from .. import index as sdindex
+    from ..config import FetchConfig
     from ..errors import StreamDataError
 
     options = storage_options(args)
-    status = sdindex.index_status(shards, storage_options=options)
+    config = FetchConfig.resolve(None, **fetch_options(args))
+    status = sdindex.index_status(shards, storage_options=options, config=config)
     status = status[len("index: "):] if status.startswith("index: ") else status
     counts = None
     try:
-        found = sdindex.lookup(shards, "auto", options, None)
+        found = sdindex.lookup(shards, "auto", options, config)
         counts = None if found is None else found.counts
     except StreamDataError:
         counts = None
