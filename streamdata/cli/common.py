@@ -41,8 +41,7 @@ def add_common(parser: argparse.ArgumentParser, *, quiet: bool = True) -> None:
              "and timeout=5 a number; a dotted key nests: client_kwargs.region_name=eu-west-1). "
              "Credentials come from the environment as fsspec reads them")
     group.add_argument("--timeout", type=float, default=None, metavar="S",
-                       help="seconds per request (default 60); a listing gives up after twice that, "
-                            "a read retries for --timeout-bounded tries up to its deadline")
+                       help="seconds per request (default 60); a listing gives up after twice that")
     if quiet:
         group.add_argument("-q", "--quiet", action="store_true",
                            help="no progress bars (they are drawn only when stderr is a terminal)")
