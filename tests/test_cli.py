@@ -341,8 +341,8 @@ def test_bench_prints_rates_per_setting_and_writes_a_png(bucket, tmp_path, capsy
     assert code == 0, err
     rows = [line.split() for line in out.strip().split("\n")[2:-1]]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 2), (1, 2), (0, 8), (1, 8)]
-    for r in rows:
-        assert int(r[2]) >= len(keys) and float(r[4]) > 0 and float(r[5]) > 0
+    for r in rows:  # (how many samples fit in 0.5 s depends on the machine: only > 0 is checked)
+        assert int(r[2]) > 0 and float(r[4]) > 0 and float(r[5]) > 0 and float(r[6]) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
