@@ -118,7 +118,9 @@ class ShardWriter:
     ``storage_options`` go to fsspec; fetch options (``timeout``, ``retry_deadline``,
     ``retries``, ``backoff``, ``backoff_cap``) bound and retry each upload like a read.
     ``concurrency`` uploads run at once, ``max_pending`` finished shards may wait; S3 objects of
-    at least ``2 * part_size`` bytes go up as multipart uploads. ``index=True`` writes the sample
+    at least ``2 * part_size`` bytes go up as multipart uploads. ``publish``: ``"put"`` (the default
+    on S3 and GCS, whose uploads appear whole) or ``"copy"`` (a temporary key copied into place;
+    the default elsewhere), see ``upload``. ``index=True`` writes the sample
     index next to the shards at ``close()``. ``progress``: a bar of shards uploaded (``None``:
     when stderr is a terminal). After ``close()``, :attr:`urls` lists the shards written.
     """
@@ -130,7 +132,8 @@ class ShardWriter:
                  user: str = "bigdata", group: str = "bigdata", mode: int = 0o444,
                  mtime: float | None = None, concurrency: int = 4, max_pending: int = 4,
                  part_size: int = DEFAULT_PART_SIZE, tmpdir: str | None = None,
-                 progress: bool | None = None, fetch_config: FetchConfig | None = None,
+                 progress: bool | None = None, publish: str | None = None,
+                 fetch_config: FetchConfig | None = None,
                  **fetch_options: Any) -> None:
         if maxcount < 1 or maxsize <= 0:
             raise SpecError(f"ShardWriter: maxcount and maxsize must be positive, got {maxcount}, {maxsize}")
@@ -156,7 +159,8 @@ class ShardWriter:
         self._protocol = split_url(first)[0]
         self._uploader = Uploader(self._protocol, self.storage_options, config=config,
                                   concurrency=concurrency, max_pending=max_pending, part_size=part_size,
-                                  tmpdir=tmpdir, progress=progress, desc="shards uploaded")
+                                  tmpdir=tmpdir, progress=progress, desc="shards uploaded",
+                                  publish=publish)
         self._next = start_shard
         self._shard: _OpenShard | None = None
         self._count = 0

@@ -55,11 +55,12 @@ def objects(fs, bucket: str) -> dict[str, int]:
     return {Path(p).name: info["size"] for p, info in fs.find(bucket, detail=True).items()}
 
 
-def test_round_trip_over_s3(s3_bucket):
+@pytest.mark.parametrize("publish", [None, "copy"])
+def test_round_trip_over_s3(s3_bucket, publish):
     server, bucket = s3_bucket
     options = server.storage_options
     with sd.ShardWriter(f"s3://{bucket}/train/shard-%04d.tar", maxcount=9, storage_options=options,
-                        index=False) as writer:
+                        index=False, publish=publish) as writer:
         for n in range(40):
             writer.write(make_sample(n))
     assert writer.urls == [f"s3://{bucket}/train/shard-{i:04d}.tar" for i in range(5)]
