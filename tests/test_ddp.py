@@ -92,3 +92,59 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
     assert ranks[0] == ranks[1]
     assert len(ranks[0]["tar"]["shards"]) == len(UNEVEN) and ranks[0]["parquet"]["rows"] == 30
     assert ranks[0]["missing"]["error"] == "ShardNotFoundError"
+
+
+ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1], [40, 17]]  # 122 rows
+
+
+def _write_parquet(fs, prefix: str) -> list[int]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = 0
+    for i, groups in enumerate(ROW_GROUPS):
+        with fs.open(f"{prefix}/part-{i}.parquet", "wb") as f, pq.ParquetWriter(
+                f, pa.schema([("id", pa.int64()), ("x", pa.float32())])) as w:
+            for n in groups:
+                w.write_table(pa.table({"id": np.arange(ids, ids + n), "x": np.ones(n, np.float32)}))
+                ids += n
+    return list(range(ids))
+
+
+def _check_exact(name: str, case: dict, ranks: dict, everything: list, batch_size: int = 8) -> None:
+    """EQUAL-STEPS and exactly-once (or full batches and the documented left-out) per epoch."""
+    left_out_so_far = 0
+    for epoch in range(2):
+        r0, r1 = (ranks[r][name][epoch] for r in (0, 1))
+        assert r0["steps"] == r1["steps"] > 0 and r0["all_steps"] == [r0["steps"]] * 2, (name, epoch)
+        assert r0["undelivered"] == r1["undelivered"] == 0, (name, epoch)
+        delivered = r0["keys"] + r1["keys"]
+        assert len(delivered) == len(set(delivered)) and set(delivered) <= set(everything), (name, epoch)
+        if case.get("drop_last"):
+            assert set(r0["sizes"] + r1["sizes"]) == {batch_size}, (name, epoch, r0["sizes"], r1["sizes"])
+            left_out = len(everything) - len(delivered)
+            assert 0 <= left_out < 2 * 2 * batch_size, (name, epoch)  # ranks x workers x batch
+            # each rank counts the job's left-out figure (the same on both), summed over epochs
+            left_out_so_far += left_out
+            assert r0["counts"]["planned.left_out"] == r1["counts"]["planned.left_out"] \
+                == left_out_so_far, (name, epoch)
+        else:
+            assert sorted(map(str, delivered)) == sorted(map(str, everything)), (name, epoch)
+
+
+def test_ddp_parquet_uneven_row_groups_exact_epochs(s3_bucket, tmp_path):
+    """Parquet row counts come from footers: exact epochs, equal steps, through a plain
+    DataLoader (no end-of-epoch help) and through sd.loader, with and without drop_last."""
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    ids = _write_parquet(fs, f"{bucket}/pq")
+    cases = {f"pq-{loader}-{drop}": {"kind": "parquet", "spec": f"s3://{bucket}/pq/",
+                                     "storage_options": server.storage_options,
+                                     "loader": loader, "drop_last": drop}
+             for loader in ("plain", "sd") for drop in (False, True)}
+    ranks = _torchrun(tmp_path, cases)
+    for name, case in cases.items():
+        _check_exact(name, case, ranks, ids)
