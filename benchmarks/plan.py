@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
                                    drop_last=drop_last)
                 times.append(time.perf_counter() - start)
                 assert span.samples > 0
-            print(f"  shuffle={shuffle!s:5} drop_last={drop_last!s:5}  median {statistics.median(times):.3f} s"
-                  f"  max {max(times):.3f} s")
+            print(f"  shuffle={shuffle!s:5} drop_last={drop_last!s:5}  "
+                  f"median {statistics.median(times):.3f} s  max {max(times):.3f} s")
 
 
 if __name__ == "__main__":

@@ -127,12 +127,13 @@ def _check_exact(name: str, case: dict, ranks: dict, everything: list, batch_siz
     left_out_so_far = 0
     for epoch in range(2):
         r0, r1 = (ranks[r][name][epoch] for r in (0, 1))
-        assert r0["steps"] == r1["steps"] > 0 and r0["all_steps"] == [r0["steps"]] * 2, (name, epoch)
+        assert r0["steps"] == r1["steps"] and r0["all_steps"] == [r0["steps"]] * 2, (name, epoch)
+        assert r0["steps"] > 0 or case.get("drop_last") and len(everything) < 2 * 2 * batch_size
         assert r0["undelivered"] == r1["undelivered"] == 0, (name, epoch)
         delivered = r0["keys"] + r1["keys"]
         assert len(delivered) == len(set(delivered)) and set(delivered) <= set(everything), (name, epoch)
         if case.get("drop_last"):
-            assert set(r0["sizes"] + r1["sizes"]) == {batch_size}, (name, epoch, r0["sizes"], r1["sizes"])
+            assert set(r0["sizes"] + r1["sizes"]) <= {batch_size}, (name, epoch, r0["sizes"], r1["sizes"])
             left_out = len(everything) - len(delivered)
             assert 0 <= left_out < 2 * 2 * batch_size, (name, epoch)  # ranks x workers x batch
             # each rank counts the job's left-out figure (the same on both), summed over epochs
@@ -143,6 +144,7 @@ def _check_exact(name: str, case: dict, ranks: dict, everything: list, batch_siz
             assert sorted(map(str, delivered)) == sorted(map(str, everything)), (name, epoch)
 
 
+@pytest.mark.slow
 def test_ddp_parquet_uneven_row_groups_exact_epochs(s3_bucket, tmp_path):
     """Parquet row counts come from footers: exact epochs, equal steps, through a plain
     DataLoader (no end-of-epoch help) and through sd.loader, with and without drop_last."""
@@ -160,6 +162,7 @@ def test_ddp_parquet_uneven_row_groups_exact_epochs(s3_bucket, tmp_path):
         _check_exact(name, case, ranks, ids)
 
 
+@pytest.mark.slow
 def test_ddp_tar_with_an_index_exact_epochs(s3_bucket, tmp_path):
     """The issue's three uneven cases with a sample index: exact epochs and equal steps on both
     ranks through a plain DataLoader (no end-of-epoch help), and full batches with drop_last
