@@ -463,3 +463,22 @@ def test_old_signed_header_checksums_still_read():
     data[148:156] = b"%06o\0 " % (signed + 1)
     with pytest.raises(sd.FormatError, match="checksum"):
         sdx.tar_sample_offsets([bytes(data)], "mem://s.tar")
+
+
+def test_gcs_etag_build_and_stale(gcs_bucket):
+    import gcsfs
+
+    server, bucket = gcs_bucket
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **server.storage_options)
+    for i, shard in enumerate(make_samples([3, 4])):
+        fs.pipe_file(f"{bucket}/ds/shard-{i}.tar", tar_bytes(shard))
+    shards = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
+    assert shards[0].etag and shards[0].etag == fs.info(shards[0].url)["md5Hash"]
+    url = sdx.build_index(f"gs://{bucket}/ds/", server.storage_options, progress=False)
+    assert url == f"gs://{bucket}/ds/streamdata.sdx"
+    assert sdx.lookup(shards, "auto", server.storage_options).counts.tolist() == [3, 4]
+    old = fs.cat_file(shards[1].url)
+    fs.pipe_file(shards[1].url, old.replace(b"s000004", b"s000099"))  # same size, other content
+    fresh = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
+    with pytest.raises(sd.StaleIndexError, match="ETag"):
+        sdx.lookup(fresh, "auto", server.storage_options)
