@@ -482,3 +482,22 @@ def test_gcs_etag_build_and_stale(gcs_bucket):
     fresh = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
     with pytest.raises(sd.StaleIndexError, match="ETag"):
         sdx.lookup(fresh, "auto", server.storage_options)
+
+
+def test_http_auto_lookup_and_build(tmp_path, http_server):
+    for i, shard in enumerate(make_samples([2, 5])):
+        (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
+    server = http_server(tmp_path)
+    urls = [server.url(f"s-{i}.tar") for i in range(2)]
+    shards = sd.expand_spec(urls)
+    assert all(s.size is None and s.etag is None for s in shards)  # HTTP is not listed
+    before = len(server.requests)
+    assert sdx.lookup(shards, "auto") is None  # a 404 at the default location: no index
+    assert len(server.requests) - before == 1
+    built = sdx.build_index(str(tmp_path / "s-{0..1}.tar"))  # local build, served over HTTP
+    assert built == str(tmp_path / "streamdata.sdx")
+    found = sdx.lookup(shards, "auto")
+    assert found.url == server.url("streamdata.sdx") and found.counts.tolist() == [2, 5]
+    signed = [sd.Shard(u + "?X-Amz-Signature=abc") for u in urls]
+    before = len(server.requests)
+    assert sdx.lookup(signed, "auto") is None and len(server.requests) == before  # no default location
