@@ -29,7 +29,7 @@ import numpy as np
 
 from .backends import call_with_deadline, close_filesystem, filesystem, translate_error
 from .config import FetchConfig
-from .errors import ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
+from .errors import AccessDeniedError, ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
 from .fetch import FetchItem, Prefetcher
 from .formats.sdx import REBUILD, ShardEntry, decode_index, encode_index, tar_sample_offsets
 from .progress import progress as _progress
@@ -196,8 +196,16 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
             return None
     else:
         url = index
-    entries = read_index(url, storage_options, config)
     shown = redact_url(url)
+    try:
+        entries = read_index(url, storage_options, config)
+    except AccessDeniedError as exc:
+        if not auto:
+            raise
+        # S3 answers 403, not 404, for a missing key to a caller without s3:ListBucket
+        warnings.warn(f"could not read the sample index at {shown} (access denied: {exc.message[:200]}); "
+                      "reading without it (index=None skips the lookup)", stacklevel=2)
+        return None
     if entries is None:
         if auto:
             return None

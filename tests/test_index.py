@@ -284,6 +284,14 @@ def test_auto_without_an_index_makes_one_request_and_no_noise(s3):
             warnings.simplefilter("error")
             assert sdx.lookup(shards, "auto", options) is None
         assert proxy.requests == {"get": 1}, proxy.requests
+        # without s3:ListBucket, S3 answers a missing key with 403: a warning, no index, no failure
+        denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
+        with pytest.warns(UserWarning, match=r"could not read the sample index at .*access denied"):
+            assert sdx.lookup(shards, "auto", options) is None
+        proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
+        with pytest.raises(sd.AccessDeniedError):
+            sdx.lookup(shards, f"s3://{bucket}/ds/streamdata.sdx", options)
     with pytest.raises(sd.SpecError, match="no sample index at"):
         sdx.lookup(shards, f"s3://{bucket}/ds/other.sdx", server.storage_options)
 
