@@ -413,6 +413,7 @@ def test_interrupted_build_resumes_and_stale_shards_are_read_again(s3, monkeypat
     shards = _upload(fs, bucket, counts)
     url = f"s3://{bucket}/ds/streamdata.sdx"
     monkeypatch.setattr(sdx, "SAVE_EVERY_S", 0.0)  # save after every shard
+    monkeypatch.setattr(sdx, "SAVE_COST_RATIO", 0)
     seen = []
 
     class Stop(Exception):
