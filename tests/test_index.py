@@ -35,7 +35,7 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes | None = None, kind: by
     if pax:
         info.pax_headers = pax
     if kind == tarfile.SYMTYPE:
-        info.linkname = "elsewhere"
+        info.linkname = "elsewhere/" + "l" * 150  # long: a GNU K header, or a pax linkpath
     info.size = len(data) if data is not None and kind == tarfile.REGTYPE else 0
     tar.addfile(info, io.BytesIO(data) if data is not None and kind == tarfile.REGTYPE else None)
 
