@@ -85,15 +85,16 @@ class ReaderPass:
     """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
     ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop)`` from an exact
-    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit).
+    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop, count)`` from an
+    exact epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit
+    of ``count`` samples).
     A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
     saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    reads: list[tuple[Any, tuple[int, int] | None]]
+    reads: list[tuple[Any, tuple[int, int, int] | None]]
     span: Span | None = None
 
     @property
@@ -224,25 +225,28 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """A fetched unit's records, in order."""
         raise NotImplementedError
 
-    def fetch_segment(self, unit: Any, start: int, stop: int) -> FetchItem:
-        """What to fetch for samples ``[start, stop)`` of ``unit``: all of it unless a format
-        knows where its samples lie (a tar index's offsets)."""
+    def fetch_segment(self, unit: Any, start: int, stop: int, count: int) -> FetchItem:
+        """What to fetch for samples ``[start, stop)`` of ``unit`` (of ``count``): all of it
+        unless a format knows where its samples lie (a tar index's offsets)."""
         return self.fetch_item(unit)
 
-    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start;
-        a unit with fewer than ``stop`` is a stale count (FormatError)."""
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start.
+        A unit that does not hold the ``count`` records its count says (fewer than ``stop``, or,
+        read to its end, more than ``count``) is a stale count: FormatError."""
         seen = 0
         records = iter(self.read_unit(unit, reader))
         try:
             for seen, record in enumerate(records, 1):
-                if seen > start:
+                if seen > start and seen <= stop:
                     yield record
-                if seen == stop:
-                    return
+                elif seen > stop and stop < count:
+                    return  # the rest is another reader's
+            if seen != count:
+                raise stale_count(reader.url, seen, count)
         finally:
             getattr(records, "close", lambda: None)()
-        raise stale_count(reader.url, seen, stop)
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
@@ -267,8 +271,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             return ReaderPass(world, epoch, [(unit, None) for unit in order])
         span = reader_span(counts, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                            batch_size=batch_size, drop_last=drop_last)
-        reads = [(units[s.unit], None if s.start == 0 and s.stop == counts[s.unit] else (s.start, s.stop))
-                 for s in span.segments]
+        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
         return ReaderPass(world, epoch, reads, span)
 
     def __iter__(self) -> Iterator[Any]:
