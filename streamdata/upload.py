@@ -48,7 +48,7 @@ from .errors import FetchTimeoutError, StreamDataError
 from .metrics import RETRY_REASONS
 from .progress import progress as progress_bar
 from .retry import backoff_s, classify
-from .urls import split_url
+from .urls import etag_of, split_url
 
 __all__ = ["DEFAULT_PART_SIZE", "Uploaded", "Uploader"]
 
@@ -212,9 +212,7 @@ class Uploader:
 
     def _published(self, spool: str, url: str, path: str) -> Uploaded:
         info = self._retrying(lambda: self.fs.info(path), url, "check")
-        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
-        return Uploaded(url, int(info.get("size") or os.path.getsize(spool)),
-                        etag.strip('"') if isinstance(etag, str) else None)
+        return Uploaded(url, int(info.get("size") or os.path.getsize(spool)), etag_of(info))
 
     def _put(self, spool: str, path: str) -> None:
         if self.protocol in ("s3", "s3a"):  # bounded memory: part_size x part_concurrency

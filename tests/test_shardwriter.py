@@ -205,3 +205,33 @@ def test_read_keys_helper_sees_written_local_shards(tmp_path):
             writer.write(make_sample(n))
     assert sorted(read_keys(sd.TarDataset(str(tmp_path) + "/"), num_workers=2)) == [
         f"k{n:05d}" for n in range(10)]
+
+
+def test_the_writers_index_equals_build_index(s3_bucket):
+    from streamdata.index import build_index, read_index
+
+    server, bucket = s3_bucket
+    options = server.storage_options
+    long_key = "d/" + "x" * 120  # a ustar name split into prefix and name
+    with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, storage_options=options) as writer:
+        for n in range(20):
+            writer.write({**make_sample(n), "__key__": f"{long_key}{n:03d}" if n % 5 == 0 else f"k{n:05d}"})
+    # a second writer into the same directory: its shards join the index
+    with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, start_shard=3,
+                        storage_options=options) as second:
+        for n in range(20, 25):
+            second.write(make_sample(n))
+    ours = read_index(f"s3://{bucket}/idx/streamdata.sdx", options)
+    built = build_index(f"s3://{bucket}/idx/", options, output=f"s3://{bucket}/built.sdx", progress=False)
+    theirs = read_index(built, options)
+    assert [e.name for e in ours] == [f"part-{i:03d}.tar" for i in range(4)]
+    assert [e.samples for e in ours] == [7, 7, 6, 5]
+    by_name = {e.name: e for e in theirs}
+    for entry in ours:
+        other = by_name[f"idx/{entry.name}"]  # the built index sits one directory up
+        assert (entry.size, entry.etag, entry.samples) == (other.size, other.etag, other.samples)
+        assert entry.etag and np.array_equal(entry.offsets, other.offsets), entry.name
+    # the dataset finds the writer's index by itself and reads exact spans
+    ds = sd.TarDataset(f"s3://{bucket}/idx/", storage_options=options, decode=False)
+    assert ds.sample_counts().tolist() == [7, 7, 6, 5]
+    assert len(read_keys(ds, num_workers=2)) == 25
