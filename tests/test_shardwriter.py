@@ -235,3 +235,38 @@ def test_the_writers_index_equals_build_index(s3_bucket):
     ds = sd.TarDataset(f"s3://{bucket}/idx/", storage_options=options, decode=False)
     assert ds.sample_counts().tolist() == [7, 7, 6, 5]
     assert len(read_keys(ds, num_workers=2)) == 25
+
+
+def test_write_blocks_while_max_pending_shards_wait(s3_bucket, capsys):
+    """Bounded spool: with uploads slowed down (200 ms one-way), write() waits for a slot, so
+    the spool never holds more than max_pending finished shards and the one being written."""
+    from urllib.parse import urlsplit
+
+    from benchmarks.proxy import LatencyProxy
+
+    server, bucket = s3_bucket
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.2) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
+        writer = sd.ShardWriter(f"s3://{bucket}/slow-%03d.tar", maxcount=2, storage_options=options,
+                                index=False, concurrency=1, max_pending=1, progress=True)
+        spool, most = writer._uploader._spool, 0
+        with writer:
+            for n in range(12):
+                writer.write(make_sample(n))
+                most = max(most, len(os.listdir(spool)))
+    assert len(writer.urls) == 6 and most == 2
+    assert "shards uploaded" in capsys.readouterr().err  # the progress bar, asked for
+    assert not os.path.exists(spool)  # removed at close
+
+
+def test_table_writers_upload_in_the_background_and_name_a_missing_bucket(s3_server, tmp_path):
+    import pyarrow as pa
+
+    table = pa.table({"x": list(range(100))})
+    with pytest.raises(sd.ShardNotFoundError, match="s3://no-such-bucket-sd/t-00000.parquet"):
+        sd.write_parquet(table, "s3://no-such-bucket-sd/t-{shard:05d}.parquet", rows_per_shard=40,
+                         storage_options=s3_server.storage_options)
+    urls = sd.write_arrow(table, str(tmp_path / "a-{shard:02d}.arrow"), rows_per_shard=40)
+    assert sorted(os.listdir(tmp_path)) == ["a-00.arrow", "a-01.arrow", "a-02.arrow"]  # no spool left
+    assert len(urls) == 3
