@@ -65,3 +65,12 @@ def test_plan_benchmark_runs_small(capsys):
     plan.main(["--shards", "1000", "--ranks", "16", "--workers", "2", "--readers", "3"])
     out = capsys.readouterr().out
     assert out.count("median") == 4 and "1,000 shards" in out
+
+
+@pytest.mark.parametrize("what", ["decode", "upload"])
+def test_compressed_benchmark_runs(what):
+    cmd = [sys.executable, "-m", "benchmarks.compressed", what, "--rounds", "1", "--samples", "64",
+           "--shards", "4", "--sample-kb", "16"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("x plain" if what == "decode" else "ShardWriter / serial put") in done.stdout
