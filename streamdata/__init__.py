@@ -2,7 +2,7 @@
 
 from .config import FetchConfig
 from .cuda import CudaPrefetcher, PinAhead, pin_batch
-from .dataset import ShardedDataset, TarDataset
+from .dataset import ShardedDataset
 from .errors import (
     AccessDeniedError,
     BackendMissingError,
@@ -21,6 +21,7 @@ from .index import build_index
 from .objects import ObjectDataset
 from .presets import Loader, loader
 from .shardwriter import ShardWriter
+from .tarset import TarDataset
 from .urls import Shard, expand_spec
 from .world import World
 

@@ -23,9 +23,11 @@ SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
 # why a request was tried again (client): 503 SlowDown / 429, other 5xx, a request past its
 # time-out, a connection reset or refused, a body shorter than asked, anything else
 RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other")
-# every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried)
+# every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
+# planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
+# (drop_last), summed over epochs (streamdata.plan)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
-            "accepted.unterminated")
+            "accepted.unterminated", "planned.padded", "planned.left_out")
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

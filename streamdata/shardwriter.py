@@ -42,9 +42,16 @@ _BLOCK = 512
 _CODECS = {"gz": "gz", "gzip": "gz", "zst": "zst", "zstd": "zst"}
 
 
-def _member_bytes(size: int) -> int:
-    """Bytes a regular member of ``size`` takes in a ustar archive (header and padding)."""
-    return _BLOCK + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+def _padded(n: int) -> int:
+    return (n + _BLOCK - 1) // _BLOCK * _BLOCK
+
+
+def _member_bytes(name: str, size: int) -> int:
+    """Bytes a regular member takes: its header, its padded data, and a pax header before it
+    when the name is not short ASCII (a generous estimate of the pax record's length)."""
+    raw = name.encode("utf-8", "surrogateescape")
+    pax = 0 if len(raw) <= 100 and name.isascii() else _BLOCK + _padded(len(raw) + 32)
+    return pax + _BLOCK + _padded(size)
 
 
 def _shard_url(pattern: str, shard: int) -> str:
@@ -86,7 +93,9 @@ class _OpenShard:
                                                  write_checksum=True).stream_writer(self.file, closefd=False)
         else:
             self.sink = self.file
-        self.tar = tarfile.open(fileobj=self.sink, mode="w|", format=tarfile.USTAR_FORMAT)
+        # pax: plain ustar headers (as webdataset writes) for short ASCII names, a pax header
+        # before a longer or non-ASCII one (ustar alone refuses names past 256 bytes)
+        self.tar = tarfile.open(fileobj=self.sink, mode="w|", format=tarfile.PAX_FORMAT)
         self.offsets: list[int] = []  # where each sample's first header starts (uncompressed)
 
     @property
@@ -118,7 +127,9 @@ class ShardWriter:
     ``storage_options`` go to fsspec; fetch options (``timeout``, ``retry_deadline``,
     ``retries``, ``backoff``, ``backoff_cap``) bound and retry each upload like a read.
     ``concurrency`` uploads run at once, ``max_pending`` finished shards may wait; S3 objects of
-    at least ``2 * part_size`` bytes go up as multipart uploads. ``index=True`` writes the sample
+    at least ``2 * part_size`` bytes go up as multipart uploads. ``publish``: ``"put"`` (the default
+    on S3 and GCS, whose uploads appear whole) or ``"copy"`` (a temporary key copied into place;
+    the default elsewhere), see ``upload``. ``index=True`` writes the sample
     index next to the shards at ``close()``. ``progress``: a bar of shards uploaded (``None``:
     when stderr is a terminal). After ``close()``, :attr:`urls` lists the shards written.
     """
@@ -130,7 +141,8 @@ class ShardWriter:
                  user: str = "bigdata", group: str = "bigdata", mode: int = 0o444,
                  mtime: float | None = None, concurrency: int = 4, max_pending: int = 4,
                  part_size: int = DEFAULT_PART_SIZE, tmpdir: str | None = None,
-                 progress: bool | None = None, fetch_config: FetchConfig | None = None,
+                 progress: bool | None = None, publish: str | None = None,
+                 fetch_config: FetchConfig | None = None,
                  **fetch_options: Any) -> None:
         if maxcount < 1 or maxsize <= 0:
             raise SpecError(f"ShardWriter: maxcount and maxsize must be positive, got {maxcount}, {maxsize}")
@@ -150,13 +162,14 @@ class ShardWriter:
         self.index = index
         self.storage_options = dict(storage_options or {})
         self.keep_meta, self.user, self.group, self.mode = keep_meta, user, group, mode
-        self.mtime = time.time() if mtime is None else mtime
+        self.mtime = int(time.time() if mtime is None else mtime)  # an int: no pax mtime record
         self._encode = make_encoder(encoder)
         config = FetchConfig.resolve(fetch_config, **fetch_options)
         self._protocol = split_url(first)[0]
         self._uploader = Uploader(self._protocol, self.storage_options, config=config,
                                   concurrency=concurrency, max_pending=max_pending, part_size=part_size,
-                                  tmpdir=tmpdir, progress=progress, desc="shards uploaded")
+                                  tmpdir=tmpdir, progress=progress, desc="shards uploaded",
+                                  publish=publish)
         self._next = start_shard
         self._shard: _OpenShard | None = None
         self._count = 0
@@ -172,7 +185,7 @@ class ShardWriter:
         if self._closed:
             raise SpecError("ShardWriter.write after close()")
         members = self._members(sample)
-        need = sum(_member_bytes(len(data)) for _, data in members)
+        need = sum(_member_bytes(name, len(data)) for name, data in members)
         shard = self._shard
         if shard is not None and (self._count >= self.maxcount
                                   or shard.size + need + 2 * _BLOCK > self.maxsize):
@@ -259,18 +272,18 @@ class ShardWriter:
         self._uploader.close(cancel=True)
 
     def _write_index(self, uploaded: list[Uploaded]) -> None:
+        """The offsets recorded while writing, for the shards now in place, merged into the
+        index of their directory (``index.write_index``: names made relative, written whole)."""
+        import numpy as np
+
         from .index import ShardEntry, default_index_url, write_index
 
         by_url = {u.url: u for u in uploaded}
         urls = [u for u in self.urls if u in by_url]
-        where = default_index_url(urls)
-        entries = []
-        for url in urls:
-            samples, offsets = self._written[url]
-            done = by_url[url]
-            entries.append(ShardEntry(name=_relative(url, where), size=done.size, etag=done.etag,
-                                      samples=samples, offsets=_array(offsets)))
-        write_index(where, entries, storage_options=self.storage_options)
+        entries = [ShardEntry(url, by_url[url].size, by_url[url].etag, self._written[url][0],
+                              np.asarray(self._written[url][1], dtype=np.uint64)) for url in urls]
+        write_index(default_index_url(urls), entries, storage_options=self.storage_options,
+                    config=self._uploader.config)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -290,16 +303,3 @@ class ShardWriter:
 
     def __repr__(self) -> str:
         return f"ShardWriter({self.pattern!r}, {len(self.urls)} shards, {self.total} samples)"
-
-
-def _array(offsets: list[int]) -> Any:
-    import numpy as np
-
-    return np.asarray(offsets, dtype=np.uint64)
-
-
-def _relative(url: str, index_url: str) -> str:
-    import posixpath
-
-    folder = posixpath.dirname(index_url)
-    return url[len(folder) + 1:] if url.startswith(folder + "/") else url

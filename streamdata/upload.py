@@ -7,13 +7,17 @@ in flight stay bounded: at most ``concurrency x part_concurrency x part_size`` b
 in memory (a file of at least twice ``part_size`` goes up as a multipart upload, s3fs's
 ``put_file``; smaller ones in one PUT).
 
-Invariant (PUBLISH-WHOLE): an object appears under its final name only whole. A remote file
-is uploaded to a temporary key next to it (``.<name>.<random>.tmp``, which no listing of
-shard suffixes picks up), then moved (S3, GCS: a server-side copy, which publishes all the
-bytes at once) to the final name; a local file is spooled next to its final name and
-renamed (atomic on one file system). A writer killed at any point leaves at most a temporary
-key (and, on S3, an unfinished multipart upload that S3's lifecycle rules clean up), never a
-partial object under a final name.
+Invariant (PUBLISH-WHOLE): an object appears under its final name only whole. On S3 and GCS
+a PUT, a completed multipart upload and a finalized resumable upload each publish all the bytes
+at once (an unfinished one is invisible), so objects are uploaded to their final name
+(``publish="put"``). Elsewhere, and with ``publish="copy"`` anywhere, a file is uploaded to a
+temporary key next to it (``.<name>.<random>.tmp``, which no listing of shard suffixes picks
+up) and then copied into place and the temporary key deleted (on moto's S3 here, the copy cost
+as much as the upload: benchmarks/README.md); a local file is spooled next to its final name
+and renamed (atomic on one file system). A writer killed at any point leaves at most a
+temporary key or spool file (and, on S3, an unfinished multipart upload, which a bucket
+lifecycle rule for incomplete multipart uploads removes), never a partial object under a
+final name.
 
 Failures are retried under the readers' policy (``retry.classify``, ``retry.backoff_s``):
 transient ones (5xx, throttling, resets, timeouts) until ``retry_deadline`` after the first
@@ -44,13 +48,14 @@ from .errors import FetchTimeoutError, StreamDataError
 from .metrics import RETRY_REASONS
 from .progress import progress as progress_bar
 from .retry import backoff_s, classify
-from .urls import split_url
+from .urls import etag_of, split_url
 
 __all__ = ["DEFAULT_PART_SIZE", "Uploaded", "Uploader"]
 
 log = logging.getLogger("streamdata")
 DEFAULT_PART_SIZE = 32 << 20  # bytes per multipart part (S3: 5 MiB .. 5 GiB; 10,000 parts at most)
 _POLL = 0.1  # seconds: blocking waits are taken in slices this long
+_ATOMIC_PUT = ("s3", "s3a", "gs", "gcs")  # stores whose uploads appear whole or not at all
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,20 @@ class Uploader:
     def __init__(self, protocol: str, storage_options: Mapping[str, Any] | None = None, *,
                  config: FetchConfig | None = None, concurrency: int = 4, max_pending: int = 8,
                  part_size: int = DEFAULT_PART_SIZE, part_concurrency: int = 2,
-                 tmpdir: str | None = None, progress: bool | None = None, desc: str = "uploaded") -> None:
+                 tmpdir: str | None = None, progress: bool | None = None, desc: str = "uploaded",
+                 publish: str | None = None) -> None:
         if concurrency < 1 or max_pending < 1 or part_size < 5 << 20 or part_concurrency < 1:
             from .errors import SpecError
 
             raise SpecError("upload: concurrency, max_pending and part_concurrency must be >= 1 and "
                             f"part_size >= 5 MiB (got {concurrency}, {max_pending}, {part_concurrency}, "
                             f"{part_size})")
+        if publish not in (None, "put", "copy"):
+            from .errors import SpecError
+
+            raise SpecError(f"upload: publish must be None, 'put' or 'copy', got {publish!r}")
         self.protocol = protocol
+        self.publish = publish or ("put" if protocol in _ATOMIC_PUT else "copy")
         self.config = config or FetchConfig()
         self.max_pending = max_pending
         self.part_size, self.part_concurrency = part_size, part_concurrency
@@ -181,6 +192,9 @@ class Uploader:
         if self.protocol == "file":  # spooled next to it (PUBLISH-WHOLE): a rename
             os.replace(spool, path)
             return Uploaded(url, os.path.getsize(path), None)
+        if self.publish == "put":  # the store publishes an upload whole (PUBLISH-WHOLE)
+            self._retrying(lambda: self._put(spool, path), url, "upload")
+            return self._published(spool, url, path)
         folder, name = posixpath.split(path)
         temporary = posixpath.join(folder, _temporary_name(name))
         try:
@@ -194,10 +208,11 @@ class Uploader:
             with contextlib.suppress(Exception):
                 fs.rm_file(temporary)  # best effort: a failed try may have left it
             raise
-        info = self._retrying(lambda: fs.info(path), url, "check")
-        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
-        return Uploaded(url, int(info.get("size") or os.path.getsize(spool)),
-                        etag.strip('"') if isinstance(etag, str) else None)
+        return self._published(spool, url, path)
+
+    def _published(self, spool: str, url: str, path: str) -> Uploaded:
+        info = self._retrying(lambda: self.fs.info(path), url, "check")
+        return Uploaded(url, int(info.get("size") or os.path.getsize(spool)), etag_of(info))
 
     def _put(self, spool: str, path: str) -> None:
         if self.protocol in ("s3", "s3a"):  # bounded memory: part_size x part_concurrency

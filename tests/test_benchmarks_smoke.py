@@ -50,3 +50,27 @@ def test_epochs_benchmark_compares_both_settings(tmp_path):
     for epochs in rows.values():
         assert [r["epoch"] for r in epochs] == [1, 2] and all(r["samples"] == 256 for r in epochs)
     assert "reuse / glibc defaults" in done.stdout
+
+
+def test_index_build_benchmark_counts_every_sample():
+    cmd = [sys.executable, "-m", "benchmarks.index_build", "--quick", "--rounds", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "round 1: index" in done.stdout and "median of 1 rounds" in done.stdout
+
+
+def test_plan_benchmark_runs_small(capsys):
+    from benchmarks import plan
+
+    plan.main(["--shards", "1000", "--ranks", "16", "--workers", "2", "--readers", "3"])
+    out = capsys.readouterr().out
+    assert out.count("median") == 4 and "1,000 shards" in out
+
+
+@pytest.mark.parametrize("what", ["decode", "upload"])
+def test_compressed_benchmark_runs(what):
+    cmd = [sys.executable, "-m", "benchmarks.compressed", what, "--rounds", "1", "--samples", "64",
+           "--shards", "4", "--sample-kb", "16"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ("x plain" if what == "decode" else "ShardWriter / serial put") in done.stdout

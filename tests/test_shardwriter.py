@@ -55,11 +55,12 @@ def objects(fs, bucket: str) -> dict[str, int]:
     return {Path(p).name: info["size"] for p, info in fs.find(bucket, detail=True).items()}
 
 
-def test_round_trip_over_s3(s3_bucket):
+@pytest.mark.parametrize("publish", [None, "copy"])
+def test_round_trip_over_s3(s3_bucket, publish):
     server, bucket = s3_bucket
     options = server.storage_options
     with sd.ShardWriter(f"s3://{bucket}/train/shard-%04d.tar", maxcount=9, storage_options=options,
-                        index=False) as writer:
+                        index=False, publish=publish) as writer:
         for n in range(40):
             writer.write(make_sample(n))
     assert writer.urls == [f"s3://{bucket}/train/shard-{i:04d}.tar" for i in range(5)]
@@ -204,3 +205,69 @@ def test_read_keys_helper_sees_written_local_shards(tmp_path):
             writer.write(make_sample(n))
     assert sorted(read_keys(sd.TarDataset(str(tmp_path) + "/"), num_workers=2)) == [
         f"k{n:05d}" for n in range(10)]
+
+
+def test_the_writers_index_equals_build_index(s3_bucket):
+    from streamdata.index import build_index, read_index
+
+    server, bucket = s3_bucket
+    options = server.storage_options
+    long_key = "d/" + "x" * 120  # a ustar name split into prefix and name
+    with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, storage_options=options) as writer:
+        for n in range(20):
+            writer.write({**make_sample(n), "__key__": f"{long_key}{n:03d}" if n % 5 == 0 else f"k{n:05d}"})
+    # a second writer into the same directory: its shards join the index
+    with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, start_shard=3,
+                        storage_options=options) as second:
+        for n in range(20, 25):
+            second.write(make_sample(n))
+    ours = read_index(f"s3://{bucket}/idx/streamdata.sdx", options)
+    built = build_index(f"s3://{bucket}/idx/", options, output=f"s3://{bucket}/built.sdx", progress=False)
+    theirs = read_index(built, options)
+    assert [e.name for e in ours] == [f"part-{i:03d}.tar" for i in range(4)]
+    assert [e.samples for e in ours] == [7, 7, 6, 5]
+    by_name = {e.name: e for e in theirs}
+    for entry in ours:
+        other = by_name[f"idx/{entry.name}"]  # the built index sits one directory up
+        assert (entry.size, entry.etag, entry.samples) == (other.size, other.etag, other.samples)
+        assert entry.etag and np.array_equal(entry.offsets, other.offsets), entry.name
+    # the dataset finds the writer's index by itself and reads exact spans
+    ds = sd.TarDataset(f"s3://{bucket}/idx/", storage_options=options, decode=False)
+    assert ds.sample_counts().tolist() == [7, 7, 6, 5]
+    assert len(read_keys(ds, num_workers=2)) == 25
+
+
+def test_write_blocks_while_max_pending_shards_wait(s3_bucket, capsys):
+    """Bounded spool: with uploads slowed down (200 ms one-way), write() waits for a slot, so
+    the spool never holds more than max_pending finished shards and the one being written."""
+    from urllib.parse import urlsplit
+
+    from benchmarks.proxy import LatencyProxy
+
+    server, bucket = s3_bucket
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.2) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
+        writer = sd.ShardWriter(f"s3://{bucket}/slow-%03d.tar", maxcount=2, storage_options=options,
+                                index=False, concurrency=1, max_pending=1, progress=True)
+        spool, most = writer._uploader._spool, 0
+        with writer:
+            for n in range(12):
+                writer.write(make_sample(n))
+                most = max(most, len(os.listdir(spool)))
+    assert len(writer.urls) == 6 and most == 2
+    assert "shards uploaded" in capsys.readouterr().err  # the progress bar, asked for
+    assert not os.path.exists(spool)  # removed at close
+
+
+def test_table_writers_upload_in_the_background_and_name_a_missing_bucket(s3_server, tmp_path):
+    import pyarrow as pa
+
+    table = pa.table({"x": list(range(100))})
+    # the first shard to fail (uploads run concurrently)
+    with pytest.raises(sd.ShardNotFoundError, match=r"s3://no-such-bucket-sd/t-0000[0-2]\.parquet"):
+        sd.write_parquet(table, "s3://no-such-bucket-sd/t-{shard:05d}.parquet", rows_per_shard=40,
+                         storage_options=s3_server.storage_options)
+    urls = sd.write_arrow(table, str(tmp_path / "a-{shard:02d}.arrow"), rows_per_shard=40)
+    assert sorted(os.listdir(tmp_path)) == ["a-00.arrow", "a-01.arrow", "a-02.arrow"]  # no spool left
+    assert len(urls) == 3

@@ -35,6 +35,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 OUT_CHUNK = 1 << 20  # most decompressed bytes produced per step
 _ZSTD_READ = 1 << 17  # compressed bytes the zstd reader takes per refill
+_IN_STEP = 1 << 18  # compressed bytes handed to the inflater per call (its unconsumed tail is a copy)
 
 try:  # ISA-L: measured faster than zlib for inflate (benchmarks/compressed.py)
     from isal import isal_zlib as _inflate_lib
@@ -101,30 +102,31 @@ def _gunzip(chunks: Iterator[bytes], url: str) -> Iterator[bytes]:
     """Inflate a (multi-member) gzip stream, at most ``OUT_CHUNK`` bytes per step."""
     inflater = _inflate_lib.decompressobj(wbits=31)
     offset = 0  # compressed bytes taken so far (for messages)
-    member_has_input = False
+    member_has_input = False  # the inflater has been given input (an empty stream is no member)
     trailing_zeros = False
     try:
         for chunk in chunks:
-            data = chunk
-            while data:  # each turn consumes input or produces output (bounded by OUT_CHUNK)
-                if trailing_zeros:
-                    if data.count(0) != len(data):
-                        raise _error(url, "gzip", offset, "data after zero padding")
-                    offset += len(data)
-                    break
-                if inflater.eof:  # the member ended: another member, padding, or garbage
-                    if data[:1] == b"\0":
-                        trailing_zeros = True
-                        continue
-                    inflater = _inflate_lib.decompressobj(wbits=31)
-                    member_has_input = False
-                before = len(data)
-                out = inflater.decompress(data, OUT_CHUNK)
-                member_has_input = True
-                data = inflater.unused_data if inflater.eof else inflater.unconsumed_tail
-                offset += before - len(data)
-                if out:
-                    yield out
+            view = memoryview(chunk)
+            for at in range(0, len(view), _IN_STEP):
+                data: bytes | memoryview = view[at:at + _IN_STEP]
+                while data:  # each turn consumes input or produces output (bounded by OUT_CHUNK)
+                    if trailing_zeros:
+                        if bytes(data).count(0) != len(data):
+                            raise _error(url, "gzip", offset, "data after zero padding")
+                        offset += len(data)
+                        break
+                    if inflater.eof:  # the member ended: another member, padding, or garbage
+                        if data[0] == 0:
+                            trailing_zeros = True
+                            continue
+                        inflater = _inflate_lib.decompressobj(wbits=31)
+                    before = len(data)
+                    out = inflater.decompress(data, OUT_CHUNK)
+                    member_has_input = True
+                    data = inflater.unused_data if inflater.eof else inflater.unconsumed_tail
+                    offset += before - len(data)
+                    if out:
+                        yield out
         if member_has_input and not inflater.eof:  # output the last call could not return
             tail = inflater.flush()
             if tail:
@@ -161,18 +163,19 @@ class _WalkedSource:
     def __init__(self, chunks: Iterator[bytes], url: str) -> None:
         self._chunks = chunks
         self._buf = b""
+        self._pos = 0  # bytes of _buf already read (no re-slicing of a big part per read)
         self.walker = _ZstdWalker(url)
 
     def read(self, n: int = -1) -> bytes:
-        while not self._buf:
+        while self._pos >= len(self._buf):
             chunk = next(self._chunks, None)
             if chunk is None:
                 return b""
-            self._buf = chunk
-        if n < 0 or n >= len(self._buf):
-            out, self._buf = self._buf, b""
-        else:
-            out, self._buf = self._buf[:n], self._buf[n:]
+            self._buf, self._pos = chunk, 0
+        start = self._pos
+        end = len(self._buf) if n < 0 else min(len(self._buf), start + n)
+        out = self._buf if start == 0 and end == len(self._buf) else self._buf[start:end]
+        self._pos = end
         self.walker.feed(out)
         return out
 
