@@ -134,7 +134,7 @@ def busy(args: argparse.Namespace, desc: str) -> Iterator[Any]:
 def dataset_class(fmt: str) -> type:
     """The dataset class reading ``fmt`` (its ``suffixes`` are the listing rules)."""
     if fmt == "tar":
-        from ..dataset import TarDataset
+        from ..tarset import TarDataset
 
         return TarDataset
     from ..parquet import ArrowDataset, ParquetDataset

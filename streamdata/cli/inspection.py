@@ -116,12 +116,13 @@ def _nbytes(value: Any) -> int:
 def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
                  window: int = 1) -> Iterator[dict]:
     """Raw tar samples in order: one shard at a time with ``window`` 1 (nothing fetched beyond
-    need), else one pass over all of them with that many shards in flight (a search)."""
-    from ..dataset import TarDataset
+    need), else one pass over all of them with that many shards in flight (a search). Whole
+    shards, without the sample index (``index=None``: no GET for it per dataset)."""
+    from ..tarset import TarDataset
 
     options = storage_options(args)
     if window > 1:
-        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window,
+        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window, index=None,
                              **fetch_options(args)))
         try:
             yield from it
@@ -129,7 +130,8 @@ def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
             it.close()
         return
     for shard in shards:
-        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1, **fetch_options(args)))
+        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1, index=None,
+                             **fetch_options(args)))
         try:
             yield from it
         finally:
