@@ -14,6 +14,7 @@ from .common import (
     add_common,
     add_format,
     bar,
+    dataset_class,
     fetch_options,
     human,
     list_shards,
@@ -141,8 +142,6 @@ def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
 
 
 def _table_samples(args: argparse.Namespace, fmt: str, shards: list) -> tuple[Any, Iterator[dict]]:
-    from .common import dataset_class
-
     ds = dataset_class(fmt)(shards, storage_options=storage_options(args), **fetch_options(args))
     return ds, iter(ds)
 
@@ -288,13 +287,13 @@ def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
     config = FetchConfig.resolve(None, **fetch_options(args))
     status = sdindex.index_status(shards, storage_options=options, config=config)
     status = status[len("index: "):] if status.startswith("index: ") else status
-    counts = None
-    try:
+    if status.startswith(("none", "unavailable")):
+        return status, None  # no second GET
+    try:  # the counts, if the index covers every shard and none is stale
         found = sdindex.lookup(shards, "auto", options, config)
-        counts = None if found is None else found.counts
     except StreamDataError:
-        counts = None
-    return str(status), counts
+        return status, None
+    return status, None if found is None else found.counts
 
 
 # ---- cat ------------------------------------------------------------------------------------
