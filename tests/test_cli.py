@@ -383,6 +383,12 @@ def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
     assert f"index     {url}: 7/7 shards, {len(keys)} samples" in out
     code, out, _ = run_cli(capsys, "ls", spec, *opts)
     assert "streamdata.sdx" not in out  # the index is not a shard
+    from tests.helpers import make_samples, tar_bytes
+
+    _s3fs(server).pipe_file(f"{name}/d/shard-000.tar", tar_bytes(make_samples([2])[0]))  # was 5 samples
+    code, out, _ = run_cli(capsys, "inspect", spec, "--scan", "7", *opts)
+    assert f"samples   {len(keys) - 3} (counted)" in out  # not the stale index's count
+    assert f"7/7 shards, {len(keys)} samples, 1 stale, 0 missing: run `streamdata index SPEC`" in out
     other = f"s3://{name}/elsewhere/all.sdx"
     code, out, err = run_cli(capsys, "index", spec, "--output", other, "--quiet", *opts)
     assert code == 0 and out.startswith(f"wrote {other}: 7 shards") and err == ""
