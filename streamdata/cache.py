@@ -119,10 +119,11 @@ class Cache:
         return _stopped.get(self.directory) != os.getpid()
 
     def fail(self, exc: OSError, doing: str) -> None:
-        """Count an ``OSError`` while writing; the first in this process warns and stops writing."""
-        self.count("errors")
+        """An ``OSError`` while writing: the first in this process is counted, warns, and stops
+        its writing here (later ones, from writes already under way, are not counted again)."""
         if self.writing:
             _stopped[self.directory] = os.getpid()
+            self.count("errors")
             warnings.warn(f"streamdata cache: could not {doing} in {self.directory} ({redact(str(exc))}); "
                           "this process reads without caching from now on (free space, or fix the "
                           "directory's permissions, or pass another cache_dir)", RuntimeWarning, stacklevel=2)
@@ -139,8 +140,8 @@ class Cache:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            if not isinstance(exc, FileNotFoundError):
-                self.count("errors")
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                self.count("errors")  # a read error (EACCES, EIO): fetched instead
             self.count("misses")
             return None
         try:
