@@ -8,6 +8,7 @@ Requests are counted at a FaultProxy in front of the S3 test server.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -350,3 +351,41 @@ def test_cache_options_flow_through_fetch_config(monkeypatch, tmp_path):
             sd.FetchConfig(cache_limit=bad)
     with pytest.raises(sd.SpecError, match="cache_dir"):
         sd.FetchConfig(cache_dir=3)
+
+
+def test_one_writer_per_entry_and_readers_see_only_whole_entries(tmp_path):
+    """CACHE-PUBLISH without timing: a second writer of an entry being written gets none (it
+    would only stream), a reader never sees the entry before it is whole, an abandoned file is
+    taken over, and an entry deleted while open stays readable."""
+    cache = Cache(str(tmp_path))
+    data = os.urandom(3 * (1 << 20) + 5)
+    key = cache_key("s3://b/k.tar", ((0, len(data)),), len(data), "etag-1")
+    first = cache.writer(key, len(data))
+    assert first is not None
+    assert cache.writer(key, len(data)) is None  # flock held by the first (another open file)
+    first.write(1 << 20, data[1 << 20:])  # parts out of order
+    assert cache.lookup(key, len(data)) is None  # not published yet: a miss, never a torn read
+    first.write(0, data[:1 << 20])
+    assert not first.active and cache.writer(key, len(data)) is None  # published: nothing to write
+    entry = cache.lookup(key, len(data))
+    assert entry is not None
+    os.unlink(cache.path(key))  # evicted by another process while this reader holds it
+    try:
+        assert entry.read() == data
+    finally:
+        entry.close()
+    # a writer that died leaves its .tmp, unlocked: the next writer takes it over
+    dead = cache.writer(key, len(data))
+    dead.write(0, data[:1000])
+    os.close(dead._fd)  # the process is gone: its lock with it, the partial file stays
+    dead._fd = None
+    again = cache.writer(key, len(data))
+    assert again is not None
+    again.write(0, data)
+    entry = cache.lookup(key, len(data))
+    try:
+        assert entry.read() == data
+    finally:
+        entry.close()
+    # another key, another etag: another entry
+    assert cache.lookup(cache_key("s3://b/k.tar", ((0, len(data)),), len(data), "etag-2"), len(data)) is None
