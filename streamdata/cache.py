@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 import time
 import warnings
 import zlib
@@ -103,15 +104,18 @@ class Cache:
         self.limit = limit
         self.counters = counters  # the dataset's shared counters (cache.*), if any
         self.stats = dict.fromkeys(CACHE_EVENTS, 0)  # this handle's own counts
+        self._lock = threading.Lock()  # lookups count on the loop, writes on the disk thread
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
             self.fail(exc, "create the cache directory")
 
     def count(self, event: str, n: int = 1) -> None:
-        self.stats[event] += n
-        if self.counters is not None:
-            self.counters.add(f"cache.{event}", n)
+        """Add to ``cache.<event>``; one thread at a time (ONE-WRITER-PER-ROW in ``metrics``)."""
+        with self._lock:
+            self.stats[event] += n
+            if self.counters is not None:
+                self.counters.add(f"cache.{event}", n)
 
     @property
     def writing(self) -> bool:

@@ -14,7 +14,9 @@ part the consumer waits for is never queued behind later ones (no deadlock).
 
 With ``cache_dir`` (``streamdata.cache``), an item found in the cache is served from disk
 through the same ``ItemReader`` (no request, no budget); any other item's parts are also
-written to the cache as they arrive (CACHE-PUBLISH, CACHE-VERIFY).
+written to the cache as they arrive (CACHE-PUBLISH, CACHE-VERIFY), by a thread of their own
+after the reader has them, so the loop never waits for the disk. Parts queued for it hold at
+most ``byte_budget`` bytes more; past that, an item is streamed without being cached.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import collections
 import concurrent.futures
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from ._aio import wait_future
+from ._aio import wait_future, wait_threads_gone
 from .backends import translate_error
 from .cache import Cache, CorruptEntry, Entry, Writer, cache_key
 from .client import AsyncClient, Chunks, body_size
@@ -110,6 +113,8 @@ class Prefetcher:
         cfg = self.config
         self.cache = Cache(cfg.cache_dir, cfg.cache_limit, counters) if cfg.cache_dir else None
         self._writers: dict[int, Writer] = {}  # item index: its cache entry being written
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="streamdata-cache") if self.cache else None
+        self._disk_queued = 0  # bytes of parts handed to the disk thread, not yet written
         self.peak_reserved = 0
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: list[concurrent.futures.Future[_Plan]] = [
@@ -140,7 +145,11 @@ class Prefetcher:
             return
         self._closed = True
         self.client.close()
-        for writer in self._writers.values():  # the loop is gone: unfinished entries are dropped
+        if self._disk is not None:  # parts not yet written are dropped; the one being written ends
+            threads = list(getattr(self._disk, "_threads", ()))
+            self._disk.shutdown(wait=True, cancel_futures=True)
+            wait_threads_gone(threads)
+        for writer in self._writers.values():  # loop and disk thread gone: unfinished entries dropped
             writer.abort()
         self._writers.clear()
         for plan in self._plans:  # cache entries opened ahead that no reader took
@@ -254,22 +263,38 @@ class Prefetcher:
                 fut.set_result(data)  # the reader first: the cache adds no wait
             else:
                 self._reserved -= size
-            writer = self._writers.get(index)
-            if writer is not None:  # also when the reader gave up: the entry can still complete
-                writer.write(offset, data)
-                if not writer.active:  # published, or dropped after an error
-                    del self._writers[index]
+            if index in self._writers:  # also when the reader gave up: the entry can still complete
+                self._to_disk(index, offset, data, size)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             writer = self._writers.pop(index, None)
             if writer is not None:
-                writer.abort()
+                self._disk.submit(writer.abort)  # after its parts already queued
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
         finally:
             self._inflight -= 1
             self._wake.set()
+
+
+    def _to_disk(self, index: int, offset: int, data: bytes | Chunks, size: int) -> None:
+        """Hand a part to the disk thread (CACHE-PUBLISH); past ``byte_budget`` bytes queued,
+        drop the item's entry instead (the disk is slower than the network)."""
+        writer = self._writers[index]
+        if self._disk_queued + size > self.config.byte_budget:
+            del self._writers[index]
+            self._disk.submit(writer.abort)
+            return
+        self._disk_queued += size
+
+        def written(_: concurrent.futures.Future) -> None:  # on the loop
+            self._disk_queued -= size
+            if not writer.active and self._writers.get(index) is writer:  # published, or failed
+                del self._writers[index]
+
+        self._disk.submit(writer.write, offset, data).add_done_callback(
+            lambda f: self._io.call_soon(written, f))
 
 
 class ItemReader:

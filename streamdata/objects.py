@@ -113,4 +113,5 @@ class ObjectDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_client"] = None  # never inherit a loop (LOOP-AFTER-FORK)
+        state["_cache"] = None  # made again with the client, in the process that reads
         return state
