@@ -24,7 +24,12 @@ Eviction (LRU): a hit touches the entry's mtime; after each publish, while the d
 more than ``cache_limit`` bytes, the least recently used entries are deleted. An item larger
 than the limit is not cached. Any ``OSError`` while writing (a full disk, a read-only
 directory) warns once, counts ``cache.errors`` and stops this process's writing to that
-directory: it streams as without a cache, and still serves entries already there.
+directory: it streams as without a cache, and still serves entries already there. A read
+error (not a missing entry) is counted too, and the item fetched.
+
+Threads: lookups run on the reader's I/O loop, writes (and so publish and eviction) on the
+prefetcher's disk thread, corrupt entries are found by the reader's thread; ``Cache.count``
+takes a lock, so each counter still has one writer at a time (ONE-WRITER-PER-ROW).
 """
 
 from __future__ import annotations
