@@ -389,3 +389,35 @@ def test_one_writer_per_entry_and_readers_see_only_whole_entries(tmp_path):
         entry.close()
     # another key, another etag: another entry
     assert cache.lookup(cache_key("s3://b/k.tar", ((0, len(data)),), len(data), "etag-2"), len(data)) is None
+
+
+def test_byte_ranges_corrupt_mid_entry_are_refetched_from_the_right_offset(tmp_path):
+    """A Parquet-like item of several byte ranges: a bad segment found after the first MiB was
+    served makes the reader fetch the rest, range by range, from the first byte not delivered."""
+    from streamdata.fetch import FetchItem, Prefetcher
+
+    blob = os.urandom(3 << 20)
+    src = tmp_path / "obj.bin"
+    src.write_bytes(blob)
+    ranges = ((100, 700_000), (1 << 20, (2 << 20) + 12345), ((5 << 19), 3 << 20))
+    want = [blob[a:b] for a, b in ranges]
+    cfg = sd.FetchConfig(cache_dir=str(tmp_path / "cache"), part_size=256 * 1024)
+
+    def read() -> tuple[list[bytes], dict]:
+        with Prefetcher([FetchItem(str(src), len(blob), ranges)], config=cfg) as fetcher:
+            got = next(iter(fetcher)).read_ranges()
+            return got, dict(fetcher.cache.stats), fetcher.stats.requests
+
+    assert read()[0] == want
+    (entry,) = _entries(tmp_path / "cache")
+    data = bytearray(entry.read_bytes())
+    data[(1 << 20) + 5000] ^= 0x01  # in the second segment: the first MiB is served first
+    entry.write_bytes(bytes(data))
+    got, stats, requests = read()
+    assert got == want
+    assert stats["hits"] == 1 and stats["corrupt"] == 1 and requests >= 1, stats
+    assert not entry.exists()
+    got, stats, requests = read()  # a miss, fetched and cached again
+    assert got == want and stats["misses"] == 1
+    got, stats, requests = read()
+    assert got == want and stats["hits"] == 1 and requests == 0
