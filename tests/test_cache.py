@@ -421,3 +421,29 @@ def test_byte_ranges_corrupt_mid_entry_are_refetched_from_the_right_offset(tmp_p
     assert got == want and stats["misses"] == 1
     got, stats, requests = read()
     assert got == want and stats["hits"] == 1 and requests == 0
+
+
+def test_a_shards_etag_is_part_of_its_key(tmp_path):
+    """A shard whose listing (or index) gives an ETag is cached under it: another ETag, same URL
+    and size (the object was rewritten), is fetched again, never served from the old entry."""
+    from typing import NamedTuple
+
+    from streamdata.fetch import Prefetcher
+
+    class Tagged(NamedTuple):  # urls.Shard with the index's etag field
+        url: str
+        size: int
+        etag: str | None = None
+
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"x" * 5000)
+    cfg = sd.FetchConfig(cache_dir=str(tmp_path / "cache"))
+
+    def hits(shard: Tagged) -> int:
+        with Prefetcher([shard], config=cfg) as fetcher:
+            assert next(iter(fetcher)).read() == src.read_bytes()
+            return fetcher.cache.stats["hits"]
+
+    assert [hits(Tagged(str(src), 5000, "v1")), hits(Tagged(str(src), 5000, "v1"))] == [0, 1]
+    src.write_bytes(b"y" * 5000)  # rewritten: same size, a new ETag
+    assert [hits(Tagged(str(src), 5000, "v2")), hits(Tagged(str(src), 5000, "v2"))] == [0, 1]
