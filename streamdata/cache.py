@@ -334,6 +334,9 @@ class Writer:
         assert fd is not None
         table = b"".join(_SEG.pack(*s) for off in sorted(self._segments) for s in self._segments[off])
         footer = _FOOTER.pack(_MAGIC, self.length, len(table) // _SEG.size, _crc32(table), 0)
+        limit = self.cache.limit
+        if limit is not None and self.length + len(table) + len(footer) > limit:
+            raise CorruptEntry("larger than the whole cache_limit")  # not cached (writer() estimated)
         os.pwrite(fd, table + footer, self.length)
         if os.fstat(fd).st_size != self.length + len(table) + len(footer):
             raise CorruptEntry(f"{self.tmp} is not the size written")
