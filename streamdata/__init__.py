@@ -13,9 +13,11 @@ from .errors import (
     ShardNotFoundError,
     SharedMemoryError,
     SpecError,
+    StaleIndexError,
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
+from .index import build_index
 from .objects import ObjectDataset
 from .presets import Loader, loader
 from .urls import Shard, expand_spec
@@ -62,9 +64,11 @@ __all__ = [
     "ShardedDataset",
     "SharedMemoryError",
     "SpecError",
+    "StaleIndexError",
     "StreamDataError",
     "TarDataset",
     "World",
+    "build_index",
     "expand_spec",
     "loader",
     "pin_batch",

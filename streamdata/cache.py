@@ -23,9 +23,9 @@ entry and fetches the rest of the item from the store. Each is counted (``cache.
 Eviction (LRU): a hit touches the entry's mtime; after each publish, while the directory holds
 more than ``cache_limit`` bytes, the least recently used entries are deleted. An item larger
 than the limit is not cached. Any ``OSError`` while writing (a full disk, a read-only
-directory) warns once, counts ``cache.errors`` and stops this process's writing to that
-directory: it streams as without a cache, and still serves entries already there. A read
-error (not a missing entry) is counted too, and the item fetched.
+directory) warns once per process, counts ``cache.errors`` (once per reader pass) and stops
+this process's writing to that directory: it streams as without a cache, and still serves
+entries already there. A read error (not a missing entry) is counted too, and the item fetched.
 
 Threads: lookups run on the reader's I/O loop, writes (and so publish and eviction) on the
 prefetcher's disk thread, corrupt entries are found by the reader's thread; ``Cache.count``
@@ -110,6 +110,7 @@ class Cache:
         self.counters = counters  # the dataset's shared counters (cache.*), if any
         self.stats = dict.fromkeys(CACHE_EVENTS, 0)  # this handle's own counts
         self._lock = threading.Lock()  # lookups count on the loop, writes on the disk thread
+        self._failed = False
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
@@ -128,11 +129,13 @@ class Cache:
         return _stopped.get(self.directory) != os.getpid()
 
     def fail(self, exc: OSError, doing: str) -> None:
-        """An ``OSError`` while writing: the first in this process is counted, warns, and stops
-        its writing here (later ones, from writes already under way, are not counted again)."""
+        """An ``OSError`` while writing: counted once per handle (a reader's pass); the first in
+        this process warns and stops its writing here."""
+        if not self._failed:
+            self._failed = True
+            self.count("errors")
         if self.writing:
             _stopped[self.directory] = os.getpid()
-            self.count("errors")
             warnings.warn(f"streamdata cache: could not {doing} in {self.directory} ({redact(str(exc))}); "
                           "this process reads without caching from now on (free space, or fix the "
                           "directory's permissions, or pass another cache_dir)", RuntimeWarning, stacklevel=2)

@@ -10,20 +10,24 @@ Arrow tables, shuffled and batched at table level by ``table_stages``).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.utils.data
 
 from .config import FetchConfig
 from .decode import DecodeSpec, make_decoder
-from .errors import SpecError, StreamDataError
+from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats.tar import samples_from_chunks
 from .incremental import batches
+from .index import IndexedShards, lookup
 from .metrics import COUNTERS, Counters
+from .plan import Span, batch_sizes, reader_span
 from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
@@ -34,7 +38,16 @@ from .world import World
 
 __all__ = ["EpochIterator", "ReaderPass", "ShardedDataset", "TarDataset"]
 
+log = logging.getLogger("streamdata")
+
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
+
+
+def stale_count(url: str, seen: int, expected: int) -> FormatError:
+    """A unit whose samples do not match its count (the sample index, or footers)."""
+    return FormatError(f"{redact_url(url)} does not match its sample count: {seen} samples found where "
+                       f"the count says {expected}; the shard changed after its index was built: run "
+                       "`streamdata index SPEC` again", url=url)
 
 
 class EpochIterator:
@@ -72,19 +85,44 @@ class EpochIterator:
 
 @dataclass(frozen=True)
 class ReaderPass:
-    """What one reader reads in one pass: where it stands, the epoch, its units in order.
+    """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
-    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world
-    (EXACTLY-ONCE, see ``sharding``), so a saved position in it is all a resume needs.
+    ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
+    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop)`` from an exact
+    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit).
+    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
+    saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    units: list[Any]
+    reads: list[tuple[Any, tuple[int, int] | None]]
+    span: Span | None = None
+
+    @property
+    def units(self) -> list[Any]:
+        return [unit for unit, _ in self.reads]
 
     def seed(self, seed: int) -> list[int]:
         """Seed material for this reader's shuffle in this pass."""
         return reader_seed(self.world, seed=seed, epoch=self.epoch)
+
+    def batch_sizes(self, batch_size: int | None) -> list[int] | None:
+        """The planned size of each batch this reader yields (an exact epoch), else None."""
+        if self.span is None or batch_size is None:
+            return None
+        return batch_sizes(self.span, batch_size)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a pass groups its samples: ``batch_size`` None yields samples one by one."""
+
+    batch_size: int | None
+    drop_last: bool = False
+    collate_fn: Callable[[list], Any] | None = None
+    in_flight: int | None = None
+    sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
 
 
 class ShardedDataset(torch.utils.data.IterableDataset):
@@ -164,6 +202,12 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """The work units split across readers (shards here; row groups for Parquet)."""
         return self.shards
 
+    def sample_counts(self) -> np.ndarray | None:
+        """Samples in each unit (aligned with :meth:`units`) when known without reading them
+        (a tar index, Parquet footers): the pass is then an exact epoch (``plan``); None: units
+        are split whole (``sharding``)."""
+        return None
+
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""
         return FetchItem(unit.url, unit.size)
@@ -172,6 +216,26 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """A fetched unit's records, in order."""
         raise NotImplementedError
 
+    def fetch_segment(self, unit: Any, start: int, stop: int) -> FetchItem:
+        """What to fetch for samples ``[start, stop)`` of ``unit``: all of it unless a format
+        knows where its samples lie (a tar index's offsets)."""
+        return self.fetch_item(unit)
+
+    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start;
+        a unit with fewer than ``stop`` is a stale count (FormatError)."""
+        seen = 0
+        records = iter(self.read_unit(unit, reader))
+        try:
+            for seen, record in enumerate(records, 1):
+                if seen > start:
+                    yield record
+                if seen == stop:
+                    return
+        finally:
+            getattr(records, "close", lambda: None)()
+        raise stale_count(reader.url, seen, stop)
+
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
         handled by the policy, per record."""
@@ -179,41 +243,73 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     # ---- the pass -----------------------------------------------------------------------
 
-    def reader_pass(self) -> ReaderPass:
-        """This reader's pass of the current epoch (and, in a worker, one pass counted)."""
+    def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
+        """This reader's pass of the current epoch (and, in a worker, one pass counted): an
+        exact epoch's span when sample counts are known, else a shard-level split."""
         world = World.current()
         epoch = self.epoch
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
-        units = assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        return ReaderPass(world, epoch, units)
+        units, counts = self.units(), self.sample_counts()
+        if counts is None:
+            order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            return ReaderPass(world, epoch, [(unit, None) for unit in order])
+        span = reader_span(counts, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                           batch_size=batch_size, drop_last=drop_last)
+        reads = [(units[s.unit], None if s.start == 0 and s.stop == counts[s.unit] else (s.start, s.stop))
+                 for s in span.segments]
+        return ReaderPass(world, epoch, reads, span)
 
     def __iter__(self) -> Iterator[Any]:
-        p = self.reader_pass()
+        return self.iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn)
+
+    def iter_batches(self, batch_size: int | None, *, drop_last: bool = False,
+                     collate_fn: Callable[[list], Any] | None = None,
+                     in_flight: int | None = None) -> EpochIterator:
+        """This reader's pass, batched by ``batch_size`` (None: samples). ``sd.loader`` calls it
+        to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
+        p = self.reader_pass(batch_size, drop_last)
         where = p.world.describe()
+        self._note_plan(p)
         policy = ErrorPolicy(self.on_error, self._counters, where=where)
-        units, items = [], []
-        for unit in p.units:  # a unit whose byte ranges cannot be worked out is a bad unit
+        reads, items = [], []
+        for unit, part in p.reads:  # a unit whose byte ranges cannot be worked out is a bad unit
             try:
-                items.append(self.fetch_item(unit))
+                items.append(self.fetch_item(unit) if part is None else self.fetch_segment(unit, *part))
             except StreamDataError as exc:
                 policy.check(exc)
                 continue
-            units.append(unit)
+            reads.append((unit, part))
         fetcher = Prefetcher(items, self.storage_options, self.fetch_config, where=where,
                              counters=self._counters)
-        records = policy.units(self.read_unit(u, r) for u, r in zip(units, fetcher, strict=True))
-        return EpochIterator(self.stages(records, policy, p.seed(self.seed)), fetcher.close)
+        records = policy.units(self.read_unit(u, r) if part is None else self.read_segment(u, *part, r)
+                               for (u, part), r in zip(reads, fetcher, strict=True))
+        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
+        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
 
-    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
+    def _note_plan(self, p: ReaderPass) -> None:
+        """Count what an exact epoch's plan repeats or leaves out; log the left-out once."""
+        if p.span is None:
+            return
+        if p.span.pad:
+            self._counters.add("planned.padded", p.span.pad)
+        if p.span.dropped and p.world.worker == 0:  # the same figure on every reader: once per rank
+            self._counters.add("planned.left_out", p.span.dropped)
+            if p.world.rank == 0:
+                log.info("epoch %d: drop_last leaves out %d samples (fewer than readers x batch size; "
+                         "a different set each epoch)", p.epoch, p.span.dropped)
+
+    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
+               batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
         samples = policy.each(records, self.prepare)
         if self.map is not None:
             samples = policy.each(samples, self.map)
         samples = shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
-        if self.batch_size is None:
+        if batching.batch_size is None:
             return samples
-        return batches(samples, self.batch_size, collate_fn=self.collate_fn, drop_last=self.drop_last)
+        return batches(samples, batching.batch_size, collate_fn=batching.collate_fn,
+                       drop_last=batching.drop_last, in_flight=batching.in_flight, sizes=batching.sizes)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "
@@ -224,17 +320,36 @@ class TarDataset(ShardedDataset):
     """WebDataset-layout tar shards from any fsspec URL, split exactly across ranks and workers.
 
     Yields decoded sample dicts (``__key__``, ``__url__`` and one entry per extension), or,
-    with ``batch_size``, collated batches built inside the worker.  See the README for options.
+    with ``batch_size``, collated batches built inside the worker.  With a sample index
+    (``index="auto"``: ``streamdata.sdx`` beside the shards, if there is one; a URL: that
+    index; None: never) every epoch is exact: equal spans of samples per reader, read with
+    ranged GETs from the samples' offsets, and the same number of batches on every rank
+    (EQUAL-STEPS, ``plan``).  Without one, shards are split whole.  See the README for options.
     """
 
     suffixes = (".tar",)
 
     def __init__(self, spec: Spec, *, decode: DecodeSpec = True, accept_unterminated: bool = False,
-                 **options: Any) -> None:
+                 index: str | None = "auto", **options: Any) -> None:
         self.decode = decode
         self.accept_unterminated = accept_unterminated  # read shards without the end marker
         self._decoder = make_decoder(decode)
         super().__init__(spec, **options)
+        self.index = index
+        # LIST-ONCE: rank 0 reads the index (one GET) and hands it to every rank
+        self._index: IndexedShards | None = None if index is None else from_rank0(
+            lambda: lookup(self.shards, index, self.storage_options, self.fetch_config))
+        self._offsets = {} if self._index is None else dict(
+            zip((s.url for s in self.shards), self._index.offsets, strict=True))
+        world = World.current()
+        if self._index is None and world.world_size > 1 and world.rank == 0:
+            log.warning("%d tar shards and no sample index: each epoch is split by shard, so ranks can "
+                        "get unequal numbers of batches (sd.loader ends the epoch on every rank together; "
+                        "a plain DataLoader needs torch.distributed.algorithms.join.Join). For exact "
+                        "epochs, build the index once: streamdata index SPEC", len(self.shards))
+
+    def sample_counts(self) -> np.ndarray | None:
+        return None if self._index is None else self._index.counts
 
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
         # samples' __url__ (and the parser's errors) name the shard without its secrets,
@@ -243,6 +358,34 @@ class TarDataset(ShardedDataset):
             reader.chunks(), redact_url(reader.url), total=unit.size,
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
+
+    def fetch_segment(self, unit: Shard, start: int, stop: int) -> FetchItem:
+        """The bytes of samples ``[start, stop)`` from the index's offsets (to the object's end,
+        marker included, for a span that ends with the shard)."""
+        offsets = self._offsets.get(unit.url)
+        if offsets is None:  # counts without offsets (a wids shard list): read from the start
+            return self.fetch_item(unit)
+        end = unit.size if stop == len(offsets) - 1 else int(offsets[stop])
+        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),))
+
+    def read_segment(self, unit: Shard, start: int, stop: int, reader: ItemReader) -> Iterator[dict]:
+        offsets = self._offsets.get(unit.url)
+        if offsets is None:
+            yield from super().read_segment(unit, start, stop, reader)
+            return
+        (first, end), = reader.item.ranges or ((0, unit.size),)
+        to_end = stop == len(offsets) - 1  # the range ends with the shard's end-of-archive marker
+        samples = samples_from_chunks(
+            reader.chunks(), redact_url(reader.url), total=end - first,
+            accept_unterminated=self.accept_unterminated or not to_end,
+            on_unterminated=(lambda: self._counters.add("accepted.unterminated")) if to_end else None)
+        seen = 0
+        for seen, sample in enumerate(samples, 1):
+            if seen > stop - start:
+                raise stale_count(reader.url, start + seen, stop)  # more than the index says
+            yield sample
+        if seen != stop - start:
+            raise stale_count(reader.url, start + seen, stop)
 
     def prepare(self, record: dict) -> dict:
         return record if self._decoder is None else self._decoder(record)

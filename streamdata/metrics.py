@@ -27,9 +27,12 @@ RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other
 # teed), entries evicted under cache_limit, entries found corrupt (deleted, re-fetched), and
 # OSErrors (the first one of a process stops its writing to the cache)
 CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
-# every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried)
+# every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
+# planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
+# (drop_last), summed over epochs (streamdata.plan)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
-            "accepted.unterminated", *(f"cache.{e}" for e in CACHE_EVENTS))
+            "accepted.unterminated", "planned.padded", "planned.left_out",
+            *(f"cache.{e}" for e in CACHE_EVENTS))
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

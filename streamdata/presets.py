@@ -99,6 +99,9 @@ class _BatchedInWorkers(IterableDataset):
             setattr(self.dataset, name, value)
 
     def __iter__(self) -> Iterator[Any]:
+        iter_batches = getattr(self.dataset, "iter_batches", None)
+        if iter_batches is not None:  # a sharded dataset batches with its plan (EQUAL-STEPS)
+            return iter_batches(self.batch_size, drop_last=self.drop_last, in_flight=self.in_flight)
         return batches(iter(self.dataset), self.batch_size, drop_last=self.drop_last,
                        in_flight=self.in_flight)
 

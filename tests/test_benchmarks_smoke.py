@@ -50,3 +50,11 @@ def test_epochs_benchmark_compares_both_settings(tmp_path):
     for epochs in rows.values():
         assert [r["epoch"] for r in epochs] == [1, 2] and all(r["samples"] == 256 for r in epochs)
     assert "reuse / glibc defaults" in done.stdout
+
+
+def test_plan_benchmark_runs_small(capsys):
+    from benchmarks import plan
+
+    plan.main(["--shards", "1000", "--ranks", "16", "--workers", "2", "--readers", "3"])
+    out = capsys.readouterr().out
+    assert out.count("median") == 4 and "1,000 shards" in out
