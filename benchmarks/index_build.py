@@ -105,11 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-mib", type=int, default=8)
     p.add_argument("--sample-bytes", type=int, default=64 * 1024)
     p.add_argument("--delay-ms", type=float, default=25.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
     p.add_argument("--quick", action="store_true", help="8 shards of 1 MiB, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
-        args.shards, args.shard_mib, args.rounds = 8, 1, 2
+        args.shards, args.shard_mib = 8, 1
+    args.rounds = args.rounds or (2 if args.quick else 3)
     return args
 
 

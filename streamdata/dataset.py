@@ -3,9 +3,9 @@
 :class:`ShardedDataset` owns the epoch pass for every format: the reader's world, its plan
 of units for the epoch, the prefetcher, the error policy, ``map``, the shuffle, batching and
 the epoch iterator. A format supplies only what a unit is and how a fetched unit becomes
-records (``fetch_item`` and ``read_unit``); :class:`TarDataset` is that for tar shards, and
-:mod:`streamdata.parquet` for Parquet row groups and Arrow record batches (whose records are
-Arrow tables, shuffled and batched at table level by ``table_stages``).
+records (``fetch_item`` and ``read_unit``); :class:`~streamdata.tarset.TarDataset` is that
+for tar shards, and :mod:`streamdata.parquet` for Parquet row groups and Arrow record batches
+(whose records are Arrow tables, shuffled and batched at table level by ``stages``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ import numpy as np
 import torch.utils.data
 
 from .config import FetchConfig
-from .decode import DecodeSpec, make_decoder
 from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
-from .formats.tar import samples_from_chunks
 from .incremental import batches
-from .index import IndexedShards, lookup
 from .metrics import COUNTERS, Counters
 from .plan import Span, batch_sizes, reader_span
 from .policy import ErrorPolicy, OnError
@@ -36,7 +33,7 @@ from .stages import shuffled
 from .urls import Shard, Spec, expand_spec
 from .world import World
 
-__all__ = ["EpochIterator", "ReaderPass", "ShardedDataset", "TarDataset"]
+__all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_count"]
 
 log = logging.getLogger("streamdata")
 
@@ -88,15 +85,16 @@ class ReaderPass:
     """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
     ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop)`` from an exact
-    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit).
+    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop, count)`` from an
+    exact epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit
+    of ``count`` samples).
     A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
     saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    reads: list[tuple[Any, tuple[int, int] | None]]
+    reads: list[tuple[Any, tuple[int, int, int] | None]]
     span: Span | None = None
 
     @property
@@ -112,6 +110,15 @@ class ReaderPass:
         if self.span is None or batch_size is None:
             return None
         return batch_sizes(self.span, batch_size)
+
+
+@dataclass(frozen=True)
+class _Early:
+    """A pass whose requests started before its ``iter()`` (NEXT-EPOCH-EARLY)."""
+
+    p: ReaderPass
+    reads: list
+    fetcher: Prefetcher
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._counters = Counters(COUNTERS)
         self._epoch = 0
         self._passes = 0
+        self.early_next_epoch = False  # NEXT-EPOCH-EARLY; sd.loader sets it for persistent workers
+        self._early: _Early | None = None
 
     # ---- epochs and counts ------------------------------------------------------------
 
@@ -216,25 +225,28 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """A fetched unit's records, in order."""
         raise NotImplementedError
 
-    def fetch_segment(self, unit: Any, start: int, stop: int) -> FetchItem:
-        """What to fetch for samples ``[start, stop)`` of ``unit``: all of it unless a format
-        knows where its samples lie (a tar index's offsets)."""
+    def fetch_segment(self, unit: Any, start: int, stop: int, count: int) -> FetchItem:
+        """What to fetch for samples ``[start, stop)`` of ``unit`` (of ``count``): all of it
+        unless a format knows where its samples lie (a tar index's offsets)."""
         return self.fetch_item(unit)
 
-    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start;
-        a unit with fewer than ``stop`` is a stale count (FormatError)."""
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start.
+        A unit that does not hold the ``count`` records its count says (fewer than ``stop``, or,
+        read to its end, more than ``count``) is a stale count: FormatError."""
         seen = 0
         records = iter(self.read_unit(unit, reader))
         try:
             for seen, record in enumerate(records, 1):
-                if seen > start:
+                if seen > start and seen <= stop:
                     yield record
-                if seen == stop:
-                    return
+                elif seen > stop and stop < count:
+                    return  # the rest is another reader's
+            if seen != count:
+                raise stale_count(reader.url, seen, count)
         finally:
             getattr(records, "close", lambda: None)()
-        raise stale_count(reader.url, seen, stop)
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
@@ -246,18 +258,20 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
         """This reader's pass of the current epoch (and, in a worker, one pass counted): an
         exact epoch's span when sample counts are known, else a shard-level split."""
-        world = World.current()
-        epoch = self.epoch
+        p = self._plan_pass(self.epoch, batch_size, drop_last)
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
+        return p
+
+    def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool) -> ReaderPass:
+        world = World.current()
         units, counts = self.units(), self.sample_counts()
         if counts is None:
             order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
             return ReaderPass(world, epoch, [(unit, None) for unit in order])
         span = reader_span(counts, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                            batch_size=batch_size, drop_last=drop_last)
-        reads = [(units[s.unit], None if s.start == 0 and s.stop == counts[s.unit] else (s.start, s.stop))
-                 for s in span.segments]
+        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
         return ReaderPass(world, epoch, reads, span)
 
     def __iter__(self) -> Iterator[Any]:
@@ -269,9 +283,23 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """This reader's pass, batched by ``batch_size`` (None: samples). ``sd.loader`` calls it
         to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
         p = self.reader_pass(batch_size, drop_last)
-        where = p.world.describe()
         self._note_plan(p)
-        policy = ErrorPolicy(self.on_error, self._counters, where=where)
+        policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe())
+        early, self._early = self._early, None
+        if early is not None and early.p == p:  # NEXT-EPOCH-EARLY: its requests are out already
+            reads, fetcher = early.reads, early.fetcher
+        else:
+            if early is not None:
+                early.fetcher.close()
+            reads, fetcher = self._start(p, policy)
+        opened = self._opened(reads, fetcher, lambda: self._start_next(p, batch_size, drop_last))
+        records = policy.units(self.read_unit(u, r) if part is None else self.read_segment(u, *part, r)
+                               for (u, part), r in opened)
+        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
+        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
+
+    def _start(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, Prefetcher]:
+        """A pass's fetch items and its prefetcher, whose requests start now."""
         reads, items = [], []
         for unit, part in p.reads:  # a unit whose byte ranges cannot be worked out is a bad unit
             try:
@@ -280,12 +308,31 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 policy.check(exc)
                 continue
             reads.append((unit, part))
-        fetcher = Prefetcher(items, self.storage_options, self.fetch_config, where=where,
-                             counters=self._counters)
-        records = policy.units(self.read_unit(u, r) if part is None else self.read_segment(u, *part, r)
-                               for (u, part), r in zip(reads, fetcher, strict=True))
-        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
-        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
+        return reads, Prefetcher(items, self.storage_options, self.fetch_config, where=p.world.describe(),
+                                 counters=self._counters)
+
+    @staticmethod
+    def _opened(reads: list, fetcher: Prefetcher, last: Callable[[], None]) -> Iterator[tuple[Any, Any]]:
+        """``(read, item reader)`` pairs; ``last()`` runs as the last item is taken."""
+        for i, pair in enumerate(zip(reads, fetcher, strict=True)):
+            if i == len(reads) - 1:
+                last()
+            yield pair
+
+    def _start_next(self, p: ReaderPass, batch_size: int | None, drop_last: bool) -> None:
+        """NEXT-EPOCH-EARLY: in a persistent worker (``early_next_epoch``), once this pass has
+        asked for its last unit, the next pass (the same plan the next ``iter()`` computes) starts
+        its requests, so the next epoch's first batch does not wait for them. The next pass
+        adopts it only if it is that same pass, else closes it; a worker that ends drops it with
+        its process. A failure here is left for the next pass to meet."""
+        if not self.early_next_epoch or torch.utils.data.get_worker_info() is None:
+            return
+        try:
+            nxt = self._plan_pass(self.epoch, batch_size, drop_last)
+            policy = ErrorPolicy(self.on_error, self._counters, where=nxt.world.describe())
+            self._early = _Early(nxt, *self._start(nxt, policy))
+        except StreamDataError:
+            self._early = None
 
     def _note_plan(self, p: ReaderPass) -> None:
         """Count what an exact epoch's plan repeats or leaves out; log the left-out once."""
@@ -314,78 +361,3 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "
                 f"shuffle={self.shuffle}, batch_size={self.batch_size})")
-
-
-class TarDataset(ShardedDataset):
-    """WebDataset-layout tar shards from any fsspec URL, split exactly across ranks and workers.
-
-    Yields decoded sample dicts (``__key__``, ``__url__`` and one entry per extension), or,
-    with ``batch_size``, collated batches built inside the worker.  With a sample index
-    (``index="auto"``: ``streamdata.sdx`` beside the shards, if there is one; a URL: that
-    index; None: never) every epoch is exact: equal spans of samples per reader, read with
-    ranged GETs from the samples' offsets, and the same number of batches on every rank
-    (EQUAL-STEPS, ``plan``).  Without one, shards are split whole.  See the README for options.
-    """
-
-    suffixes = (".tar",)
-
-    def __init__(self, spec: Spec, *, decode: DecodeSpec = True, accept_unterminated: bool = False,
-                 index: str | None = "auto", **options: Any) -> None:
-        self.decode = decode
-        self.accept_unterminated = accept_unterminated  # read shards without the end marker
-        self._decoder = make_decoder(decode)
-        super().__init__(spec, **options)
-        self.index = index
-        # LIST-ONCE: rank 0 reads the index (one GET) and hands it to every rank
-        self._index: IndexedShards | None = None if index is None else from_rank0(
-            lambda: lookup(self.shards, index, self.storage_options, self.fetch_config))
-        self._offsets = {} if self._index is None else dict(
-            zip((s.url for s in self.shards), self._index.offsets, strict=True))
-        world = World.current()
-        if self._index is None and world.world_size > 1 and world.rank == 0:
-            log.warning("%d tar shards and no sample index: each epoch is split by shard, so ranks can "
-                        "get unequal numbers of batches (sd.loader ends the epoch on every rank together; "
-                        "a plain DataLoader needs torch.distributed.algorithms.join.Join). For exact "
-                        "epochs, build the index once: streamdata index SPEC", len(self.shards))
-
-    def sample_counts(self) -> np.ndarray | None:
-        return None if self._index is None else self._index.counts
-
-    def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
-        # samples' __url__ (and the parser's errors) name the shard without its secrets,
-        # redacted once per shard; the real URL is in self.shards
-        return samples_from_chunks(
-            reader.chunks(), redact_url(reader.url), total=unit.size,
-            accept_unterminated=self.accept_unterminated,
-            on_unterminated=lambda: self._counters.add("accepted.unterminated"))
-
-    def fetch_segment(self, unit: Shard, start: int, stop: int) -> FetchItem:
-        """The bytes of samples ``[start, stop)`` from the index's offsets (to the object's end,
-        marker included, for a span that ends with the shard)."""
-        offsets = self._offsets.get(unit.url)
-        if offsets is None:  # counts without offsets (a wids shard list): read from the start
-            return self.fetch_item(unit)
-        end = unit.size if stop == len(offsets) - 1 else int(offsets[stop])
-        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),))
-
-    def read_segment(self, unit: Shard, start: int, stop: int, reader: ItemReader) -> Iterator[dict]:
-        offsets = self._offsets.get(unit.url)
-        if offsets is None:
-            yield from super().read_segment(unit, start, stop, reader)
-            return
-        (first, end), = reader.item.ranges or ((0, unit.size),)
-        to_end = stop == len(offsets) - 1  # the range ends with the shard's end-of-archive marker
-        samples = samples_from_chunks(
-            reader.chunks(), redact_url(reader.url), total=end - first,
-            accept_unterminated=self.accept_unterminated or not to_end,
-            on_unterminated=(lambda: self._counters.add("accepted.unterminated")) if to_end else None)
-        seen = 0
-        for seen, sample in enumerate(samples, 1):
-            if seen > stop - start:
-                raise stale_count(reader.url, start + seen, stop)  # more than the index says
-            yield sample
-        if seen != stop - start:
-            raise stale_count(reader.url, start + seen, stop)
-
-    def prepare(self, record: dict) -> dict:
-        return record if self._decoder is None else self._decoder(record)

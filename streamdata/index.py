@@ -29,7 +29,7 @@ import numpy as np
 
 from .backends import call_with_deadline, close_filesystem, filesystem, translate_error
 from .config import FetchConfig
-from .errors import ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
+from .errors import AccessDeniedError, ShardNotFoundError, SpecError, StaleIndexError, StreamDataError
 from .fetch import FetchItem, Prefetcher
 from .formats.sdx import REBUILD, ShardEntry, decode_index, encode_index, tar_sample_offsets
 from .progress import progress as _progress
@@ -196,8 +196,16 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
             return None
     else:
         url = index
-    entries = read_index(url, storage_options, config)
     shown = redact_url(url)
+    try:
+        entries = read_index(url, storage_options, config)
+    except AccessDeniedError as exc:
+        if not auto:
+            raise
+        # S3 answers 403, not 404, for a missing key to a caller without s3:ListBucket
+        warnings.warn(f"could not read the sample index at {shown} (access denied: {exc.message[:200]}); "
+                      "reading without it (index=None skips the lookup)", stacklevel=2)
+        return None
     if entries is None:
         if auto:
             return None
@@ -246,7 +254,8 @@ def index_status(shards: Sequence[Shard], storage_options: Mapping[str, Any] | N
 # ---------------------------------------------------------------------------- building
 
 COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd")
-SAVE_EVERY_S = 5.0  # the partial index is written this often while building (and at the end)
+SAVE_EVERY_S = 5.0  # the partial index is written this often while building (and at the end),
+SAVE_COST_RATIO = 10  # and at most 1/10 of the time: a big index's write takes longer
 
 
 def _counted(chunks: Iterable[bytes], seen: list[int], bar: Any) -> Iterator[bytes]:
@@ -265,7 +274,8 @@ def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, ou
     ``max_requests``, ``part_size``, ..., or ``config=`` a ``FetchConfig``). Resumable: an entry
     already in ``output`` whose shard's size and ETag still match is kept and that shard not
     read; the index (with the entries of shards outside ``spec`` kept) is written every
-    :data:`SAVE_EVERY_S` seconds and at the end, also when interrupted. ``progress``: a bar of
+    :data:`SAVE_EVERY_S` seconds (less often when writing it takes more than a tenth of that)
+    and at the end, also when interrupted. ``progress``: a bar of
     bytes on stderr (``None``: when it is a terminal; ``True``/``False``), or a callable, given
     each new entry as it is made (the bar then shows when stderr is a terminal). A shard that
     cannot be read or parsed does not stop the others; the first such error is raised at the
@@ -295,7 +305,7 @@ def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, ou
     total = sum(s.size for s in todo) if all(s.size is not None for s in todo) else None
     bar = _progress(total, desc=f"indexing {len(todo)} shards", unit="B", unit_scale=True,
                     enabled=progress if isinstance(progress, bool) else None)
-    saved = time.monotonic()
+    saved, cost = time.monotonic(), 0.0
     try:
         with bar, Prefetcher(todo, dict(storage_options or {}), config) as fetcher:
             for shard, reader in zip(todo, fetcher, strict=True):
@@ -313,9 +323,11 @@ def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, ou
                 entries[name] = ShardEntry(name, seen[0], shard.etag, len(offsets) - 1, offsets)
                 if callable(progress):
                     progress(entries[name])
-                if time.monotonic() - saved >= SAVE_EVERY_S:
+                if time.monotonic() - saved >= max(SAVE_EVERY_S, SAVE_COST_RATIO * cost):
+                    began = time.monotonic()
                     write_index(output, entries.values(), storage_options, merge=False, config=config)
                     saved = time.monotonic()
+                    cost = saved - began
     finally:
         write_index(output, entries.values(), storage_options, merge=False, config=config)
     if failures:

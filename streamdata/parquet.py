@@ -184,17 +184,18 @@ class _ArrowTables(ShardedDataset):
             raise DecodeError(f"the filter {self.filter} failed on rows of {url}: "
                               f"{type(exc).__name__}: {exc}", url=url, key="filter") from exc
 
-    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[pa.Table]:
-        """Rows ``[start, stop)`` of ``unit`` (an exact epoch's span may cut a row group)."""
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[pa.Table]:
+        """Rows ``[start, stop)`` of ``unit`` (an exact epoch's span may cut a row group); a
+        unit that does not hold the ``count`` rows its footer says is a FormatError."""
         seen = 0
         for table in self.read_unit(unit, reader):
             lo, hi = max(start - seen, 0), min(stop - seen, table.num_rows)
             if hi > lo:
                 yield table.slice(lo, hi - lo)
             seen += table.num_rows
-            if seen >= stop:
-                return
-        raise stale_count(reader.url, seen, stop)
+        if seen != count:
+            raise stale_count(reader.url, seen, count)
 
     def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:

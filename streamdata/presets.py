@@ -295,6 +295,8 @@ def loader(
         user_init = dataloader_kwargs.pop("worker_init_fn", None)
         init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board,
                                                                  reuse_worker_memory)
+    if persistent_workers and num_workers > 0 and hasattr(dataset, "early_next_epoch"):
+        dataset.early_next_epoch = True  # workers start the next epoch's requests (NEXT-EPOCH-EARLY)
     dataloader = DataLoader(
         served,
         batch_size=batch_size,

@@ -52,6 +52,13 @@ def test_epochs_benchmark_compares_both_settings(tmp_path):
     assert "reuse / glibc defaults" in done.stdout
 
 
+def test_index_build_benchmark_counts_every_sample():
+    cmd = [sys.executable, "-m", "benchmarks.index_build", "--quick", "--rounds", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "round 1: index" in done.stdout and "median of 1 rounds" in done.stdout
+
+
 def test_plan_benchmark_runs_small(capsys):
     from benchmarks import plan
 

@@ -35,7 +35,7 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes | None = None, kind: by
     if pax:
         info.pax_headers = pax
     if kind == tarfile.SYMTYPE:
-        info.linkname = "elsewhere"
+        info.linkname = "elsewhere/" + "l" * 150  # long: a GNU K header, or a pax linkpath
     info.size = len(data) if data is not None and kind == tarfile.REGTYPE else 0
     tar.addfile(info, io.BytesIO(data) if data is not None and kind == tarfile.REGTYPE else None)
 
@@ -284,6 +284,14 @@ def test_auto_without_an_index_makes_one_request_and_no_noise(s3):
             warnings.simplefilter("error")
             assert sdx.lookup(shards, "auto", options) is None
         assert proxy.requests == {"get": 1}, proxy.requests
+        # without s3:ListBucket, S3 answers a missing key with 403: a warning, no index, no failure
+        denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
+        with pytest.warns(UserWarning, match=r"could not read the sample index at .*access denied"):
+            assert sdx.lookup(shards, "auto", options) is None
+        proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
+        with pytest.raises(sd.AccessDeniedError):
+            sdx.lookup(shards, f"s3://{bucket}/ds/streamdata.sdx", options)
     with pytest.raises(sd.SpecError, match="no sample index at"):
         sdx.lookup(shards, f"s3://{bucket}/ds/other.sdx", server.storage_options)
 
@@ -405,6 +413,7 @@ def test_interrupted_build_resumes_and_stale_shards_are_read_again(s3, monkeypat
     shards = _upload(fs, bucket, counts)
     url = f"s3://{bucket}/ds/streamdata.sdx"
     monkeypatch.setattr(sdx, "SAVE_EVERY_S", 0.0)  # save after every shard
+    monkeypatch.setattr(sdx, "SAVE_COST_RATIO", 0)
     seen = []
 
     class Stop(Exception):
@@ -463,3 +472,41 @@ def test_old_signed_header_checksums_still_read():
     data[148:156] = b"%06o\0 " % (signed + 1)
     with pytest.raises(sd.FormatError, match="checksum"):
         sdx.tar_sample_offsets([bytes(data)], "mem://s.tar")
+
+
+def test_gcs_etag_build_and_stale(gcs_bucket):
+    import gcsfs
+
+    server, bucket = gcs_bucket
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **server.storage_options)
+    for i, shard in enumerate(make_samples([3, 4])):
+        fs.pipe_file(f"{bucket}/ds/shard-{i}.tar", tar_bytes(shard))
+    shards = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
+    assert shards[0].etag and shards[0].etag == fs.info(shards[0].url)["md5Hash"]
+    url = sdx.build_index(f"gs://{bucket}/ds/", server.storage_options, progress=False)
+    assert url == f"gs://{bucket}/ds/streamdata.sdx"
+    assert sdx.lookup(shards, "auto", server.storage_options).counts.tolist() == [3, 4]
+    old = fs.cat_file(shards[1].url)
+    fs.pipe_file(shards[1].url, old.replace(b"s000004", b"s000099"))  # same size, other content
+    fresh = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
+    with pytest.raises(sd.StaleIndexError, match="ETag"):
+        sdx.lookup(fresh, "auto", server.storage_options)
+
+
+def test_http_auto_lookup_and_build(tmp_path, http_server):
+    for i, shard in enumerate(make_samples([2, 5])):
+        (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
+    server = http_server(tmp_path)
+    urls = [server.url(f"s-{i}.tar") for i in range(2)]
+    shards = sd.expand_spec(urls)
+    assert all(s.size is None and s.etag is None for s in shards)  # HTTP is not listed
+    before = len(server.requests)
+    assert sdx.lookup(shards, "auto") is None  # a 404 at the default location: no index
+    assert len(server.requests) - before == 1
+    built = sdx.build_index(str(tmp_path / "s-{0..1}.tar"))  # local build, served over HTTP
+    assert built == str(tmp_path / "streamdata.sdx")
+    found = sdx.lookup(shards, "auto")
+    assert found.url == server.url("streamdata.sdx") and found.counts.tolist() == [2, 5]
+    signed = [sd.Shard(u + "?X-Amz-Signature=abc") for u in urls]
+    before = len(server.requests)
+    assert sdx.lookup(signed, "auto") is None and len(server.requests) == before  # no default location

@@ -124,7 +124,7 @@ def decode_index(data: bytes, url: str) -> list[ShardEntry]:
     if header.get("format") != FORMAT or (sizes < 0).any() or (samples < 0).any() \
             or not all(e is None or isinstance(e, str) for e in etags):
         raise _corrupt(url, "header fields out of range")
-    payload = data[start + length:]
+    payload = memoryview(data)[start + length:]  # not copied
     want = 8 * int((samples + 1).sum())
     if len(payload) != want:
         raise _corrupt(url, f"{len(payload)} bytes of offsets where the header says {want}")
@@ -137,8 +137,8 @@ def decode_index(data: bytes, url: str) -> list[ShardEntry]:
     inside[ends[:-1] - 1] = False  # a step from one shard's last offset to the next's first
     if (steps[inside] <= 0).any() or (len(ends) and (flat[ends - 1] > sizes.astype(np.uint64)).any()):
         raise _corrupt(url, "offsets that decrease or pass the end of their shard")
-    bounds = np.concatenate([[0], ends])
-    return [ShardEntry(names[i], int(sizes[i]), etags[i], int(samples[i]), flat[bounds[i]:bounds[i + 1]])
+    bounds, sizes_, samples_ = [0, *ends.tolist()], sizes.tolist(), samples.tolist()  # Python ints: fast
+    return [ShardEntry(names[i], sizes_[i], etags[i], samples_[i], flat[bounds[i]:bounds[i + 1]])
             for i in range(len(names))]
 
 

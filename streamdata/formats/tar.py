@@ -50,6 +50,7 @@ _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: 
 _EXTENSIONS = (b"L", b"K", b"x", b"g", b"X")  # records about the next member
 _MAX_EXTENSION = 1 << 20  # bytes of one long-name or pax record block we are willing to hold
 _MIN_PAX_RECORD = 5  # "5 k=\n"
+_OCTAL = b"01234567"
 
 
 class _Stream:
@@ -118,7 +119,7 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
         n = int.from_bytes(field[1:], "big")
         return n - 256 ** (len(field) - 1) if field[0] == 0xFF else n
     text = field.split(b"\0", 1)[0].strip(b" ")
-    if text and not all(48 <= c <= 55 for c in text):  # only 0-7: int() would take "+", "_", ...
+    if text and text.translate(None, _OCTAL):  # only 0-7: int() would take "+", "_", ...
         raise _corrupt(url, offset, f"bad {what} {field!r} in a header")
     return int(text, 8) if text else 0
 
@@ -126,7 +127,7 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
 def _checksum_ok(header: bytes) -> bool:
     """The stored checksum matches the unsigned sum, or the signed one some old tars used."""
     stored = header[148:156].split(b"\0", 1)[0].strip(b" ")
-    if not stored or not all(48 <= c <= 55 for c in stored):
+    if not stored or stored.translate(None, _OCTAL):
         return False
     want = int(stored, 8)
     if want == sum(header) - sum(header[148:156]) + 8 * 32:  # unsigned: every tool since the 1990s
