@@ -27,9 +27,8 @@ directory) warns once per process, counts ``cache.errors`` (once per reader pass
 this process's writing to that directory: it streams as without a cache, and still serves
 entries already there. A read error (not a missing entry) is counted too, and the item fetched.
 
-Threads: lookups run on the reader's I/O loop, writes (and so publish and eviction) on the
-prefetcher's disk thread, corrupt entries are found by the reader's thread; ``Cache.count``
-takes a lock, so each counter still has one writer at a time (ONE-WRITER-PER-ROW).
+Threads: lookups run on the reader's I/O loop, writes (publish, eviction) on the prefetcher's
+disk thread; ``Cache.count`` takes a lock: one writer at a time (ONE-WRITER-PER-ROW).
 """
 
 from __future__ import annotations
@@ -63,9 +62,7 @@ _FOOTER = struct.Struct("<8sQQII")
 _SEG = struct.Struct("<II")
 _LOCK_NAME = ".streamdata-cache.lock"
 
-# the directories this process has stopped writing to (one warning each), with the pid that did:
-# a forked worker decides for itself
-_stopped: dict[str, int] = {}
+_stopped: dict[str, int] = {}  # directory: pid that stopped writing there (a fork decides anew)
 
 Range = tuple[int, int]
 
