@@ -145,9 +145,9 @@ class Prefetcher:
             return
         self._closed = True
         self.client.close()
-        if self._disk is not None:  # parts not yet written are dropped; the one being written ends
-            threads = list(getattr(self._disk, "_threads", ()))
-            self._disk.shutdown(wait=True, cancel_futures=True)
+        if self._disk is not None:  # parts queued (byte_budget at most) are written: a pass that
+            threads = list(getattr(self._disk, "_threads", ()))  # ends publishes its last items
+            self._disk.shutdown(wait=True)
             wait_threads_gone(threads)
         for writer in self._writers.values():  # loop and disk thread gone: unfinished entries dropped
             writer.abort()

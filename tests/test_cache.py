@@ -447,3 +447,16 @@ def test_a_shards_etag_is_part_of_its_key(tmp_path):
     assert [hits(Tagged(str(src), 5000, "v1")), hits(Tagged(str(src), 5000, "v1"))] == [0, 1]
     src.write_bytes(b"y" * 5000)  # rewritten: same size, a new ETag
     assert [hits(Tagged(str(src), 5000, "v2")), hits(Tagged(str(src), 5000, "v2"))] == [0, 1]
+
+
+def test_persistent_workers_starting_the_next_epoch_early_fetch_each_shard_once(shards, tmp_path):
+    """sd.loader's persistent workers start each next epoch's pass before the current one ends
+    (NEXT-EPOCH-EARLY): over three epochs every shard is still fetched exactly once (the early
+    pass after the last epoch looks its shards up too: hits >= 2 x shards)."""
+    spec, options, proxy, keys = shards
+    ds = sd.TarDataset(spec, storage_options=options, cache_dir=tmp_path / "cache", batch_size=2)
+    with sd.loader(ds, num_workers=2, pin_memory=False) as feed:
+        epochs = [sorted(k for batch in feed for k in batch["__key__"]) for _ in range(3)]
+    assert epochs == [sorted(keys)] * 3
+    c = ds.counts
+    assert c["cache.misses"] == len(UNEVEN) and c["cache.hits"] >= 2 * len(UNEVEN), c
