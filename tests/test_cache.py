@@ -23,7 +23,7 @@ import torch
 import streamdata as sd
 from benchmarks.faults import FaultProxy
 from streamdata.cache import SUFFIX, TMP, Cache, cache_key
-from tests.helpers import UNEVEN, write_shards
+from tests.helpers import UNEVEN, make_samples, tar_bytes, write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 PART = 64 * 1024  # small parts: a shard is several parts, written to the cache out of order
@@ -203,7 +203,7 @@ def test_a_corrupt_entry_is_refetched_and_never_served(s3_bucket, tmp_path):
         ds = sd.TarDataset(f"s3://{bucket}/k/shard-{{000..003}}.tar", storage_options=options,
                            cache_dir=cache_dir, part_size=256 * 1024)
         first = _samples(ds)
-        entries = {s.url: cache_dir / (cache_key(s.url, ((0, s.size),), s.size, None) + SUFFIX)
+        entries = {s.url: cache_dir / (cache_key(s.url, ((0, s.size),), s.size, s.etag) + SUFFIX)
                    for s in ds.shards}
         urls = [s.url for s in ds.shards]
         _corrupt(entries[urls[0]], "early")
@@ -309,7 +309,7 @@ def test_two_processes_fetching_at_once_share_entries_safely(shards, tmp_path):
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
     ds = sd.TarDataset(spec, storage_options=options)
     for s in ds.shards:
-        entry = cache.lookup(cache_key(s.url, ((0, s.size),), s.size, None), s.size)
+        entry = cache.lookup(cache_key(s.url, ((0, s.size),), s.size, s.etag), s.size)
         assert entry is not None
         try:
             assert entry.read() == fs.cat_file(s.url)
@@ -460,3 +460,19 @@ def test_persistent_workers_starting_the_next_epoch_early_fetch_each_shard_once(
     assert epochs == [sorted(keys)] * 3
     c = ds.counts
     assert c["cache.misses"] == len(UNEVEN) and c["cache.hits"] >= 2 * len(UNEVEN), c
+
+
+def test_an_object_rewritten_in_place_with_the_same_size_is_read_anew(s3_bucket, tmp_path):
+    """The listing's ETag is part of the key: new bytes of the same size are never served old."""
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    samples = make_samples([4])[0]
+    fs.pipe_file(f"{bucket}/r/a.tar", tar_bytes(samples))
+    cache_dir = tmp_path / "cache"
+    spec = f"s3://{bucket}/r/a.tar"
+    old = _samples(sd.TarDataset(spec, storage_options=server.storage_options, cache_dir=cache_dir))
+    fs.pipe_file(f"{bucket}/r/a.tar", tar_bytes(samples[::-1]))  # same size, other bytes
+    assert fs.size(f"{bucket}/r/a.tar") == len(tar_bytes(samples))
+    ds = sd.TarDataset(spec, storage_options=server.storage_options, cache_dir=cache_dir)
+    new = _samples(ds)
+    assert list(new) == list(old)[::-1] and ds.counts["cache.hits"] == 0
