@@ -219,7 +219,14 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""
-        return FetchItem(unit.url, unit.size)
+        return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
+
+    def etag(self, url: str) -> str | None:
+        """The listing's ETag of the object at ``url`` (part of a cache entry's key), if any."""
+        etags = self.__dict__.get("_etags")
+        if etags is None:
+            etags = self._etags = {s.url: getattr(s, "etag", None) for s in self.shards}
+        return etags.get(url)
 
     def read_unit(self, unit: Any, reader: ItemReader) -> Iterable[Any]:
         """A fetched unit's records, in order."""

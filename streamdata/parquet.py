@@ -90,7 +90,7 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     """
     if not requests:
         return []
-    items = [FetchItem(s.url, s.size, ranges) for s, ranges in requests]
+    items = [FetchItem(s.url, s.size, ranges, getattr(s, "etag", None)) for s, ranges in requests]
     cfg = config.replace(window=max(config.window, _FOOTER_WINDOW))
     out: list[tuple[Shard, list[bytes] | StreamDataError]] = []
     with Prefetcher(items, storage_options, cfg, where="footers") as fetcher:
@@ -290,7 +290,8 @@ class ParquetDataset(_ArrowTables):
         if leaves is None:
             leaves = self._leaf_cache[unit.url] = fmt.parquet_leaves(meta, self._read_columns, unit.url)
         ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:
         parts = zip([start for start, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
@@ -375,9 +376,10 @@ class ArrowDataset(_ArrowTables):
     def fetch_item(self, unit: RecordBatchUnit) -> FetchItem:
         """A stream object whole; a file's record batch block plus its dictionary blocks."""
         if unit.index < 0:
-            return FetchItem(unit.url, unit.size)
+            return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
         dicts, batches = self._blocks[unit.url]
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RecordBatchUnit, reader: ItemReader) -> Iterator[pa.Table]:
         if unit.index < 0:

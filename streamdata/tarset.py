@@ -80,7 +80,7 @@ class TarDataset(ShardedDataset):
         if offsets is None or start == 0 and stop == count:  # whole, or counts without offsets
             return self.fetch_item(unit)
         end = unit.size if stop == count else int(offsets[stop])
-        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),))
+        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),), self.etag(unit.url))
 
     def read_segment(self, unit: Shard, start: int, stop: int, count: int,
                      reader: ItemReader) -> Iterator[dict]:

@@ -271,3 +271,21 @@ def test_table_writers_upload_in_the_background_and_name_a_missing_bucket(s3_ser
     urls = sd.write_arrow(table, str(tmp_path / "a-{shard:02d}.arrow"), rows_per_shard=40)
     assert sorted(os.listdir(tmp_path)) == ["a-00.arrow", "a-01.arrow", "a-02.arrow"]  # no spool left
     assert len(urls) == 3
+
+
+@pytest.mark.parametrize("publish", [None, "copy"])
+def test_round_trip_over_gcs_with_the_index(gcs_bucket, publish):
+    server, bucket = gcs_bucket
+    options = server.storage_options
+    with sd.ShardWriter(f"gs://{bucket}/g/part-%03d.tar", maxcount=4, storage_options=options,
+                        publish=publish) as writer:
+        for n in range(10):
+            writer.write(make_sample(n))
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
+    assert sorted(objects(fs, f"{bucket}/g")) == ["part-000.tar", "part-001.tar", "part-002.tar",
+                                                  "streamdata.sdx"]
+    ds = sd.TarDataset(f"gs://{bucket}/g/", storage_options=options)
+    assert ds.sample_counts().tolist() == [4, 4, 2]  # the writer's index, found and not stale
+    assert sorted(read_all(f"gs://{bucket}/g/", options)) == [f"k{n:05d}" for n in range(10)]

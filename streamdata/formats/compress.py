@@ -10,7 +10,7 @@ named ``.tar`` that is gzip is read, and a ``.tgz`` that is a plain tar too; the
 names what a stream too short to tell was meant to be. gzip streams may have several members
 (``cat a.gz b.gz``, pigz, bgzip) and zstd several frames (and skippable frames).
 
-gzip is inflated with ISA-L (``isal.isal_zlib``, ~1.5x the standard library's zlib here:
+gzip is inflated with ISA-L (``isal.isal_zlib``, 1.8-2.1x the standard library's zlib here:
 benchmarks/README.md), zstd with ``zstandard``'s bounded stream reader; a zstd stream is also
 walked frame by frame and block by block (headers only), because the reader takes an input
 that stops mid-frame as a clean end: a truncated ``.tar.zst`` is an error, not a short shard.
@@ -37,7 +37,7 @@ OUT_CHUNK = 1 << 20  # most decompressed bytes produced per step
 _ZSTD_READ = 1 << 17  # compressed bytes the zstd reader takes per refill
 _IN_STEP = 1 << 18  # compressed bytes handed to the inflater per call (its unconsumed tail is a copy)
 
-try:  # ISA-L: measured faster than zlib for inflate (benchmarks/compressed.py)
+try:  # ISA-L: 1.8-2.1x zlib's inflate rate here (benchmarks/compressed.py)
     from isal import isal_zlib as _inflate_lib
 
     _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, _inflate_lib.error)
