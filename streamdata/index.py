@@ -122,7 +122,8 @@ def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
     try:
         with Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options or {}), config) as fetcher:
             data = next(iter(fetcher)).read()
-    except ShardNotFoundError:
+    except ShardNotFoundError as exc:
+        exc.with_traceback(None)  # it is kept by the fetcher's future: keep no frames of ours
         return None
     return decode_index(data, url)
 
