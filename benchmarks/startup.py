@@ -301,7 +301,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = list(args.methods) + [f"streamdata@{t}" for t in args.sd_trees or {}]
     rows: dict[tuple[float, str], list[dict[str, Any]]] = {}
     with S3Server() as server:
-        args.objects = False
         layout = _prepare(server, args)
         with LatencyProxy(*_upstream(server.endpoint_url), delay_s=0.0) as proxy:
             proxied = proxy.url_for(server.endpoint_url)
@@ -357,8 +356,9 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
         else:
             st = [_cell(_med(rs, s)) for s in STAGES]
         kinds = rs[0].get("ctor_request_kinds", "") if rs else ""
-        lines.append(f"| {delay:g} ms | {method} | " + " | ".join(st) + f" | {_cell(_med(rs, 'first_batch_s'))} "
-                     f"| {_cell(_med(rs, 'from_iter_s'))} | {_cell(_med(rs, 'whole_sps'), 0)} "
+        lines.append(f"| {delay:g} ms | {method} | " + " | ".join(st)
+                     + f" | {_cell(_med(rs, 'first_batch_s'))} | {_cell(_med(rs, 'from_iter_s'))} "
+                     f"| {_cell(_med(rs, 'whole_sps'), 0)} "
                      f"| {_cell(_med(rs, 'steady_sps'), 0)} | {_cell(_med(rs, 'cpu_ms_per_sample'), 3)} "
                      f"| {kinds or '—'} |")
     if any("epoch2_from_iter_s" in r for r in good):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from .errors import ShardFetchError
 from .metrics import Counters
 from .retry import Throttle, backoff_s, classify
 
-__all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
+__all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size", "content_total"]
 
 
 class Chunks(tuple):
@@ -134,9 +135,12 @@ class _PresignedS3:
         self._urls[path] = (url, loop.time() + self.LIFETIME / 2, inherited)
         return url, inherited
 
-    async def cat_file(self, path: str, start: int, end: int | None, body: _Body) -> None:
+    async def cat_file(self, path: str, start: int, end: int | None, body: _Body, *,
+                       probe: bool = False) -> int | None:
         """Append bytes ``[start, end)`` of ``path`` to ``body`` as they arrive: if the
-        connection drops, what arrived stays there, in the chunks it arrived in."""
+        connection drops, what arrived stays there, in the chunks it arrived in. Returns the
+        object's size where the answer says it (``Content-Range``). ``probe``: the request is
+        a size probe, and an empty object's 416 is its answer (size 0), not an error."""
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
@@ -145,11 +149,14 @@ class _PresignedS3:
             url, inherited = await self._url(path)
             async with self.session.get(url, headers=headers) as resp:
                 status = resp.status
+                total = content_total(resp.headers.get("Content-Range"))
                 if status == 206 or (status == 200 and not headers):
                     async for piece, _ in resp.content.iter_chunks():
                         body.keep(piece)
-                    return
+                    return total if status == 206 else body.size
                 data = await resp.read()
+            if probe and status == 416 and total is not None:
+                return total
             if attempt == 0 and ((status == 403 and cached) or (
                     inherited and 300 <= status < 500 and status != 429)):
                 # temporary credentials may have rotated; or the inherited signer does not
@@ -163,7 +170,7 @@ class _PresignedS3:
             break
         if status == 200:  # a server that ignores Range
             body.keep(data[start:end], wire=len(data))
-            return
+            return len(data)
         detail = data[:300].decode("utf-8", "replace")
         if status == 404:
             raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
@@ -176,6 +183,40 @@ class _PresignedS3:
 
     async def close(self) -> None:
         await self.session.close()
+
+
+_CONTENT_RANGE = re.compile(r"\s*bytes\s+(?:\d+-\d+|\*)/(\d+)\s*$")
+
+
+def content_total(header: str | None) -> int | None:
+    """The object's size from a ``Content-Range`` header (``bytes 0-99/1234``, ``bytes */0``)."""
+    m = _CONTENT_RANGE.match(header or "")
+    return int(m.group(1)) if m else None
+
+
+async def _http_probe(fs: Any, url: str, head: int, body: _Body) -> int | None:
+    """One ranged GET of an HTTP object's first ``head`` bytes through the fsspec filesystem's
+    own session and request options: its bytes into ``body``, its size from ``Content-Range``
+    (or ``Content-Length`` where the server ignores ``Range``, without reading the body)."""
+    kw = dict(getattr(fs, "kwargs", {}) or {})
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = f"bytes=0-{head - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as resp:
+        total = content_total(resp.headers.get("Content-Range"))
+        if resp.status == 206:
+            async for piece, _ in resp.content.iter_chunks():
+                body.keep(piece)
+            return total
+        if resp.status == 416 and total is not None:  # an empty object
+            return total
+        fs._raise_not_found_for_status(resp, url)  # FileNotFoundError, or aiohttp's status error
+        if resp.content_length is not None:  # 200: a server that ignores Range
+            resp.close()  # the body is not wanted: drop the connection rather than read it
+            return resp.content_length
+        async for piece, _ in resp.content.iter_chunks():
+            body.keep(piece)
+        return body.size
 
 
 def _no_hidden_retry(session: Any) -> None:
@@ -230,6 +271,10 @@ class AsyncClient:
         self.throttle = Throttle(self.config.max_requests)  # READER-THROTTLE (``retry``)
         self.fast_s3 = fast_s3
         self._opened: asyncio.Future | None = None
+        # HEAD-START: the first bytes of objects sized by a probe (``size``), kept for the
+        # ``get`` of their start that follows: {url: (body, size)}
+        self._heads: dict[str, tuple[_Body, int | None]] = {}
+        self._probed = False
         self.io = LoopThread(name)
         _live_clients.add(self)
 
@@ -275,6 +320,7 @@ class AsyncClient:
         return fs
 
     async def _close_fs(self) -> None:
+        self._heads.clear()
         presigned, self._presigned = self._presigned, None
         if presigned is not None:
             await presigned.close()
@@ -304,9 +350,36 @@ class AsyncClient:
         return await loop.run_in_executor(self._executor, call)
 
     async def size(self, url: str) -> int | None:
-        """The object's size (one HEAD / stat, retried like a part), for objects a listing did not size."""
-        info = await self._retrying(lambda: self._call("_info", "info", url), url, "size")
-        return info.get("size")
+        """The object's size, for objects a listing did not size, retried like a part.
+
+        HEAD-START: on S3's presigned GETs and HTTP(S) the size comes from a ranged GET's
+        ``Content-Range``, not a HEAD, and the client's first such probe asks for the object's
+        first ``first_part`` bytes, kept for the ``get`` of the object's start that follows
+        (the prefetcher sizes an unsized shard just before it requests its parts): the
+        reader's first shard then costs one round trip before its first bytes, not two.
+        Later probes ask for one byte (as cheap as a HEAD). Other backends: one HEAD / stat.
+        """
+        fs = await self._open()
+        if self._presigned is None and self.protocol not in ("http", "https"):
+            info = await self._retrying(lambda: self._call("_info", "info", url), url, "size")
+            return info.get("size")
+        head = 1 if self._probed else max(1, self.config.first_part)
+        self._probed = True
+
+        async def once() -> tuple[int | None, _Body]:
+            body = _Body()
+            if self._presigned is not None:
+                total = await self._presigned.cat_file(fs._strip_protocol(url), 0, head, body, probe=True)
+            else:
+                total = await _http_probe(fs, url, head, body)
+            return total, body
+
+        total, body = await self._retrying(once, url, "size")
+        if head > 1 and body.size:
+            self._heads[url] = (body, total)
+        else:
+            self.stats.add(received=body.wire)
+        return total
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False) -> bytes | Chunks:
@@ -324,6 +397,14 @@ class AsyncClient:
         """
         start = start or 0
         body = _Body()
+        head, total = self._heads.pop(url, (None, None)) if start == 0 else (None, None)
+        if head is not None:  # HEAD-START: the bytes the size probe brought, as the start
+            want = (end if end is not None else total if total is not None else head.size + 1) - start
+            _keep_prefix(body, head.chunks, want)
+            if body.size >= want:  # all there: no request
+                self.stats.add(received=body.wire, bytes=body.size)
+                return Chunks(body.chunks) if chunks else b"".join(body.chunks)
+        cached = body.size
 
         async def once() -> bytes | Chunks:
             fs = await self._open()
@@ -332,9 +413,11 @@ class AsyncClient:
                 await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
                 size = body.size
             else:
-                data = await self._call("_cat_file", "cat_file", url, start=start, end=end)
+                data = await self._call("_cat_file", "cat_file", url, start=start + cached, end=end)
+                body.wire += len(data)
+                if cached:
+                    data = b"".join(body.chunks) + data
                 size = len(data)
-                body.wire += size
             if end is not None and size != end - start:
                 raise ShardFetchError(
                     f"short read of {url}: {size} of {end - start} bytes at offset "
@@ -397,6 +480,14 @@ class AsyncClient:
             await asyncio.sleep(min(backoff_s(attempt, cfg.backoff, cfg.backoff_cap),
                                     cfg.retry_deadline - spent))
             attempt += 1
+
+
+def _keep_prefix(body: _Body, chunks: list[bytes], n: int) -> None:
+    """Keep the first ``n`` bytes of ``chunks`` in ``body``."""
+    for piece in chunks:
+        if body.size >= n:
+            break
+        body.keep(piece[: n - body.size])
 
 
 # a body shorter than asked twice more is an object shorter than listed, not a blip
