@@ -213,7 +213,7 @@ class LatencyProxy(LoopedServer):
             self.events = [] if on else None
 
     def _event(self, kind: str, when: float, conn: int, data: bytes) -> None:
-        head = data[:160]
+        head = data[:4096]
         if not (head.startswith(b"HTTP/1.") if kind == "response" else head[:1].isupper()):
             return
         line = head.split(b"\r\n", 1)[0].decode("latin-1")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import streamdata as sd
-from streamdata.client import AsyncClient, content_total
+from streamdata.client import AsyncClient
 from streamdata.config import FetchConfig
+from streamdata.presigned import content_total
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.faults import FaultProxy  # noqa: E402
@@ -69,3 +70,121 @@ def test_s3_sizes_from_the_first_ranged_get(s3_bucket) -> None:
         assert [s["__key__"] for s in ds] == _keys(COUNTS)
         # no HEAD: shard 0 is one GET (size and bytes), the others a 1-byte probe and a GET
         assert proxy.requests == {"get": 1 + 2 * (len(COUNTS) - 1)}
+
+
+def test_lite_signatures_match_botocore() -> None:
+    """LITE-S3 signs exactly as botocore does (SigV4 query auth), for the same instant."""
+    import datetime
+    import urllib.parse
+
+    import boto3
+    from botocore.config import Config
+
+    from streamdata.s3lite import LiteS3
+
+    def query(url: str) -> dict[str, str]:
+        return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+
+    for endpoint, region, token in [("http://127.0.0.1:9000", "us-east-1", None),
+                                    ("https://s3.example.com:443/", "eu-west-3", "TOK/en+=")]:
+        boto = boto3.client("s3", endpoint_url=endpoint, region_name=region, aws_access_key_id="AKID",
+                            aws_secret_access_key="se/cr+et", aws_session_token=token,
+                            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}))
+        lite = LiteS3(endpoint, region, "AKID", "se/cr+et", token)
+        cases = [("get_object", {"Bucket": "bkt", "Key": "dir/a b+c~(1).tar"}, "dir/a b+c~(1).tar", {}),
+                 ("list_objects_v2", {"Bucket": "bkt", "Prefix": "d ir/", "Delimiter": "/"}, "",
+                  {"list-type": "2", "prefix": "d ir/", "delimiter": "/", "encoding-type": "url"})]
+        for operation, params, key, extra in cases:
+            theirs = boto.generate_presigned_url(operation, Params=params, ExpiresIn=3600)
+            when = datetime.datetime.strptime(query(theirs)["X-Amz-Date"], "%Y%m%dT%H%M%SZ")
+            mine = lite.url("bkt", key, extra, now=when.replace(tzinfo=datetime.UTC))
+            assert query(mine) == query(theirs), (theirs, mine)
+            assert urllib.parse.urlsplit(mine).path == urllib.parse.urlsplit(theirs).path
+        boto.close()
+    assert "se/cr+et" not in repr(lite)
+
+
+_CHILD = """
+import json, sys
+import streamdata as sd
+opts, spec = json.loads(sys.argv[1])
+ds = sd.TarDataset(spec, storage_options=opts, decode=False)
+heavy = ("s3fs", "aiobotocore", "botocore")
+seen = [m for m in sys.modules if m.split(".")[0] in heavy]
+def mark(sample):
+    sample["heavy"] = [m for m in sys.modules if m.split(".")[0] in heavy]
+    return sample
+ds.map = mark
+keys, worker_heavy = [], set()
+for batch in sd.loader(ds, batch_size=None, num_workers=2, pin_memory=False, persistent_workers=False):
+    keys.append(batch["__key__"])
+    worker_heavy.update(batch["heavy"])
+print(json.dumps({"seen": seen, "workers": sorted(worker_heavy), "keys": sorted(keys)}))
+"""
+
+
+def test_lite_s3_lists_once_and_imports_no_botocore(s3_bucket) -> None:
+    """LITE-S3: a brace pattern costs one listing request, and neither the constructing process
+    nor its DataLoader workers import s3fs, aiobotocore or botocore."""
+    import json
+    import subprocess
+
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    for i, shard in enumerate(make_samples(COUNTS)):
+        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
+        ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        assert proxy.requests == {"list": 1}  # no HEAD, no region probe: one ListObjectsV2
+        assert [s.size for s in ds.shards] == [len(tar_bytes(s)) for s in make_samples(COUNTS)]
+        proxy.reset_counters()
+        root = str(Path(__file__).resolve().parents[1])
+        out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([options, spec])], cwd=root,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got == {"seen": [], "workers": [], "keys": sorted(_keys(COUNTS))}
+        assert proxy.requests == {"list": 1, "get": len(COUNTS)}
+
+
+@pytest.mark.parametrize("spec", ["s3://{b}/d/", "s3://{b}/d", "s3://{b}/d/s-1.tar", "s3://{b}/d/s-",
+                                  "s3://{b}/d/sub", "s3://{b}", "s3://{b}/d/s-{{0..2}}.tar",
+                                  ["s3://{b}/d/s-0.tar", "s3://{b}/d/s-2.tar"], "s3://{b}/nothing"])
+def test_lite_expansion_means_what_s3fs_means(s3_bucket, spec) -> None:
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    for key in ["d/s-0.tar", "d/s-1.tar", "d/s-2.tar", "d/sub/x.tar", "d/sub/y.txt", "d/s-x/z.tar",
+                "other.tar"]:
+        s3.put_object(Bucket=bucket, Key=key, Body=key.encode() * 10)
+    spec = [s.format(b=bucket) for s in spec] if isinstance(spec, list) else spec.format(b=bucket)
+    lite = server.storage_options
+    botocore = dict(server.storage_options, use_ssl=False)  # an option LITE-S3 leaves to s3fs
+    from streamdata.backends import lite_s3
+
+    assert lite_s3("s3", lite) is not None and lite_s3("s3", botocore) is None
+
+    def expand(options):
+        try:
+            return sd.expand_spec(spec, options, suffixes=(".tar",))
+        except sd.StreamDataError as exc:
+            return type(exc)
+
+    assert expand(lite) == expand(botocore)
+
+
+def test_lite_s3_falls_back_to_botocore_when_refused(s3_bucket) -> None:
+    """A listing LITE-S3 may have signed wrong (a 4xx other than 404) is made again by s3fs."""
+    from benchmarks.faults import Fault
+
+    server, bucket = s3_bucket
+    server.boto3_client().put_object(Bucket=bucket, Key="d/s-0.tar", Body=tar_bytes(make_samples([2])[0]))
+    with FaultProxy(server.endpoint_url) as proxy:
+        proxy.add(Fault("status", status=403, match="list", times=1))
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        ds = sd.TarDataset(f"s3://{bucket}/d/s-{{0..0}}.tar", storage_options=options, decode=False)
+        assert ds.shards[0].size is not None and proxy.requests == {"list": 2}
+        missing = sd.TarDataset  # a missing bucket is a clear error, not a fallback
+        with pytest.raises(sd.ShardNotFoundError):
+            missing(f"s3://{bucket}-nope/d/s-{{0..0}}.tar", storage_options=options)
