@@ -30,12 +30,16 @@ _CLIENT = {"endpoint_url", "region_name"}
 _CONFIG = {"connect_timeout", "read_timeout", "retries", "max_pool_connections", "s3"}
 _REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
 _PROFILE_ENV = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_PROFILE")  # a region may hide there
-_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _UNSIGNED = "UNSIGNED-PAYLOAD"
 
 
 class LiteUnsupported(Exception):
     """This signer cannot make the request: use the botocore path instead."""
+
+
+def _local(tag: str) -> str:
+    """An XML tag without its namespace (S3 sends one; some S3-compatible servers do not)."""
+    return tag.rsplit("}", 1)[-1]
 
 
 def _hmac(key: bytes, text: str) -> bytes:
@@ -163,13 +167,15 @@ class LiteS3:
                 if resp.status != 200:
                     raise OSError(f"listing s3://{bucket}/{prefix}: HTTP {resp.status} {body[:200]!r}")
                 root = ET.fromstring(body)
-                for item in root.iter(f"{_NS}Contents"):
-                    etag = item.findtext(f"{_NS}ETag")
-                    key = urllib.parse.unquote_plus(item.findtext(f"{_NS}Key") or "")  # encoding-type=url
-                    out.append((key, int(item.findtext(f"{_NS}Size") or 0),
-                                etag.strip('"') if etag else None))
-                token = root.findtext(f"{_NS}NextContinuationToken")
-                if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
+                for item in root.iter():
+                    if _local(item.tag) == "Contents":
+                        field = {_local(child.tag): child.text or "" for child in item}
+                        etag = field.get("ETag", "").strip('"') or None
+                        key = urllib.parse.unquote_plus(field.get("Key", ""))  # encoding-type=url
+                        out.append((key, int(field.get("Size") or 0), etag))
+                top = {_local(child.tag): child.text or "" for child in root}
+                token = top.get("NextContinuationToken")
+                if top.get("IsTruncated") != "true" or not token:
                     return out
         except ET.ParseError as exc:
             raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc

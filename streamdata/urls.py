@@ -275,18 +275,26 @@ def _size_named_objects(b: _Backends, items: list[str],
 
 
 def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
-                suffixes: Iterable[str] = (), config: FetchConfig | None = None) -> list[Shard]:
+                suffixes: Iterable[str] = (), config: FetchConfig | None = None,
+                listing: bool = True) -> list[Shard]:
     """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
 
     ``suffixes`` filters what a prefix or glob lists (e.g. ``(".tar",)``); explicit names
     and brace patterns are taken as given. ``config``'s ``timeout`` bounds each request
     (a stat gets that long; a listing, all its pages, :func:`listing_deadline`), and transient
     failures are retried with its ``retries`` and ``backoff`` within that deadline.
+
+    ``listing=False`` (NO-LISTING): brace patterns and object names become shards of unknown
+    size with no request at all (a reader learns each size from its first ranged GET's
+    ``Content-Range``, HEAD-START in ``client``); a missing object is then reported when a
+    reader requests it, not here. Globs, prefixes and directories need a listing: SpecError.
     """
     config = config or FetchConfig()
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
         raise SpecError("the shard spec is an empty list: name at least one URL")
+    if not listing:
+        return _unlisted(items)
     suffixes = tuple(suffixes)
     b = _Backends(storage_options, config)
     try:
@@ -305,6 +313,34 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
             b.warm(protocol)
     finally:
         b.close()
+    dupes = len(shards) - len({s.url for s in shards})
+    if dupes:
+        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    return shards
+
+
+def _unlisted(items: list[Any]) -> list[Shard]:
+    """NO-LISTING (``expand_spec(listing=False)``): the named objects, sizes unknown."""
+    from fsspec.registry import known_implementations, registry
+
+    shards: list[Shard] = []
+    for raw in items:
+        if isinstance(raw, Shard):
+            shards.append(raw)
+            continue
+        item = os.fspath(raw)
+        if not isinstance(item, str) or not item:
+            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+        protocol, path = split_url(item)
+        if protocol not in known_implementations and protocol not in registry:
+            raise SpecError(f"unknown protocol {protocol!r} in {item!r}: use s3://, gs://, hdfs://, "
+                            "http(s)://, file:// or a local path")
+        if protocol not in _NO_LISTING and (any(c in path for c in "*?[") or path.endswith("/")):
+            raise SpecError(f"{item!r} is a glob or a directory: it cannot be expanded with "
+                            "listing=False. Name the shards (a brace pattern or a list of URLs), "
+                            "or leave listing on")
+        names = brace_expand(path) if "{" in path or "}" in path else [path]
+        shards.extend(Shard(_join(protocol, p), None) for p in names)
     dupes = len(shards) - len({s.url for s in shards})
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")

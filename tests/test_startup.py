@@ -188,3 +188,37 @@ def test_lite_s3_falls_back_to_botocore_when_refused(s3_bucket) -> None:
         missing = sd.TarDataset  # a missing bucket is a clear error, not a fallback
         with pytest.raises(sd.ShardNotFoundError):
             missing(f"s3://{bucket}-nope/d/s-{{0..0}}.tar", storage_options=options)
+
+
+def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
+    """expand_spec(listing=False): no request at construction, sizes from the readers' first
+    GETs; a missing shard fails when read, naming it; the default still fails at once."""
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    for i, shard in enumerate(make_samples(COUNTS)):
+        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
+        shards = sd.expand_spec(spec, options, listing=False)
+        assert shards == [sd.Shard(f"s3://{bucket}/d/s-{i}.tar") for i in range(len(COUNTS))]
+        ds = sd.TarDataset(shards, storage_options=options, decode=False)
+        assert proxy.requests == {}
+        assert [s["__key__"] for s in ds] == _keys(COUNTS)
+        assert proxy.requests == {"get": 1 + 2 * (len(COUNTS) - 1)}  # no list, no HEAD
+
+        missing = f"s3://{bucket}/d/s-{{0..{len(COUNTS)}}}.tar"  # one shard too many
+        with pytest.raises(sd.ShardNotFoundError, match=f"s-{len(COUNTS)}.tar"):
+            sd.TarDataset(missing, storage_options=options)
+        ds = sd.TarDataset(sd.expand_spec(missing, options, listing=False), storage_options=options)
+        with pytest.raises(sd.ShardNotFoundError, match=f"s-{len(COUNTS)}.tar"):
+            list(ds)
+
+
+@pytest.mark.parametrize("spec, match", [("s3://b/d/*.tar", "glob or a directory"),
+                                         ("s3://b/d/", "glob or a directory"),
+                                         ("nope://b/x.tar", "unknown protocol"),
+                                         (["s3://b/x.tar", "s3://b/x.tar"], "more than once")])
+def test_no_listing_refuses_what_needs_a_listing(spec, match: str) -> None:
+    with pytest.raises(sd.SpecError, match=match):
+        sd.expand_spec(spec, listing=False)
