@@ -143,7 +143,7 @@ def _call(fs, config: FetchConfig, url: str, name: str, *args: Any, stat: bool =
 
 
 def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
-               delimiter: str | None = None) -> list[tuple[str, int]] | None:
+               delimiter: str | None = None, url: str | None = None) -> list[tuple[str, int]] | None:
     """``(path, size)`` of the objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
     filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
@@ -157,12 +157,14 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
 
     def attempt(limit: float) -> list[tuple[str, int, str | None]] | None:
         try:
-            return lite.list(bucket, prefix, timeout=limit, delimiter=delimiter, while_waiting=warm)
+            # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
+            return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
+                             while_waiting=warm)
         except LiteUnsupported:
             return None
 
     found = call_with_deadline(attempt, timeout=None, deadline=listing_deadline(config),
-                               url=_join(protocol, path), what="list", retries=config.retries,
+                               url=url or _join(protocol, path), what="list", retries=config.retries,
                                backoff=config.backoff)
     if found is None:  # a 4xx this signer may have caused: the filesystem from now on
         b._lite[protocol] = None
@@ -176,7 +178,7 @@ def _list_sizes(b: _Backends, protocol: str, paths: list[str], config: FetchConf
         return {p: None for p in paths}
     sizes: dict[str, int | None] = {}
     for parent in sorted({posixpath.dirname(p) for p in paths}):
-        lite = _lite_list(b, protocol, parent + "/", config, delimiter="/")
+        lite = _lite_list(b, protocol, parent + "/", config, delimiter="/", url=_join(protocol, parent))
         if lite is not None:
             sizes.update(lite)
             continue
