@@ -312,6 +312,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 proxy.set_delay(delay / 1000)
                 for k in range(args.rounds):
                     for method in methods:
+                        if method == "webdataset" and delay not in args.peer_delays:
+                            continue
                         cfg = dict(base, method=method.split("@")[0], delay_ms=delay)
                         if "@" in method:
                             cfg["sd_path"] = args.sd_trees[method.split("@", 1)[1]]["path"]
@@ -395,9 +397,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[0, 100])
     p.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=list(METHODS))
-    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--peer-delays", type=lambda s: [float(x) for x in s.split(",")], default=[0],
+                   help="delays at which webdataset runs (it reads ~250 samples/s at 100 ms)")
+    p.add_argument("--samples", type=int, default=8192)
     p.add_argument("--sample-kib", type=int, default=96)
-    p.add_argument("--shards", type=int, default=32)
+    p.add_argument("--shards", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
