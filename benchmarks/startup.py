@@ -24,6 +24,7 @@ signing is done by the orchestrator and not counted).
     python -m benchmarks.startup --rounds 3
     python -m benchmarks.startup --sd-trees base=/work/wt/base --rounds 5 --methods streamdata
     python -m benchmarks.startup --epochs 2      # also epoch 2's first batch (persistent workers)
+    python -m benchmarks.startup --sd-options '{"listing": false}'   # expand_spec(listing=False)
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def _make_streamdata(cfg: dict, stamp: _Stamp, clock: _ImportClock) -> tuple[Any
         import streamdata as sd  # noqa: F401  (imported above, outside the clock)
 
         opts = dict(cfg.get("sd_options") or {})
-        ds = sd.TarDataset(cfg["shard_spec"], storage_options=cfg["storage_options"],
-                           batch_size=cfg["batch"], **opts)
+        spec = cfg["shard_spec"]
+        if opts.pop("listing", True) is False:  # NO-LISTING: sizes from the readers' first GETs
+            spec = sd.expand_spec(spec, cfg["storage_options"], listing=False)
+        ds = sd.TarDataset(spec, storage_options=cfg["storage_options"], batch_size=cfg["batch"], **opts)
     built = time.monotonic()
     return sd.loader(ds, num_workers=cfg["workers"], pin_memory=False, worker_init_fn=stamp), built
 
