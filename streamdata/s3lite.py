@@ -137,9 +137,11 @@ class LiteS3:
     # ---- listing ----------------------------------------------------------------------------
 
     def list(self, bucket: str, prefix: str, *, timeout: float, delimiter: str | None = None,
-             while_waiting: Callable[[], None] | None = None) -> list[tuple[str, int, str | None]]:
+             while_waiting: Callable[[], None] | None = None,
+             page_size: int | None = None) -> list[tuple[str, int, str | None]]:
         """``(key, size, etag)`` of every object under ``prefix`` (all pages: ListObjectsV2), over
-        one connection. ``while_waiting`` runs once, after the first request is sent, before
+        one connection (``page_size``: keys per page, the server's default 1,000 when ``None``).
+        ``while_waiting`` runs once, after the first request is sent, before
         its answer is read (work that overlaps the round trip). Raises ``FileNotFoundError``
         (404: no such bucket), ``LiteUnsupported`` (another 4xx), ``OSError`` (the rest)."""
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -151,6 +153,8 @@ class LiteS3:
                 query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
                 if delimiter:
                     query["delimiter"] = delimiter
+                if page_size:
+                    query["max-keys"] = str(page_size)
                 if token:
                     query["continuation-token"] = token
                 url = urllib.parse.urlsplit(self.url(bucket, "", query))

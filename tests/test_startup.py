@@ -222,3 +222,22 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
 def test_no_listing_refuses_what_needs_a_listing(spec, match: str) -> None:
     with pytest.raises(sd.SpecError, match=match):
         sd.expand_spec(spec, listing=False)
+
+
+def test_lite_listing_follows_every_page(s3_bucket) -> None:
+    """LITE-S3's listing reads all pages (continuation tokens), keys with odd characters
+    included (encoding-type=url), over one connection."""
+    from streamdata.backends import lite_s3
+
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    keys = [f"p/k-{i} +%~é.tar" for i in range(5)] + ["p/sub/deeper.tar", "q/other.tar"]
+    for key in keys:
+        s3.put_object(Bucket=bucket, Key=key, Body=b"x" * len(key))
+    with FaultProxy(server.endpoint_url) as proxy:
+        lite = lite_s3("s3", dict(server.storage_options, endpoint_url=proxy.url))
+        found = lite.list(bucket, "p/", timeout=10, page_size=2)
+        assert proxy.requests == {"list": 3}
+        assert sorted((k, n) for k, n, _ in found) == sorted((k, len(k)) for k in keys if k.startswith("p/"))
+        flat = lite.list(bucket, "p/", timeout=10, delimiter="/")  # one level, as s3fs's ls
+        assert sorted(k for k, _, _ in flat) == sorted(k for k in keys[:5])
