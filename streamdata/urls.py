@@ -346,6 +346,8 @@ def _unlisted(items: list[Any]) -> list[Shard]:
     dupes = len(shards) - len({s.url for s in shards})
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    for protocol in {split_url(s.url)[0] for s in shards}:  # inherited by forked workers
+        warm_imports(protocol)
     return shards
 
 
