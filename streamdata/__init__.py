@@ -2,7 +2,7 @@
 
 from .config import FetchConfig
 from .cuda import CudaPrefetcher, PinAhead, pin_batch
-from .dataset import ShardedDataset, TarDataset
+from .dataset import ShardedDataset
 from .errors import (
     AccessDeniedError,
     BackendMissingError,
@@ -13,11 +13,14 @@ from .errors import (
     ShardNotFoundError,
     SharedMemoryError,
     SpecError,
+    StaleIndexError,
     StreamDataError,
 )
 from .fetch import FetchItem, Prefetcher
+from .index import build_index
 from .objects import ObjectDataset
 from .presets import Loader, loader
+from .tarset import TarDataset
 from .urls import Shard, expand_spec
 from .world import World
 
@@ -62,9 +65,11 @@ __all__ = [
     "ShardedDataset",
     "SharedMemoryError",
     "SpecError",
+    "StaleIndexError",
     "StreamDataError",
     "TarDataset",
     "World",
+    "build_index",
     "expand_spec",
     "loader",
     "pin_batch",

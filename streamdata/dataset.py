@@ -3,27 +3,28 @@
 :class:`ShardedDataset` owns the epoch pass for every format: the reader's world, its plan
 of units for the epoch, the prefetcher, the error policy, ``map``, the shuffle, batching and
 the epoch iterator. A format supplies only what a unit is and how a fetched unit becomes
-records (``fetch_item`` and ``read_unit``); :class:`TarDataset` is that for tar shards, and
-:mod:`streamdata.parquet` for Parquet row groups and Arrow record batches (whose records are
-Arrow tables, shuffled and batched at table level by ``table_stages``).
+records (``fetch_item`` and ``read_unit``); :class:`~streamdata.tarset.TarDataset` is that
+for tar shards, and :mod:`streamdata.parquet` for Parquet row groups and Arrow record batches
+(whose records are Arrow tables, shuffled and batched at table level by ``stages``).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.utils.data
 
 from .config import FetchConfig
-from .decode import DecodeSpec, make_decoder
-from .errors import SpecError, StreamDataError
+from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
-from .formats.tar import samples_from_chunks
 from .incremental import batches
 from .metrics import COUNTERS, Counters
+from .plan import Span, batch_sizes, reader_span
 from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
@@ -32,9 +33,18 @@ from .stages import shuffled
 from .urls import Shard, Spec, expand_spec
 from .world import World
 
-__all__ = ["EpochIterator", "ReaderPass", "ShardedDataset", "TarDataset"]
+__all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_count"]
+
+log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
+
+
+def stale_count(url: str, seen: int, expected: int) -> FormatError:
+    """A unit whose samples do not match its count (the sample index, or footers)."""
+    return FormatError(f"{redact_url(url)} does not match its sample count: {seen} samples found where "
+                       f"the count says {expected}; the shard changed after its index was built: run "
+                       "`streamdata index SPEC` again", url=url)
 
 
 class EpochIterator:
@@ -72,19 +82,54 @@ class EpochIterator:
 
 @dataclass(frozen=True)
 class ReaderPass:
-    """What one reader reads in one pass: where it stands, the epoch, its units in order.
+    """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
-    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world
-    (EXACTLY-ONCE, see ``sharding``), so a saved position in it is all a resume needs.
+    ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
+    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop, count)`` from an
+    exact epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit
+    of ``count`` samples).
+    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
+    saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    units: list[Any]
+    reads: list[tuple[Any, tuple[int, int, int] | None]]
+    span: Span | None = None
+
+    @property
+    def units(self) -> list[Any]:
+        return [unit for unit, _ in self.reads]
 
     def seed(self, seed: int) -> list[int]:
         """Seed material for this reader's shuffle in this pass."""
         return reader_seed(self.world, seed=seed, epoch=self.epoch)
+
+    def batch_sizes(self, batch_size: int | None) -> list[int] | None:
+        """The planned size of each batch this reader yields (an exact epoch), else None."""
+        if self.span is None or batch_size is None:
+            return None
+        return batch_sizes(self.span, batch_size)
+
+
+@dataclass(frozen=True)
+class _Early:
+    """A pass whose requests started before its ``iter()`` (NEXT-EPOCH-EARLY)."""
+
+    p: ReaderPass
+    reads: list
+    fetcher: Prefetcher
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a pass groups its samples: ``batch_size`` None yields samples one by one."""
+
+    batch_size: int | None
+    drop_last: bool = False
+    collate_fn: Callable[[list], Any] | None = None
+    in_flight: int | None = None
+    sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
 
 
 class ShardedDataset(torch.utils.data.IterableDataset):
@@ -127,6 +172,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._counters = Counters(COUNTERS)
         self._epoch = 0
         self._passes = 0
+        self.early_next_epoch = False  # NEXT-EPOCH-EARLY; sd.loader sets it for persistent workers
+        self._early: _Early | None = None
 
     # ---- epochs and counts ------------------------------------------------------------
 
@@ -164,13 +211,49 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """The work units split across readers (shards here; row groups for Parquet)."""
         return self.shards
 
+    def sample_counts(self) -> np.ndarray | None:
+        """Samples in each unit (aligned with :meth:`units`) when known without reading them
+        (a tar index, Parquet footers): the pass is then an exact epoch (``plan``); None: units
+        are split whole (``sharding``)."""
+        return None
+
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""
-        return FetchItem(unit.url, unit.size)
+        return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
+
+    def etag(self, url: str) -> str | None:
+        """The listing's ETag of the object at ``url`` (part of a cache entry's key), if any."""
+        etags = self.__dict__.get("_etags")
+        if etags is None:
+            etags = self._etags = {s.url: getattr(s, "etag", None) for s in self.shards}
+        return etags.get(url)
 
     def read_unit(self, unit: Any, reader: ItemReader) -> Iterable[Any]:
         """A fetched unit's records, in order."""
         raise NotImplementedError
+
+    def fetch_segment(self, unit: Any, start: int, stop: int, count: int) -> FetchItem:
+        """What to fetch for samples ``[start, stop)`` of ``unit`` (of ``count``): all of it
+        unless a format knows where its samples lie (a tar index's offsets)."""
+        return self.fetch_item(unit)
+
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start.
+        A unit that does not hold the ``count`` records its count says (fewer than ``stop``, or,
+        read to its end, more than ``count``) is a stale count: FormatError."""
+        seen = 0
+        records = iter(self.read_unit(unit, reader))
+        try:
+            for seen, record in enumerate(records, 1):
+                if seen > start and seen <= stop:
+                    yield record
+                elif seen > stop and stop < count:
+                    return  # the rest is another reader's
+            if seen != count:
+                raise stale_count(reader.url, seen, count)
+        finally:
+            getattr(records, "close", lambda: None)()
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
@@ -179,70 +262,109 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     # ---- the pass -----------------------------------------------------------------------
 
-    def reader_pass(self) -> ReaderPass:
-        """This reader's pass of the current epoch (and, in a worker, one pass counted)."""
-        world = World.current()
-        epoch = self.epoch
+    def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
+        """This reader's pass of the current epoch (and, in a worker, one pass counted): an
+        exact epoch's span when sample counts are known, else a shard-level split."""
+        p = self._plan_pass(self.epoch, batch_size, drop_last)
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
-        units = assign(self.units(), world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        return ReaderPass(world, epoch, units)
+        return p
+
+    def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool) -> ReaderPass:
+        world = World.current()
+        units, counts = self.units(), self.sample_counts()
+        if counts is None:
+            order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            return ReaderPass(world, epoch, [(unit, None) for unit in order])
+        span = reader_span(counts, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                           batch_size=batch_size, drop_last=drop_last)
+        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
+        return ReaderPass(world, epoch, reads, span)
 
     def __iter__(self) -> Iterator[Any]:
-        p = self.reader_pass()
-        where = p.world.describe()
-        policy = ErrorPolicy(self.on_error, self._counters, where=where)
-        units, items = [], []
-        for unit in p.units:  # a unit whose byte ranges cannot be worked out is a bad unit
+        return self.iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn)
+
+    def iter_batches(self, batch_size: int | None, *, drop_last: bool = False,
+                     collate_fn: Callable[[list], Any] | None = None,
+                     in_flight: int | None = None) -> EpochIterator:
+        """This reader's pass, batched by ``batch_size`` (None: samples). ``sd.loader`` calls it
+        to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
+        p = self.reader_pass(batch_size, drop_last)
+        self._note_plan(p)
+        policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe())
+        early, self._early = self._early, None
+        if early is not None and early.p == p:  # NEXT-EPOCH-EARLY: its requests are out already
+            reads, fetcher = early.reads, early.fetcher
+        else:
+            if early is not None:
+                early.fetcher.close()
+            reads, fetcher = self._start(p, policy)
+        opened = self._opened(reads, fetcher, lambda: self._start_next(p, batch_size, drop_last))
+        records = policy.units(self.read_unit(u, r) if part is None else self.read_segment(u, *part, r)
+                               for (u, part), r in opened)
+        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
+        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
+
+    def _start(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, Prefetcher]:
+        """A pass's fetch items and its prefetcher, whose requests start now."""
+        reads, items = [], []
+        for unit, part in p.reads:  # a unit whose byte ranges cannot be worked out is a bad unit
             try:
-                items.append(self.fetch_item(unit))
+                items.append(self.fetch_item(unit) if part is None else self.fetch_segment(unit, *part))
             except StreamDataError as exc:
                 policy.check(exc)
                 continue
-            units.append(unit)
-        fetcher = Prefetcher(items, self.storage_options, self.fetch_config, where=where,
-                             counters=self._counters)
-        records = policy.units(self.read_unit(u, r) for u, r in zip(units, fetcher, strict=True))
-        return EpochIterator(self.stages(records, policy, p.seed(self.seed)), fetcher.close)
+            reads.append((unit, part))
+        return reads, Prefetcher(items, self.storage_options, self.fetch_config, where=p.world.describe(),
+                                 counters=self._counters)
 
-    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
+    @staticmethod
+    def _opened(reads: list, fetcher: Prefetcher, last: Callable[[], None]) -> Iterator[tuple[Any, Any]]:
+        """``(read, item reader)`` pairs; ``last()`` runs as the last item is taken."""
+        for i, pair in enumerate(zip(reads, fetcher, strict=True)):
+            if i == len(reads) - 1:
+                last()
+            yield pair
+
+    def _start_next(self, p: ReaderPass, batch_size: int | None, drop_last: bool) -> None:
+        """NEXT-EPOCH-EARLY: in a persistent worker (``early_next_epoch``), once this pass has
+        asked for its last unit, the next pass (the same plan the next ``iter()`` computes) starts
+        its requests, so the next epoch's first batch does not wait for them. The next pass
+        adopts it only if it is that same pass, else closes it; a worker that ends drops it with
+        its process. A failure here is left for the next pass to meet."""
+        if not self.early_next_epoch or torch.utils.data.get_worker_info() is None:
+            return
+        try:
+            nxt = self._plan_pass(self.epoch, batch_size, drop_last)
+            policy = ErrorPolicy(self.on_error, self._counters, where=nxt.world.describe())
+            self._early = _Early(nxt, *self._start(nxt, policy))
+        except StreamDataError:
+            self._early = None
+
+    def _note_plan(self, p: ReaderPass) -> None:
+        """Count what an exact epoch's plan repeats or leaves out; log the left-out once."""
+        if p.span is None:
+            return
+        if p.span.pad:
+            self._counters.add("planned.padded", p.span.pad)
+        if p.span.dropped and p.world.worker == 0:  # the same figure on every reader: once per rank
+            self._counters.add("planned.left_out", p.span.dropped)
+            if p.world.rank == 0:
+                log.info("epoch %d: drop_last leaves out %d samples (fewer than readers x batch size; "
+                         "a different set each epoch)", p.epoch, p.span.dropped)
+
+    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
+               batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
         samples = policy.each(records, self.prepare)
         if self.map is not None:
             samples = policy.each(samples, self.map)
         samples = shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
-        if self.batch_size is None:
+        if batching.batch_size is None:
             return samples
-        return batches(samples, self.batch_size, collate_fn=self.collate_fn, drop_last=self.drop_last)
+        return batches(samples, batching.batch_size, collate_fn=batching.collate_fn,
+                       drop_last=batching.drop_last, in_flight=batching.in_flight, sizes=batching.sizes)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "
                 f"shuffle={self.shuffle}, batch_size={self.batch_size})")
-
-
-class TarDataset(ShardedDataset):
-    """WebDataset-layout tar shards from any fsspec URL, split exactly across ranks and workers.
-
-    Yields decoded sample dicts (``__key__``, ``__url__`` and one entry per extension), or,
-    with ``batch_size``, collated batches built inside the worker.  See the README for options.
-    """
-
-    suffixes = (".tar",)
-
-    def __init__(self, spec: Spec, *, decode: DecodeSpec = True, accept_unterminated: bool = False,
-                 **options: Any) -> None:
-        self.decode = decode
-        self.accept_unterminated = accept_unterminated  # read shards without the end marker
-        self._decoder = make_decoder(decode)
-        super().__init__(spec, **options)
-
-    def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
-        # samples' __url__ (and the parser's errors) name the shard without its secrets,
-        # redacted once per shard; the real URL is in self.shards
-        return samples_from_chunks(
-            reader.chunks(), redact_url(reader.url), total=unit.size,
-            accept_unterminated=self.accept_unterminated,
-            on_unterminated=lambda: self._counters.add("accepted.unterminated"))
-
-    def prepare(self, record: dict) -> dict:
-        return record if self._decoder is None else self._decoder(record)

@@ -38,6 +38,7 @@ __all__ = [
     "ShardNotFoundError",
     "SharedMemoryError",
     "SpecError",
+    "StaleIndexError",
     "StreamDataError",
 ]
 
@@ -132,6 +133,10 @@ def _rebuild(cls: type, message: str, state: dict) -> StreamDataError:
 
 class SpecError(StreamDataError, ValueError):
     """A shard spec or option is unusable: empty expansion, unknown protocol, bad option."""
+
+
+class StaleIndexError(SpecError):
+    """A sample index no longer matches its shards (a size or ETag changed): build it again."""
 
 
 class BackendMissingError(StreamDataError, ImportError):

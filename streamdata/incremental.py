@@ -142,40 +142,50 @@ class BatchBuilder:
 
 
 def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Callable[[list], Any] | None = None,
-            drop_last: bool = False, in_flight: int | None = None) -> Iterator[Any]:
+            drop_last: bool = False, in_flight: int | None = None,
+            sizes: Iterable[int] | None = None) -> Iterator[Any]:
     """Group ``samples`` into batches of ``batch_size``; the short tail too unless ``drop_last``.
+
+    ``sizes``, when given, are the planned sizes of the first batches, in order (an exact
+    epoch's plan, EQUAL-STEPS in :mod:`streamdata.plan`); batches after them are ``batch_size``.
 
     The one place streamdata batches: ``collate_fn=None`` is the default collation, each
     sample copied into its (shared-memory) batch as it arrives (:class:`BatchBuilder`;
     ``in_flight`` as in :func:`~streamdata.collate.collate`); a callable gets each list of
     ``batch_size`` samples instead (``in_flight`` is then unused).
     """
+    targets = iter(sizes) if sizes is not None else None
     if collate_fn is None:
-        return _built(samples, batch_size, drop_last, in_flight)
-    return _gathered(samples, batch_size, collate_fn, drop_last)
+        return _built(samples, batch_size, drop_last, in_flight, targets)
+    return _gathered(samples, batch_size, collate_fn, drop_last, targets)
 
 
-def _built(items: Iterable[Any], batch_size: int, drop_last: bool, in_flight: int | None) -> Iterator[Any]:
+def _built(items: Iterable[Any], batch_size: int, drop_last: bool, in_flight: int | None,
+           targets: Iterator[int] | None) -> Iterator[Any]:
     """:func:`batches` with the default collation: each sample into the batch as it comes."""
     builder = BatchBuilder(batch_size, in_flight=in_flight)
+    want = batch_size if targets is None else next(targets, batch_size)
     for item in items:
         builder.add(item)
         del item  # the sample's arrays are in the batch now: let them go
-        if len(builder) == batch_size:
+        if len(builder) == want:
             yield builder.finish()
+            want = batch_size if targets is None else next(targets, batch_size)
     if len(builder) and not drop_last:
         yield builder.finish()
 
 
 def _gathered(items: Iterable[Any], batch_size: int, collate_fn: Callable[[list], Any],
-              drop_last: bool) -> Iterator[Any]:
+              drop_last: bool, targets: Iterator[int] | None) -> Iterator[Any]:
     """:func:`batches` with the caller's ``collate_fn``: lists of ``batch_size`` items, collated."""
     batch: list[Any] = []
+    want = batch_size if targets is None else next(targets, batch_size)
     for item in items:
         batch.append(item)
-        if len(batch) == batch_size:
+        if len(batch) == want:
             yield collate_fn(batch)
             batch = []
+            want = batch_size if targets is None else next(targets, batch_size)
     if batch and not drop_last:
         yield collate_fn(batch)
 

@@ -1,9 +1,13 @@
 """Parquet and Arrow IPC datasets: row groups and record batches as the units split across readers.
 
 Footers are read once, in ``__init__``, through a ``Prefetcher`` over the tails of the objects
-(sizes from the listing), and kept as bytes.  The units (a Parquet row group, an Arrow IPC
-file's record batch, or a whole IPC stream object) are then assigned to ranks and workers
-exactly like tar shards (EXACTLY-ONCE, see ``sharding``).  Each reader fetches only the byte
+(sizes from the listing), and kept as bytes.  The units are a Parquet row group, an Arrow IPC
+file's record batch, or a whole IPC stream object.  Parquet footers give every row group's
+row count, so a Parquet epoch is exact (EQUAL-STEPS, ``plan``): each reader gets an equal span
+of rows, cut inside row groups where needed, and every rank the same number of batches.
+Arrow units (whose row counts only their batches' headers hold) and a Parquet pass with a
+``filter`` are assigned whole, like tar shards without an index (EXACTLY-ONCE, ``sharding``).
+Each reader fetches only the byte
 ranges of its units (for Parquet: only the column chunks asked for, adjacent ranges merged),
 decodes them with pyarrow, and turns rows into batches with Arrow slicing, never per row.
 """
@@ -20,7 +24,7 @@ import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
 from .config import UNIT_WINDOW, FetchConfig
-from .dataset import ShardedDataset
+from .dataset import Batching, ShardedDataset, stale_count
 from .errors import DecodeError, FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
@@ -86,7 +90,7 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     """
     if not requests:
         return []
-    items = [FetchItem(s.url, s.size, ranges) for s, ranges in requests]
+    items = [FetchItem(s.url, s.size, ranges, getattr(s, "etag", None)) for s, ranges in requests]
     cfg = config.replace(window=max(config.window, _FOOTER_WINDOW))
     out: list[tuple[Shard, list[bytes] | StreamDataError]] = []
     with Prefetcher(items, storage_options, cfg, where="footers") as fetcher:
@@ -180,7 +184,21 @@ class _ArrowTables(ShardedDataset):
             raise DecodeError(f"the filter {self.filter} failed on rows of {url}: "
                               f"{type(exc).__name__}: {exc}", url=url, key="filter") from exc
 
-    def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int]) -> Iterator[Any]:
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[pa.Table]:
+        """Rows ``[start, stop)`` of ``unit`` (an exact epoch's span may cut a row group); a
+        unit that does not hold the ``count`` rows its footer says is a FormatError."""
+        seen = 0
+        for table in self.read_unit(unit, reader):
+            lo, hi = max(start - seen, 0), min(stop - seen, table.num_rows)
+            if hi > lo:
+                yield table.slice(lo, hi - lo)
+            seen += table.num_rows
+        if seen != count:
+            raise stale_count(reader.url, seen, count)
+
+    def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int],
+               batching: Batching) -> Iterator[Any]:
         """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
         (one per batch, or one per row without ``batch_size``) -> ``map``. A batch that cannot be
         converted (nulls without ``fill_null``, a failing decoder) is skipped or raised per
@@ -188,8 +206,8 @@ class _ArrowTables(ShardedDataset):
         tables = policy.each(records, self.prepare)
         tables = shuffle_rows(tables, self.shuffle_buffer, np.random.default_rng(seed))
         opts = self.tensor_options
-        if self.batch_size is not None:
-            tables = rebatch(tables, self.batch_size, self.drop_last)
+        if batching.batch_size is not None:
+            tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
             items = policy.each(tables, lambda t: to_tensors(t, opts))
         else:
             items = (row for rows in policy.each(tables, lambda t: list(to_rows(t, opts)))
@@ -248,6 +266,13 @@ class ParquetDataset(_ArrowTables):
                                           self.filter, self.columns)
         self._read_columns = None if self.columns is None else self.columns + self._extra
 
+    def sample_counts(self) -> np.ndarray | None:
+        """Rows per row group, from the footers: an exact epoch (``plan``), unless a ``filter``
+        makes the rows a reader keeps unknowable before reading."""
+        if self.filter is not None:
+            return None
+        return np.array([u.rows for u in self._units], dtype=np.int64)
+
     def _meta(self, url: str) -> Any:
         meta = self._meta_cache.get(url)
         if meta is None:
@@ -265,7 +290,8 @@ class ParquetDataset(_ArrowTables):
         if leaves is None:
             leaves = self._leaf_cache[unit.url] = fmt.parquet_leaves(meta, self._read_columns, unit.url)
         ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:
         parts = zip([start for start, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
@@ -350,9 +376,10 @@ class ArrowDataset(_ArrowTables):
     def fetch_item(self, unit: RecordBatchUnit) -> FetchItem:
         """A stream object whole; a file's record batch block plus its dictionary blocks."""
         if unit.index < 0:
-            return FetchItem(unit.url, unit.size)
+            return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
         dicts, batches = self._blocks[unit.url]
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RecordBatchUnit, reader: ItemReader) -> Iterator[pa.Table]:
         if unit.index < 0:

@@ -99,6 +99,9 @@ class _BatchedInWorkers(IterableDataset):
             setattr(self.dataset, name, value)
 
     def __iter__(self) -> Iterator[Any]:
+        iter_batches = getattr(self.dataset, "iter_batches", None)
+        if iter_batches is not None:  # a sharded dataset batches with its plan (EQUAL-STEPS)
+            return iter_batches(self.batch_size, drop_last=self.drop_last, in_flight=self.in_flight)
         return batches(iter(self.dataset), self.batch_size, drop_last=self.drop_last,
                        in_flight=self.in_flight)
 
@@ -292,6 +295,8 @@ def loader(
         user_init = dataloader_kwargs.pop("worker_init_fn", None)
         init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board,
                                                                  reuse_worker_memory)
+    if persistent_workers and num_workers > 0 and hasattr(dataset, "early_next_epoch"):
+        dataset.early_next_epoch = True  # workers start the next epoch's requests (NEXT-EPOCH-EARLY)
     dataloader = DataLoader(
         served,
         batch_size=batch_size,

@@ -35,20 +35,23 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return tag_url(whole, ", ".join(urls)) if len(urls) > 1 else whole
 
 
-def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False) -> Iterator[pa.Table]:
-    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``)."""
+def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False,
+            sizes: Iterable[int] | None = None) -> Iterator[pa.Table]:
+    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``);
+    the first ones of the planned ``sizes`` instead, when given (EQUAL-STEPS, ``plan``)."""
+    targets = iter(sizes if sizes is not None else ())
     pending: list[pa.Table] = []
-    have = 0
+    have, want = 0, next(targets, batch_size)
     for table in tables:
         start = 0
         while start < table.num_rows:
-            take = min(batch_size - have, table.num_rows - start)
+            take = min(want - have, table.num_rows - start)
             pending.append(table.slice(start, take))
             have += take
             start += take
-            if have == batch_size:
+            if have == want:
                 yield _concat(pending)
-                pending, have = [], 0
+                pending, have, want = [], 0, next(targets, batch_size)
     if have and not drop_last:
         yield _concat(pending)
 

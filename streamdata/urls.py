@@ -19,7 +19,7 @@ from .backends import call_with_deadline, close_filesystem, filesystem, lite_s3,
 from .config import FetchConfig
 from .errors import AccessDeniedError, ShardNotFoundError, SpecError
 
-__all__ = ["Shard", "brace_expand", "expand_spec", "listing_deadline", "split_url"]
+__all__ = ["Shard", "brace_expand", "etag_of", "expand_spec", "listing_deadline", "split_url"]
 
 Spec = str | Sequence[str]
 _NO_LISTING = {"http", "https"}
@@ -28,10 +28,22 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
 class Shard(NamedTuple):
-    """One object to read: its full URL (with protocol) and its size in bytes, if known."""
+    """One object to read: its full URL (with protocol), its size in bytes and its ETag
+    (S3 ``ETag``, GCS ``md5Hash`` or ``etag``, quotes stripped), where the listing gives them."""
 
     url: str
     size: int | None = None
+    etag: str | None = None
+
+
+def etag_of(details: Mapping[str, Any]) -> str | None:
+    """An object's content tag from fsspec listing details (S3 ``ETag``; GCS ``md5Hash``, else
+    ``etag``), without quotes; ``None`` where the backend gives none (local files, HTTP)."""
+    for name in ("ETag", "md5Hash", "etag"):
+        value = details.get(name)
+        if isinstance(value, str) and value.strip('"'):
+            return value.strip('"')
+    return None
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -143,8 +155,8 @@ def _call(fs, config: FetchConfig, url: str, name: str, *args: Any, stat: bool =
 
 
 def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
-               delimiter: str | None = None, url: str | None = None) -> list[tuple[str, int]] | None:
-    """``(path, size)`` of the objects whose path starts with ``path`` (``bucket/prefix``),
+               delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
+    """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
     filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
     lite = b.lite(protocol)
@@ -169,24 +181,27 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
     if found is None:  # a 4xx this signer may have caused: the filesystem from now on
         b._lite[protocol] = None
         return None
-    return [(f"{bucket}/{key}", size) for key, size, _ in found if not key.endswith("/")]
+    return [Shard(_join(protocol, f"{bucket}/{key}"), size, etag) for key, size, etag in found
+            if not key.endswith("/")]
 
 
-def _list_sizes(b: _Backends, protocol: str, paths: list[str], config: FetchConfig) -> dict[str, int | None]:
-    """Sizes for ``paths`` from one listing per parent directory (object stores list flat)."""
+def _list_sizes(b: _Backends, protocol: str, paths: list[str], config: FetchConfig) -> dict[str, Shard]:
+    """Shards (sized, with ETags) for ``paths`` from one listing per parent directory (object
+    stores list flat), keyed by path."""
     if protocol in _NO_LISTING:
-        return {p: None for p in paths}
-    sizes: dict[str, int | None] = {}
+        return {p: Shard(_join(protocol, p)) for p in paths}
+    sizes: dict[str, Shard] = {}
     for parent in sorted({posixpath.dirname(p) for p in paths}):
         lite = _lite_list(b, protocol, parent + "/", config, delimiter="/", url=_join(protocol, parent))
         if lite is not None:
-            sizes.update(lite)
+            sizes.update({split_url(shard.url)[1]: shard for shard in lite})
             continue
         fs = b.fs(protocol)
         entries = _call(fs, config, _join(protocol, parent), "ls", parent, detail=True)
         for e in entries:
             if e.get("type", "file") != "directory":
-                sizes[fs._strip_protocol(e["name"])] = e.get("size")
+                path = fs._strip_protocol(e["name"])
+                sizes[path] = Shard(_join(protocol, path), e.get("size"), etag_of(e))
     return sizes
 
 
@@ -203,7 +218,7 @@ def _expand_one(b: _Backends, protocol: str, item: str, suffixes: tuple[str, ...
                     f"{len(missing)} of {len(paths)} shards of {item!r} do not exist, first: "
                     f"{_join(protocol, missing[0])}. Check the pattern's range and the bucket",
                     url=_join(protocol, missing[0]))
-        return [Shard(_join(protocol, p), sizes.get(p)) for p in paths]
+        return [sizes.get(p) or Shard(_join(protocol, p)) for p in paths]
     if protocol in _NO_LISTING:  # nothing to list; a "?" starts a query (a signed URL), not a glob
         return [Shard(item, None)]
     if not any(c in path for c in "*?["):
@@ -222,13 +237,15 @@ def _expand_one(b: _Backends, protocol: str, item: str, suffixes: tuple[str, ...
     elif path.endswith("/") or call("isdir", path, stat=True, what="stat"):
         entries = list(call("find", path, detail=True).items())
     elif call("isfile", path, stat=True, what="stat"):
-        return [Shard(_join(protocol, fs._strip_protocol(path)), call("size", path, stat=True, what="stat"))]
+        info = call("info", path, stat=True, what="stat")
+        return [Shard(_join(protocol, fs._strip_protocol(path)), info.get("size"), etag_of(info))]
     else:  # the start of object names
         parent = posixpath.dirname(fs._strip_protocol(path))
         entries = [(e["name"], e) for e in call("ls", parent, detail=True)
                    if fs._strip_protocol(e["name"]).startswith(fs._strip_protocol(path))
                    and e.get("type", "file") != "directory"]
-    shards = sorted(Shard(_join(protocol, fs._strip_protocol(n)), e.get("size")) for n, e in entries)
+    shards = sorted(Shard(_join(protocol, fs._strip_protocol(n)), e.get("size"), etag_of(e))
+                    for n, e in entries)
     if suffixes:
         shards = [s for s in shards if s.url.endswith(suffixes)]
     return shards
@@ -240,19 +257,20 @@ def _lite_expand(b: _Backends, protocol: str, path: str,
     to the filesystem: a directory's objects (recursive), else the object itself, else the
     objects whose names start with ``path`` (not inside a directory); and whether it was the
     single object. ``None``: the filesystem decides."""
-    found = _lite_list(b, protocol, path, config)
-    if found is None:
+    listed = _lite_list(b, protocol, path, config)
+    if listed is None:
         return None
+    found = [(split_url(s.url)[1], s) for s in listed]
     stem = path.rstrip("/")
     if "/" not in stem:  # a whole bucket
-        return sorted(Shard(_join(protocol, p), n) for p, n in found), False
-    inside = [(p, n) for p, n in found if p.startswith(stem + "/")]
-    exact = [(p, n) for p, n in found if p == stem]
+        return sorted(listed), False
+    inside = [s for p, s in found if p.startswith(stem + "/")]
+    exact = [s for p, s in found if p == stem]
     if path.endswith("/") or inside or not exact:
         chosen = inside if path.endswith("/") or inside else [
-            (p, n) for p, n in found if "/" not in p[len(stem):]]
-        return sorted(Shard(_join(protocol, p), n) for p, n in chosen), False
-    return [Shard(_join(protocol, p), n) for p, n in exact], True
+            s for p, s in found if "/" not in p[len(stem):]]
+        return sorted(chosen), False
+    return exact, True
 
 
 def _size_named_objects(b: _Backends, items: list[str],
@@ -272,7 +290,7 @@ def _size_named_objects(b: _Backends, items: list[str],
             sizes = _list_sizes(b, protocol, sorted(set(paths.values())), config)
         except (ShardNotFoundError, AccessDeniedError):
             continue  # e.g. a parent that is not listable: the general path reports it
-        out.update({i: Shard(_join(protocol, p), sizes[p]) for i, p in paths.items() if p in sizes})
+        out.update({i: sizes[p] for i, p in paths.items() if p in sizes})
     return out
 
 

@@ -67,3 +67,18 @@ def test_startup_benchmark_times_every_stage(tmp_path):
               "first_batch")
     assert abs(sum(sd_row[s] for s in stages) - sd_row["first_batch_s"]) < 1e-6
     assert all(sd_row[s] == sd_row[s] for s in stages) and sd_row["epoch2_from_iter_s"] > 0  # no NaN
+
+
+def test_index_build_benchmark_counts_every_sample():
+    cmd = [sys.executable, "-m", "benchmarks.index_build", "--quick", "--rounds", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "round 1: index" in done.stdout and "median of 1 rounds" in done.stdout
+
+
+def test_plan_benchmark_runs_small(capsys):
+    from benchmarks import plan
+
+    plan.main(["--shards", "1000", "--ranks", "16", "--workers", "2", "--readers", "3"])
+    out = capsys.readouterr().out
+    assert out.count("median") == 4 and "1,000 shards" in out

@@ -164,10 +164,10 @@ def test_retries_then_a_clear_error_naming_the_url(tmp_path, monkeypatch):
         return await real_call(self, async_name, sync_name, path, **kwargs)
 
     monkeypatch.setattr(AsyncClient, "_call", flaky)
-    keys = [s["__key__"] for s in sd.TarDataset(str(tmp_path / "a.tar"), retries=2, backoff=0.01)]
+    keys = [s["__key__"] for s in sd.TarDataset(str(tmp_path / "a.tar"), retries=2, backoff=0.01, index=None)]
     assert keys == ["s000000", "s000001"] and len(calls) == 3
     calls.clear()
-    ds = sd.TarDataset(str(tmp_path / "a.tar"), retries=1, backoff=0.01)
+    ds = sd.TarDataset(str(tmp_path / "a.tar"), retries=1, backoff=0.01, index=None)
     calls.extend([None, None, None])  # every call from now on fails
     monkeypatch.setattr(AsyncClient, "_call", lambda self, *a, **k: (_ for _ in ()).throw(OSError("down")))
     with pytest.raises(sd.ShardFetchError, match=r"a\.tar.*after 2 attempts"):
@@ -310,7 +310,9 @@ def test_readers_sign_with_the_listing_client_instead_of_building_one(s3fs_fs, c
     assert len(list(ds)) == 6 and len(client_builds) == before
     options = {**server.storage_options, "use_ssl": False}  # an option only botocore reads
     _SIGNERS.pop(signer_key("s3", options), None)
-    ds = sd.TarDataset(f"s3://{bucket}/s-{{0..2}}.tar", storage_options=options)
+    # index=None: the index lookup's 404 on an inherited signer's URL is re-signed by a client
+    # of its own (two more builds), which is not what this test is about
+    ds = sd.TarDataset(f"s3://{bucket}/s-{{0..2}}.tar", storage_options=options, index=None)
     assert inherited_signer("s3", options) is not None
     assert len(client_builds) == before + 1  # the listing's
     assert len(list(ds)) == 6 and len(client_builds) == before + 1  # read here: no other client

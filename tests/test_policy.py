@@ -62,7 +62,7 @@ def test_skips_are_counted_per_reason_over_every_worker(tmp_path):
     assert ds.skipped == dict.fromkeys(("fetch", "timeout", "format", "decode", "other"), 0)
     assert ds.retried == dict.fromkeys(("throttled", "server", "timeout", "connection", "short", "other"), 0)
     assert set(ds.counts) == {f"skipped.{k}" for k in ds.skipped} | {f"retried.{k}" for k in ds.retried} | {
-        "accepted.unterminated"}
+        "accepted.unterminated", "planned.padded", "planned.left_out"}
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     keys = [s["__key__"] for s in loader]
     assert len(keys) == 8  # 4 shards x 3 samples, one bad in each

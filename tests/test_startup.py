@@ -37,7 +37,7 @@ def test_http_sizes_from_the_first_ranged_get(tmp_path: Path, http_server) -> No
     (tmp_path / "empty.bin").write_bytes(b"")
     server = http_server(root_dir=tmp_path)
     urls = [server.url(f"s-{i}.tar") for i in range(len(COUNTS))]
-    ds = sd.TarDataset(urls, decode=False)
+    ds = sd.TarDataset(urls, decode=False, index=None)
     assert [s.size for s in ds.shards] == [None] * len(COUNTS)  # HTTP: nothing to list
     assert [s["__key__"] for s in ds] == _keys(COUNTS)
     reqs = server.requests
@@ -65,7 +65,7 @@ def test_s3_sizes_from_the_first_ranged_get(s3_bucket) -> None:
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
         shards = [sd.Shard(f"s3://{bucket}/d/s-{i}.tar") for i in range(len(COUNTS))]
-        ds = sd.TarDataset(shards, storage_options=options, decode=False)
+        ds = sd.TarDataset(shards, storage_options=options, decode=False, index=None)
         assert proxy.requests == {}  # Shard items are taken as given: no listing
         assert [s["__key__"] for s in ds] == _keys(COUNTS)
         # no HEAD: shard 0 is one GET (size and bytes), the others a 1-byte probe and a GET
@@ -108,7 +108,7 @@ _CHILD = """
 import json, sys
 import streamdata as sd
 opts, spec = json.loads(sys.argv[1])
-ds = sd.TarDataset(spec, storage_options=opts, decode=False)
+ds = sd.TarDataset(spec, storage_options=opts, decode=False, index=None)
 heavy = ("s3fs", "aiobotocore", "botocore")
 seen = [m for m in sys.modules if m.split(".")[0] in heavy]
 def mark(sample):
@@ -136,7 +136,7 @@ def test_lite_s3_lists_once_and_imports_no_botocore(s3_bucket) -> None:
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
         spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
-        ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None)
         assert proxy.requests == {"list": 1}  # no HEAD, no region probe: one ListObjectsV2
         assert [s.size for s in ds.shards] == [len(tar_bytes(s)) for s in make_samples(COUNTS)]
         proxy.reset_counters()
@@ -183,7 +183,8 @@ def test_lite_s3_falls_back_to_botocore_when_refused(s3_bucket) -> None:
     with FaultProxy(server.endpoint_url) as proxy:
         proxy.add(Fault("status", status=403, match="list", times=1))
         options = dict(server.storage_options, endpoint_url=proxy.url)
-        ds = sd.TarDataset(f"s3://{bucket}/d/s-{{0..0}}.tar", storage_options=options, decode=False)
+        ds = sd.TarDataset(f"s3://{bucket}/d/s-{{0..0}}.tar", storage_options=options, decode=False,
+                           index=None)
         assert ds.shards[0].size is not None and proxy.requests == {"list": 2}
         missing = sd.TarDataset  # a missing bucket is a clear error, not a fallback
         with pytest.raises(sd.ShardNotFoundError):
@@ -202,7 +203,7 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
         spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
         shards = sd.expand_spec(spec, options, listing=False)
         assert shards == [sd.Shard(f"s3://{bucket}/d/s-{i}.tar") for i in range(len(COUNTS))]
-        ds = sd.TarDataset(shards, storage_options=options, decode=False)
+        ds = sd.TarDataset(shards, storage_options=options, decode=False, index=None)
         assert proxy.requests == {}
         assert [s["__key__"] for s in ds] == _keys(COUNTS)
         assert proxy.requests == {"get": 1 + 2 * (len(COUNTS) - 1)}  # no list, no HEAD
@@ -210,7 +211,8 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
         missing = f"s3://{bucket}/d/s-{{0..{len(COUNTS)}}}.tar"  # one shard too many
         with pytest.raises(sd.ShardNotFoundError, match=f"s-{len(COUNTS)}.tar"):
             sd.TarDataset(missing, storage_options=options)
-        ds = sd.TarDataset(sd.expand_spec(missing, options, listing=False), storage_options=options)
+        ds = sd.TarDataset(sd.expand_spec(missing, options, listing=False), storage_options=options,
+                           index=None)
         with pytest.raises(sd.ShardNotFoundError, match=f"s-{len(COUNTS)}.tar"):
             list(ds)
 

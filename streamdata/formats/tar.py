@@ -21,6 +21,11 @@ Sample grouping follows WebDataset: the key is the member path up to the first d
 its basename, the rest (lower-cased) is the field name; ``__key__`` and ``__url__`` are
 added; top-level ``__name__`` style members are metadata and skipped.
 
+Offsets (for the sample index): :func:`member_offsets` gives each regular member's first
+header offset (its first extension header counts), and :func:`sample_offsets` where each
+sample begins, under the same grouping rules, so that a ranged read of ``[off[a], off[b])``
+parses to exactly samples ``a .. b-1``.
+
 End of archive: a tar ends with two zero blocks.  A stream that stops at a member boundary
 without them (a half-uploaded shard, a zero-byte object) is :class:`FormatError` by default;
 with ``accept_unterminated`` its members are delivered and ``on_unterminated`` is called.
@@ -30,11 +35,12 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 from ..errors import FormatError
 
-__all__ = ["group_samples", "iter_members", "samples_from_chunks", "split_key"]
+__all__ = ["group_samples", "iter_members", "member_offsets", "sample_offsets", "samples_from_chunks",
+           "split_key"]
 
 _BLOCK = 512
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
@@ -44,6 +50,7 @@ _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: 
 _EXTENSIONS = (b"L", b"K", b"x", b"g", b"X")  # records about the next member
 _MAX_EXTENSION = 1 << 20  # bytes of one long-name or pax record block we are willing to hold
 _MIN_PAX_RECORD = 5  # "5 k=\n"
+_OCTAL = b"01234567"
 
 
 class _Stream:
@@ -112,7 +119,7 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
         n = int.from_bytes(field[1:], "big")
         return n - 256 ** (len(field) - 1) if field[0] == 0xFF else n
     text = field.split(b"\0", 1)[0].strip(b" ")
-    if text and not all(48 <= c <= 55 for c in text):  # only 0-7: int() would take "+", "_", ...
+    if text and text.translate(None, _OCTAL):  # only 0-7: int() would take "+", "_", ...
         raise _corrupt(url, offset, f"bad {what} {field!r} in a header")
     return int(text, 8) if text else 0
 
@@ -120,12 +127,12 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
 def _checksum_ok(header: bytes) -> bool:
     """The stored checksum matches the unsigned sum, or the signed one some old tars used."""
     stored = header[148:156].split(b"\0", 1)[0].strip(b" ")
-    if not stored or not all(48 <= c <= 55 for c in stored):
+    if not stored or stored.translate(None, _OCTAL):
         return False
     want = int(stored, 8)
-    unsigned = sum(header) - sum(header[148:156]) + 8 * 32
-    signed = sum(struct.unpack_from("148b8x356b", header)) + 8 * 32
-    return want in (unsigned, signed)
+    if want == sum(header) - sum(header[148:156]) + 8 * 32:  # unsigned: every tool since the 1990s
+        return True
+    return want == sum(struct.unpack_from("148b8x356b", header)) + 8 * 32
 
 
 def _text(raw: bytes) -> str:
@@ -183,16 +190,42 @@ def iter_members(chunks: Iterable[bytes], url: str = "", *, total: int | None = 
     all) raises ``FormatError``, unless ``accept_unterminated``: then ``on_unterminated()`` is
     called once its members have been yielded.
     """
-    stream = _Stream(chunks)
+    walk = _walk(_Stream(chunks), url, total, accept_unterminated, on_unterminated, keep_data=True)
+    for name, _, data in walk:
+        yield name, data  # type: ignore[misc]
+
+
+def member_offsets(chunks: Iterable[bytes], url: str = "", *, total: int | None = None,
+                   accept_unterminated: bool = False) -> Iterator[tuple[str, int]]:
+    """Yield ``(path, offset)`` for each regular file, like :func:`iter_members` but without
+    holding member data: ``offset`` is the byte where the member's first header block begins,
+    its first extension header (GNU long name ``L``/``K``, pax ``x``/``g``) if it has any.
+    The generator's return value (``StopIteration.value``) is the byte where the
+    end-of-archive marker begins (with ``accept_unterminated``: where the stream ended)."""
+    walk = _walk(_Stream(chunks), url, total, accept_unterminated, None, keep_data=False)
+    while True:  # TAR-PROGRESS: each turn takes the next member (or ends)
+        try:
+            name, start, _ = next(walk)
+        except StopIteration as stop:
+            return stop.value
+        yield name, start
+
+
+def _walk(stream: _Stream, url: str, total: int | None, accept_unterminated: bool,
+          on_unterminated: Callable[[], None] | None, *,
+          keep_data: bool) -> Generator[tuple[str, int, bytes | None], None, int]:
+    """The member loop: ``(path, first header offset, data or None)`` per regular file;
+    returns the offset where the end-of-archive marker begins."""
     long_name: str | None = None
     pax: dict[str, str] = {}
+    start: int | None = None  # where the current member's first (extension) header began
     while True:  # TAR-PROGRESS: each turn takes a 512-byte header, or ends
         at = stream.offset
         header = stream.take(_BLOCK)
         if header is not None and header.count(0) == _BLOCK:
             second = stream.take(_BLOCK)
             if second == bytes(_BLOCK) and long_name is None and not pax:
-                return  # the end-of-archive marker: two zero blocks (what follows is padding)
+                return at  # the end-of-archive marker: two zero blocks (what follows is padding)
             if second is not None:
                 raise _corrupt(url, at, "a zero block after an extended header, or followed by "
                                "data (a damaged header?)")
@@ -200,9 +233,11 @@ def iter_members(chunks: Iterable[bytes], url: str = "", *, total: int | None = 
             if stream.offset != at and header is None or long_name is not None or pax:
                 raise _truncated(url, at, "a header")
             _unterminated(url, at, accept_unterminated, on_unterminated)
-            return
+            return at
         if not _checksum_ok(header):
             raise _corrupt(url, at, "a bad header checksum (not a tar file, or damaged)")
+        if start is None:
+            start = at
         kind = header[156:157]
         size = _number(header[124:136], url, at, "size")
         name = _text(header[0:100].split(b"\0", 1)[0])
@@ -226,6 +261,7 @@ def iter_members(chunks: Iterable[bytes], url: str = "", *, total: int | None = 
         size = _pax_size(pax, url, at) if "size" in pax else size
         name = pax.get("path", name)
         pax = {}
+        member_start, start = start, None
         if size < 0 or total is not None and at + _BLOCK + size > total:
             raise _corrupt(url, at, f"member {name!r} of {size} bytes"
                            + ("" if total is None else f" in an object of {total} bytes"))
@@ -236,10 +272,15 @@ def iter_members(chunks: Iterable[bytes], url: str = "", *, total: int | None = 
             if not stream.skip(padded):
                 raise _truncated(url, at, f"member {name!r}")
             continue
+        if not keep_data:  # offsets only: the data is skipped, not held
+            if not stream.skip(padded):
+                raise _truncated(url, at, f"member {name!r} ({size} bytes)")
+            yield name, member_start, None
+            continue
         data = stream.take(size)
         if data is None or not stream.skip(padded - size):
             raise _truncated(url, at, f"member {name!r} ({size} bytes)")
-        yield name, data
+        yield name, member_start, data
 
 
 def split_key(path: str) -> tuple[str, str] | None:
@@ -248,27 +289,75 @@ def split_key(path: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
+def _sample_field(path: str) -> tuple[str, str] | None:
+    """``(key, field)`` of a member that belongs to a sample; ``None`` for one that
+    :func:`group_samples` ignores (``__meta__`` style metadata, a name without extension)."""
+    if "/" not in path and path.startswith("__") and path.endswith("__") or _META.match(path):
+        return None
+    parts = split_key(path)
+    return None if parts is None else (parts[0], parts[1].lower())
+
+
+def _duplicate(path: str, url: str, key: str, field: str) -> FormatError:
+    return FormatError(f"duplicate member {path!r} in {url}: field {field!r} of sample "
+                       f"{key!r} appears twice (members of a sample must be adjacent and unique)",
+                       url=url, key=key)
+
+
 def group_samples(members: Iterable[tuple[str, bytes]], url: str = "") -> Iterator[dict]:
     """Group consecutive members sharing a key into sample dicts (WebDataset convention)."""
     sample: dict | None = None
     for path, data in members:
-        if "/" not in path and path.startswith("__") and path.endswith("__") or _META.match(path):
-            continue
-        parts = split_key(path)
+        parts = _sample_field(path)
         if parts is None:
             continue
-        key, field = parts[0], parts[1].lower()
+        key, field = parts
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample
             sample = {"__key__": key, "__url__": url}
         if field in sample:
-            raise FormatError(f"duplicate member {path!r} in {url}: field {field!r} of sample "
-                              f"{key!r} appears twice (members of a sample must be adjacent and unique)",
-                              url=url, key=key)
+            raise _duplicate(path, url, key, field)
         sample[field] = data
     if sample is not None:
         yield sample
+
+
+def sample_offsets(chunks: Iterable[bytes], url: str = "", *, total: int | None = None) -> list[int]:
+    """Where each sample of a tar stream begins, and where the last one ends: ``samples + 1``
+    byte offsets, for a ranged read of samples ``[a, b)`` as bytes ``[off[a], off[b])``.
+
+    Sample boundaries follow :func:`group_samples` exactly. Sample ``i`` begins at the first
+    header block (its first extension header, if any) of the first member whose key differs
+    from the previous sample's key. Members that ``group_samples`` ignores (``__meta__``
+    style names, names without an extension, directories, links and other non-regular
+    members) start nothing: they belong to the sample whose run they sit in, or, before the
+    first sample, to none (``off[0]`` is the first sample's first header). The last offset is
+    where the end-of-archive marker begins, so trailing ignored members belong to the last
+    sample. Parsing ``[off[a], off[b])`` as a stream without the marker
+    (``accept_unterminated``) yields exactly samples ``a .. b-1``. A shard without samples
+    gives one offset. Malformed input (and a duplicate field, as when reading) is
+    ``FormatError``; so is a stream without the end-of-archive marker.
+    """
+    offsets: list[int] = []
+    key: str | None = None
+    fields: set[str] = set()
+    walk = member_offsets(chunks, url, total=total)
+    while True:  # TAR-PROGRESS: each turn takes the next member (or ends)
+        try:
+            path, start = next(walk)
+        except StopIteration as stop:
+            offsets.append(stop.value)
+            return offsets
+        parts = _sample_field(path)
+        if parts is None:
+            continue
+        if parts[0] != key:
+            key, fields = parts[0], set()
+            offsets.append(start)
+        elif parts[1] in fields:
+            raise _duplicate(path, url, parts[0], parts[1])
+        fields.add(parts[1])
 
 
 def samples_from_chunks(chunks: Iterable[bytes], url: str = "", *, total: int | None = None,

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/jobs/list_once.py OUT_DIR CASES_JSON
 
-Writes ``OUT_DIR/rank{R}.json``: per case, the shards (and rows) the rank got, or the error
-type it raised.
+Writes ``OUT_DIR/rank{R}.json``: per case, the shards (rows, and samples by the index) the
+rank got, or the error type it raised.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def main(out_dir: str, cases_json: str) -> None:
         make = sd.ParquetDataset if case["spec"].endswith(".parquet") else sd.TarDataset
         try:
             ds = make(case["spec"], storage_options=case["storage_options"])
-            out[name] = {"shards": [s.url for s in ds.shards], "rows": getattr(ds, "num_rows", None)}
+            counts = ds.sample_counts()
+            out[name] = {"shards": [s.url for s in ds.shards], "rows": getattr(ds, "num_rows", None),
+                         "samples": None if counts is None else int(counts.sum())}
         except sd.StreamDataError as exc:
             out[name] = {"error": type(exc).__name__, "url": exc.url}
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
