@@ -110,7 +110,7 @@ class PresignedS3:
                 return total
             if attempt == 0 and ((status == 403 and cached) or (
                     inherited and 300 <= status < 500 and status != 429
-                    and not (self.lite and status in (404, 416)))):
+                    and not (self.lite and _not_the_signature(status, data)))):
                 # temporary credentials may have rotated; or the inherited signer does not
                 # fit this process (other credentials, endpoint or region from the
                 # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
@@ -169,6 +169,13 @@ async def http_probe(fs: Any, url: str, head: int, body: Body) -> int | None:
         async for piece, _ in resp.content.iter_chunks():
             body.keep(piece)
         return body.size
+
+
+def _not_the_signature(status: int, body: bytes) -> bool:
+    """An answer to a LITE-S3 URL that re-signing by botocore cannot change: the endpoint is
+    the options' own, so a missing object, a range past its end or a refused access (S3's
+    ``AccessDenied``, not ``SignatureDoesNotMatch``) is the object's answer."""
+    return status in (404, 416) or (status == 403 and b"<Code>AccessDenied</Code>" in body)
 
 
 def no_hidden_retry(session: Any) -> None:
