@@ -48,8 +48,10 @@ class _DelayLine:
         *,
         upstream: bool,
         ready_at: float,
+        conn: int = 0,
     ) -> None:
         self.proxy = proxy
+        self.conn = conn
         self.reader = reader
         self.writer = writer
         self.upstream = upstream
@@ -69,6 +71,8 @@ class _DelayLine:
         while True:
             data = await self.reader.read(CHUNK)
             now = loop.time()
+            if self.upstream and data and self.proxy.events is not None:
+                self.proxy._event("request", now, self.conn, data)
             sent = now
             bandwidth = self.proxy.bandwidth
             if bandwidth and data:
@@ -102,6 +106,8 @@ class _DelayLine:
                 if self.writer.can_write_eof():
                     self.writer.write_eof()
                 return
+            if not self.upstream and self.proxy.events is not None:
+                self.proxy._event("response", loop.time(), self.conn, data)
             for piece in self.proxy._pieces(data):
                 self.proxy._count(len(piece), upstream=self.upstream)  # before the peer can see it
                 self.writer.write(piece)
@@ -171,6 +177,7 @@ class LatencyProxy(LoopedServer):
         self._up = 0
         self._down = 0
         self._connections = 0
+        self.events: list[tuple[str, float, int, str]] | None = None  # see record_events
         super().__init__()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -195,6 +202,26 @@ class LatencyProxy(LoopedServer):
     def reset_counters(self) -> None:
         with self._lock:
             self._up = self._down = self._connections = 0
+
+    def record_events(self, on: bool = True) -> None:
+        """Start (again, emptied) or stop logging ``events``: ``(kind, time, connection, line)``
+        for every chunk a client sends that starts an HTTP request (``kind`` "request", the
+        time it reached the proxy) and every chunk delivered to a client that starts an HTTP
+        response ("response", the time it was handed to the client), ``line`` its first line.
+        Times are ``time.monotonic()`` (the loop's clock), comparable across processes."""
+        with self._lock:
+            self.events = [] if on else None
+
+    def _event(self, kind: str, when: float, conn: int, data: bytes) -> None:
+        head = data[:4096]
+        if not (head.startswith(b"HTTP/1.") if kind == "response" else head[:1].isupper()):
+            return
+        line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if kind == "request" and not line.endswith(("HTTP/1.1", "HTTP/1.0")):
+            return
+        with self._lock:
+            if self.events is not None:
+                self.events.append((kind, when, conn, line))
 
     def set_delay(self, delay_s: float) -> None:
         """Change the one-way delay; applies to chunks that arrive from now on."""
@@ -230,6 +257,7 @@ class LatencyProxy(LoopedServer):
         self._tasks.add(task)
         with self._lock:
             self._connections += 1
+            conn = self._connections
         upstream_w: asyncio.StreamWriter | None = None
         graceful = False
         try:
@@ -237,8 +265,9 @@ class LatencyProxy(LoopedServer):
                 self.upstream_host, self.upstream_port
             )
             ready_at = asyncio.get_running_loop().time() + self.handshake_rtts * 2 * self.delay_s
-            up = _DelayLine(self, client_r, upstream_w, upstream=True, ready_at=ready_at)
-            down = _DelayLine(self, upstream_r, client_w, upstream=False, ready_at=0.0)
+            up = _DelayLine(self, client_r, upstream_w, upstream=True, ready_at=ready_at,
+                            conn=conn)
+            down = _DelayLine(self, upstream_r, client_w, upstream=False, ready_at=0.0, conn=conn)
             await _all_or_none(up.run(), down.run())
             graceful = True
         except (ConnectionError, OSError):

@@ -28,7 +28,7 @@ from .errors import (
 )
 
 __all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
-           "signer_key", "translate_error"]
+           "lite_s3", "signer_key", "translate_error", "warm_imports"]
 
 T = TypeVar("T")
 
@@ -191,6 +191,36 @@ def inherited_signer(protocol: str, storage_options: Mapping[str, Any] | None) -
     """A closed S3 client that can presign URLs for these options, if this process has one."""
     key = signer_key(protocol, storage_options)
     return _SIGNERS.get(key) if key is not None else None
+
+
+# what a botocore client would read from the environment to pick a region (LITE-S3, s3lite)
+_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_PROFILE")
+
+
+def lite_s3(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """A botocore-free S3 signer for these options (LITE-S3, ``s3lite``), or ``None``."""
+    if protocol not in ("s3", "s3a"):
+        return None
+    from .s3lite import LiteS3
+
+    return LiteS3.from_options(storage_options, env_snapshot(_REGION_ENV))
+
+
+_WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",)}
+
+
+def warm_imports(protocol: str) -> None:
+    """Import what this protocol's readers will need (aiohttp for S3's presigned GETs and
+    HTTP) now, in the process that builds the dataset: forked DataLoader workers inherit the
+    modules instead of each importing them before its first request (0.3 s of CPU each on
+    a 2-core machine). Called while the listing's request is in flight, it costs nothing."""
+    import importlib
+
+    for name in _WARM.get(protocol, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the reader reports the missing backend where it needs it
+            pass
 
 
 def _detach_finalizers(fs: Any) -> None:

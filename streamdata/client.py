@@ -18,10 +18,11 @@ from typing import Any
 
 from ._aio import LoopThread, wait_threads_gone
 from ._fork import at_fork_in_child
-from .backends import close_sessions, filesystem, inherited_signer, translate_error
+from .backends import close_sessions, filesystem, inherited_signer, lite_s3, translate_error
 from .config import FetchConfig
 from .errors import ShardFetchError
 from .metrics import Counters
+from .presigned import Body, PresignedS3, http_probe, no_hidden_retry
 from .retry import Throttle, backoff_s, classify
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
@@ -42,24 +43,6 @@ class Chunks(tuple):
 def body_size(data: bytes | Chunks) -> int:
     """Bytes in a body, joined or not."""
     return sum(map(len, data)) if type(data) is Chunks else len(data)
-
-
-class _Body:
-    """What one ranged GET has received so far, kept across its tries: a retry asks only for
-    the bytes after ``size`` (RESUME, see ``AsyncClient.get``)."""
-
-    __slots__ = ("chunks", "size", "wire")
-
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-        self.size = 0  # bytes kept in ``chunks``
-        self.wire = 0  # body bytes that arrived, kept or not
-
-    def keep(self, piece: bytes, wire: int | None = None) -> None:
-        if piece:
-            self.chunks.append(piece)
-            self.size += len(piece)
-        self.wire += len(piece) if wire is None else wire
 
 
 @dataclass
@@ -88,104 +71,6 @@ class ClientStats:
 _S3_SLOW_OPTIONS = ("requester_pays", "version_aware", "s3_additional_kwargs")
 
 
-class _PresignedS3:
-    """S3 ranged GETs as presigned URLs on a plain aiohttp session.
-
-    botocore's response pipeline costs about 1.6 ms of CPU per MB read on this project's
-    2-core test machine (0.27 vs 0.11 ms per 96 KiB sample against local files); a presigned
-    GET is the same signed request with none of that. One URL per object, signed by the
-    filesystem's own botocore client (same credentials, endpoint and addressing), reused
-    until half its lifetime has passed.
-    """
-
-    LIFETIME = 3600
-
-    def __init__(self, fs: Any, max_requests: int, signer: Any = None) -> None:
-        import aiohttp
-
-        self.fs = fs
-        self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
-        _no_hidden_retry(self.session)
-        self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
-        self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
-
-    async def _url(self, path: str) -> tuple[str, bool]:
-        """A presigned URL for ``path`` and whether the inherited signer made it."""
-        loop = asyncio.get_running_loop()
-        hit = self._urls.get(path)
-        if hit is not None and hit[1] > loop.time():
-            return hit[0], hit[2]
-        bucket, key, _ = self.fs.split_path(path)
-        params = {"Bucket": bucket, "Key": key}
-        url, inherited = None, self.signer is not None
-        if self.signer is not None:
-            try:
-                url = await self.signer.generate_presigned_url("get_object", Params=params,
-                                                               ExpiresIn=self.LIFETIME)
-            except Exception:  # e.g. refreshable credentials bound to the parent's loop
-                self.signer, inherited = None, False
-        if url is None:
-            async with self._own_client:
-                await self.fs.set_session()  # builds the fs's own client on first use, once
-            client = await self.fs.get_s3(bucket)
-            url = await client.generate_presigned_url("get_object", Params=params,
-                                                      ExpiresIn=self.LIFETIME)
-        self._urls[path] = (url, loop.time() + self.LIFETIME / 2, inherited)
-        return url, inherited
-
-    async def cat_file(self, path: str, start: int, end: int | None, body: _Body) -> None:
-        """Append bytes ``[start, end)`` of ``path`` to ``body`` as they arrive: if the
-        connection drops, what arrived stays there, in the chunks it arrived in."""
-        headers = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        for attempt in range(2):
-            cached = path in self._urls
-            url, inherited = await self._url(path)
-            async with self.session.get(url, headers=headers) as resp:
-                status = resp.status
-                if status == 206 or (status == 200 and not headers):
-                    async for piece, _ in resp.content.iter_chunks():
-                        body.keep(piece)
-                    return
-                data = await resp.read()
-            if attempt == 0 and ((status == 403 and cached) or (
-                    inherited and 300 <= status < 500 and status != 429)):
-                # temporary credentials may have rotated; or the inherited signer does not
-                # fit this process (other credentials, endpoint or region from the
-                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
-                # client. 429 and 5xx are the server's trouble, not the signature's
-                self._urls.pop(path, None)
-                if inherited:
-                    self.signer = None
-                continue
-            break
-        if status == 200:  # a server that ignores Range
-            body.keep(data[start:end], wire=len(data))
-            return
-        detail = data[:300].decode("utf-8", "replace")
-        if status == 404:
-            raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
-        if status == 403:
-            raise PermissionError(f"{path}: HTTP 403 {detail}")
-        if status == 416:
-            raise OSError(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it is "
-                          "shorter than listed or changed")
-        raise OSError(f"{path}: HTTP {status} {detail}")
-
-    async def close(self) -> None:
-        await self.session.close()
-
-
-def _no_hidden_retry(session: Any) -> None:
-    """aiohttp re-sends a GET at once, unseen, when a reused connection drops before the
-    answer; retries are ours (by deadline, throttled, counted). No public switch: the
-    attribute, where it exists."""
-    if hasattr(session, "_retry_connection"):
-        session._retry_connection = False
-
-
 def _forget_session(session: Any) -> None:
     """Drop an aiohttp session inherited through fork without touching its connections:
     finalising it in the child closes the parent's keep-alive sockets under the parent
@@ -197,6 +82,14 @@ def _forget_session(session: Any) -> None:
         connector._conns.clear()
 
 
+class _LitePaths:
+    """What the client asks of a filesystem for S3 URLs under LITE-S3 (none is built)."""
+
+    @staticmethod
+    def _strip_protocol(url: str) -> str:
+        return url.split("://", 1)[-1].rstrip("/")
+
+
 _live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 
 
@@ -206,6 +99,7 @@ def _forget_inherited() -> None:
         if client._presigned is not None:
             _forget_session(client._presigned.session)
         _forget_session(getattr(client._fs, "_session", None))
+        _forget_session(getattr(client._fallback_fs, "_session", None))
     _live_clients.clear()
 
 
@@ -226,10 +120,15 @@ class AsyncClient:
         self._options = dict(storage_options or {})
         self._executor: ThreadPoolExecutor | None = None
         self._fs: Any = None
-        self._presigned: _PresignedS3 | None = None
+        self._fallback_fs: Any = None  # LITE-S3's s3fs, built only to re-sign
+        self._presigned: PresignedS3 | None = None
         self.throttle = Throttle(self.config.max_requests)  # READER-THROTTLE (``retry``)
         self.fast_s3 = fast_s3
         self._opened: asyncio.Future | None = None
+        # HEAD-START: the first bytes of objects sized by a probe (``size``), kept for the
+        # ``get`` of their start that follows: {url: (body, size)}
+        self._heads: dict[str, tuple[Body, int | None]] = {}
+        self._probed = False
         self.io = LoopThread(name)
         _live_clients.add(self)
 
@@ -242,6 +141,17 @@ class AsyncClient:
         return await asyncio.shield(self._opened)
 
     async def _create(self) -> Any:
+        fast = (self.protocol in ("s3", "s3a") and self.fast_s3
+                and not set(_S3_SLOW_OPTIONS) & set(self._options))
+        lite = lite_s3(self.protocol, self._options) if fast else None
+        if lite is not None:  # LITE-S3: signed here; s3fs is imported only if a GET needs re-signing
+            self._presigned = PresignedS3(None, self.config.max_requests, lite, lite=True,
+                                           make_fs=self._full_fs)
+            self._fs = _LitePaths()
+            return self._fs
+        return await self._full_fs()
+
+    async def _full_fs(self) -> Any:
         import fsspec
 
         try:
@@ -265,22 +175,28 @@ class AsyncClient:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:
                 await setter()
-            _no_hidden_retry(getattr(fs, "_session", None))  # HTTP's and gcsfs's aiohttp session
+            no_hidden_retry(getattr(fs, "_session", None))  # HTTP's and gcsfs's aiohttp session
         elif not is_async:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
-        if fast:
-            self._presigned = _PresignedS3(fs, self.config.max_requests, signer)
-        self._fs = fs
+        if fast and self._presigned is None:
+            self._presigned = PresignedS3(fs, self.config.max_requests, signer)
+        if self._fs is None:
+            self._fs = fs
+        else:  # LITE-S3's fallback: closed with the client
+            self._fallback_fs = fs
         return fs
 
     async def _close_fs(self) -> None:
+        self._heads.clear()
         presigned, self._presigned = self._presigned, None
         if presigned is not None:
             await presigned.close()
+        fallback, self._fallback_fs = self._fallback_fs, None
         fs, self._fs = self._fs, None
-        if fs is not None and self._executor is None:
-            await close_sessions(fs)
+        for each in (fs, fallback):
+            if each is not None and self._executor is None:
+                await close_sessions(each)
 
     def close(self) -> None:
         """Cancel requests, close connections, join the loop thread and the file-I/O pool."""
@@ -304,9 +220,36 @@ class AsyncClient:
         return await loop.run_in_executor(self._executor, call)
 
     async def size(self, url: str) -> int | None:
-        """The object's size (one HEAD / stat, retried like a part), for objects a listing did not size."""
-        info = await self._retrying(lambda: self._call("_info", "info", url), url, "size")
-        return info.get("size")
+        """The object's size, for objects a listing did not size, retried like a part.
+
+        HEAD-START: on S3's presigned GETs and HTTP(S) the size comes from a ranged GET's
+        ``Content-Range``, not a HEAD, and the client's first such probe asks for the object's
+        first ``first_part`` bytes, kept for the ``get`` of the object's start that follows
+        (the prefetcher sizes an unsized shard just before it requests its parts): the
+        reader's first shard then costs one round trip before its first bytes, not two.
+        Later probes ask for one byte (as cheap as a HEAD). Other backends: one HEAD / stat.
+        """
+        fs = await self._open()
+        if self._presigned is None and self.protocol not in ("http", "https"):
+            info = await self._retrying(lambda: self._call("_info", "info", url), url, "size")
+            return info.get("size")
+        head = 1 if self._probed else max(1, self.config.first_part)
+        self._probed = True
+
+        async def once() -> tuple[int | None, Body]:
+            body = Body()
+            if self._presigned is not None:
+                total = await self._presigned.cat_file(fs._strip_protocol(url), 0, head, body, probe=True)
+            else:
+                total = await http_probe(fs, url, head, body)
+            return total, body
+
+        total, body = await self._retrying(once, url, "size")
+        if head > 1 and body.size:
+            self._heads[url] = (body, total)
+        else:
+            self.stats.add(received=body.wire)
+        return total
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False) -> bytes | Chunks:
@@ -323,7 +266,15 @@ class AsyncClient:
         never re-requests ranges already delivered.
         """
         start = start or 0
-        body = _Body()
+        body = Body()
+        head, total = self._heads.pop(url, (None, None)) if start == 0 else (None, None)
+        if head is not None:  # HEAD-START: the bytes the size probe brought, as the start
+            want = (end if end is not None else total if total is not None else head.size + 1) - start
+            _keep_prefix(body, head.chunks, want)
+            if body.size >= want:  # all there: no request
+                self.stats.add(received=body.wire, bytes=body.size)
+                return Chunks(body.chunks) if chunks else b"".join(body.chunks)
+        cached = body.size
 
         async def once() -> bytes | Chunks:
             fs = await self._open()
@@ -332,9 +283,11 @@ class AsyncClient:
                 await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
                 size = body.size
             else:
-                data = await self._call("_cat_file", "cat_file", url, start=start, end=end)
+                data = await self._call("_cat_file", "cat_file", url, start=start + cached, end=end)
+                body.wire += len(data)
+                if cached:
+                    data = b"".join(body.chunks) + data
                 size = len(data)
-                body.wire += size
             if end is not None and size != end - start:
                 raise ShardFetchError(
                     f"short read of {url}: {size} of {end - start} bytes at offset "
@@ -397,6 +350,14 @@ class AsyncClient:
             await asyncio.sleep(min(backoff_s(attempt, cfg.backoff, cfg.backoff_cap),
                                     cfg.retry_deadline - spent))
             attempt += 1
+
+
+def _keep_prefix(body: Body, chunks: list[bytes], n: int) -> None:
+    """Keep the first ``n`` bytes of ``chunks`` in ``body``."""
+    for piece in chunks:
+        if body.size >= n:
+            break
+        body.keep(piece[: n - body.size])
 
 
 # a body shorter than asked twice more is an object shorter than listed, not a blip

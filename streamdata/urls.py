@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .backends import call_with_deadline, close_filesystem, filesystem
+from .backends import call_with_deadline, close_filesystem, filesystem, lite_s3, warm_imports
 from .config import FetchConfig
 from .errors import AccessDeniedError, ShardNotFoundError, SpecError
 
@@ -91,6 +91,43 @@ def brace_expand(pattern: str) -> list[str]:
     return out
 
 
+class _Backends:
+    """Per protocol, what expanding a spec may use: the fsspec filesystem (made on first use
+    where a LITE-S3 signer can list instead, so that s3fs is never imported then), the signer,
+    and the one-time import of what readers will need (``backends.warm_imports``)."""
+
+    def __init__(self, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
+        self.options, self.config = storage_options, config
+        self.filesystems: dict[str, Any] = {}
+        self._lite: dict[str, Any] = {}
+        self.warmed: set[str] = set()
+
+    def fs(self, protocol: str, url: str | None = None) -> Any:
+        if protocol not in self.filesystems:
+            self.filesystems[protocol] = filesystem(protocol, self.options, url=url,
+                                                    timeout=self.config.timeout)
+        return self.filesystems[protocol]
+
+    def lite(self, protocol: str) -> Any:
+        if protocol not in self._lite:
+            self._lite[protocol] = lite_s3(protocol, self.options)
+        return self._lite[protocol]
+
+    def strip(self, protocol: str, path: str) -> str:
+        if self.lite(protocol) is not None:
+            return path.split("://", 1)[-1].rstrip("/")
+        return self.fs(protocol)._strip_protocol(path)
+
+    def warm(self, protocol: str) -> None:
+        if protocol not in self.warmed:
+            self.warmed.add(protocol)
+            warm_imports(protocol)
+
+    def close(self) -> None:
+        for fs in self.filesystems.values():
+            close_filesystem(fs)
+
+
 def listing_deadline(config: FetchConfig) -> float:
     """Seconds one listing or stat of the constructor may take, its retries included: twice the
     per-request ``timeout``, at most ``retry_deadline``. Shorter than a part's deadline on
@@ -117,13 +154,49 @@ def _call(fs, config: FetchConfig, url: str, name: str, *args: Any, stat: bool =
                               retries=config.retries, backoff=config.backoff)
 
 
-def _list_sizes(fs, protocol: str, paths: list[str], config: FetchConfig) -> dict[str, Shard]:
+def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
+               delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
+    """The objects whose path starts with ``path`` (``bucket/prefix``),
+    listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
+    filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
+    lite = b.lite(protocol)
+    if lite is None:
+        return None
+    from .s3lite import LiteUnsupported
+
+    bucket, _, prefix = path.partition("/")
+    warm = None if protocol in b.warmed else (lambda: b.warm(protocol))
+
+    def attempt(limit: float) -> list[tuple[str, int, str | None]] | None:
+        try:
+            # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
+            return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
+                             while_waiting=warm)
+        except LiteUnsupported:
+            return None
+
+    found = call_with_deadline(attempt, timeout=None, deadline=listing_deadline(config),
+                               url=url or _join(protocol, path), what="list", retries=config.retries,
+                               backoff=config.backoff)
+    if found is None:  # a 4xx this signer may have caused: the filesystem from now on
+        b._lite[protocol] = None
+        return None
+    return [Shard(_join(protocol, f"{bucket}/{key}"), size, etag) for key, size, etag in found
+            if not key.endswith("/")]
+
+
+def _list_sizes(b: _Backends, protocol: str, paths: list[str], config: FetchConfig) -> dict[str, Shard]:
     """Shards (sized, with ETags) for ``paths`` from one listing per parent directory (object
     stores list flat), keyed by path."""
     if protocol in _NO_LISTING:
         return {p: Shard(_join(protocol, p)) for p in paths}
     sizes: dict[str, Shard] = {}
     for parent in sorted({posixpath.dirname(p) for p in paths}):
+        lite = _lite_list(b, protocol, parent + "/", config, delimiter="/", url=_join(protocol, parent))
+        if lite is not None:
+            sizes.update({split_url(shard.url)[1]: shard for shard in lite})
+            continue
+        fs = b.fs(protocol)
         entries = _call(fs, config, _join(protocol, parent), "ls", parent, detail=True)
         for e in entries:
             if e.get("type", "file") != "directory":
@@ -132,12 +205,12 @@ def _list_sizes(fs, protocol: str, paths: list[str], config: FetchConfig) -> dic
     return sizes
 
 
-def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...],
+def _expand_one(b: _Backends, protocol: str, item: str, suffixes: tuple[str, ...],
                 config: FetchConfig) -> list[Shard]:
     _, path = split_url(item)
     if "{" in path or "}" in path:
-        paths = [fs._strip_protocol(p) for p in brace_expand(path)]
-        sizes = _list_sizes(fs, protocol, paths, config)
+        paths = [b.strip(protocol, p) for p in brace_expand(path)]
+        sizes = _list_sizes(b, protocol, paths, config)
         if protocol not in _NO_LISTING:
             missing = [p for p in paths if p not in sizes]
             if missing:
@@ -148,6 +221,12 @@ def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...],
         return [sizes.get(p) or Shard(_join(protocol, p)) for p in paths]
     if protocol in _NO_LISTING:  # nothing to list; a "?" starts a query (a signed URL), not a glob
         return [Shard(item, None)]
+    if not any(c in path for c in "*?["):
+        lite = _lite_expand(b, protocol, path, config)
+        if lite is not None:
+            shards, one_object = lite
+            return shards if one_object or not suffixes else [s for s in shards if s.url.endswith(suffixes)]
+    fs = b.fs(protocol)
 
     def call(name: str, *args: Any, **kwargs: Any) -> Any:
         return _call(fs, config, item, name, *args, **kwargs)
@@ -172,7 +251,29 @@ def _expand_one(fs, protocol: str, item: str, suffixes: tuple[str, ...],
     return shards
 
 
-def _size_named_objects(filesystems: dict[str, Any], items: list[str],
+def _lite_expand(b: _Backends, protocol: str, path: str,
+                 config: FetchConfig) -> tuple[list[Shard], bool] | None:
+    """A directory, single object or prefix in one listing (LITE-S3), meaning what it means
+    to the filesystem: a directory's objects (recursive), else the object itself, else the
+    objects whose names start with ``path`` (not inside a directory); and whether it was the
+    single object. ``None``: the filesystem decides."""
+    listed = _lite_list(b, protocol, path, config)
+    if listed is None:
+        return None
+    found = [(split_url(s.url)[1], s) for s in listed]
+    stem = path.rstrip("/")
+    if "/" not in stem:  # a whole bucket
+        return sorted(listed), False
+    inside = [s for p, s in found if p.startswith(stem + "/")]
+    exact = [s for p, s in found if p == stem]
+    if path.endswith("/") or inside or not exact:
+        chosen = inside if path.endswith("/") or inside else [
+            s for p, s in found if "/" not in p[len(stem):]]
+        return sorted(chosen), False
+    return exact, True
+
+
+def _size_named_objects(b: _Backends, items: list[str],
                         config: FetchConfig) -> dict[str, Shard]:
     """Shards for plain object URLs of a list, sized by one listing per parent directory
     (not a stat per URL). Names not found as files are left to the general path."""
@@ -183,11 +284,10 @@ def _size_named_objects(filesystems: dict[str, Any], items: list[str],
     for protocol in {split_url(i)[0] for i in plain}:
         if protocol in _NO_LISTING:
             continue
-        fs = filesystems[protocol]
         mine = [i for i in plain if split_url(i)[0] == protocol]
-        paths = {i: fs._strip_protocol(split_url(i)[1]) for i in mine}
+        paths = {i: b.strip(protocol, split_url(i)[1]) for i in mine}
         try:
-            sizes = _list_sizes(fs, protocol, sorted(set(paths.values())), config)
+            sizes = _list_sizes(b, protocol, sorted(set(paths.values())), config)
         except (ShardNotFoundError, AccessDeniedError):
             continue  # e.g. a parent that is not listable: the general path reports it
         out.update({i: sizes[p] for i, p in paths.items() if p in sizes})
@@ -195,51 +295,91 @@ def _size_named_objects(filesystems: dict[str, Any], items: list[str],
 
 
 def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
-                suffixes: Iterable[str] = (), config: FetchConfig | None = None) -> list[Shard]:
+                suffixes: Iterable[str] = (), config: FetchConfig | None = None,
+                listing: bool = True) -> list[Shard]:
     """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
 
     ``suffixes`` filters what a prefix or glob lists (e.g. ``(".tar",)``); explicit names
     and brace patterns are taken as given. ``config``'s ``timeout`` bounds each request
     (a stat gets that long; a listing, all its pages, :func:`listing_deadline`), and transient
     failures are retried with its ``retries`` and ``backoff`` within that deadline.
+
+    ``listing=False`` (NO-LISTING): brace patterns and object names become shards of unknown
+    size with no request at all (a reader learns each size from its first ranged GET's
+    ``Content-Range``, HEAD-START in ``client``); a missing object is then reported when a
+    reader requests it, not here. Globs, prefixes and directories need a listing: SpecError.
     """
     config = config or FetchConfig()
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
         raise SpecError("the shard spec is an empty list: name at least one URL")
+    if not listing:
+        return _unlisted(items)
     suffixes = tuple(suffixes)
-    filesystems: dict[str, Any] = {}
+    b = _Backends(storage_options, config)
     try:
+        protocols = set()
         for raw in items:
             item = raw if isinstance(raw, Shard) else os.fspath(raw)
             if not isinstance(item, (str, Shard)) or not item:
                 raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
             url = item if isinstance(item, str) else item.url
             protocol = split_url(url)[0]
-            if protocol not in filesystems:
-                filesystems[protocol] = filesystem(protocol, storage_options, url=url,
-                                                   timeout=config.timeout)
-        shards = _expand_items(items, filesystems, suffixes, config)
+            protocols.add(protocol)
+            if b.lite(protocol) is None:  # made now: an unknown protocol or a missing backend fails here
+                b.fs(protocol, url)
+        shards = _expand_items(items, b, suffixes, config)
+        for protocol in protocols:  # what readers need, imported once here (inherited by workers)
+            b.warm(protocol)
     finally:
-        for fs in filesystems.values():
-            close_filesystem(fs)
+        b.close()
     dupes = len(shards) - len({s.url for s in shards})
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
     return shards
 
 
-def _expand_items(items: list[Any], filesystems: dict[str, Any], suffixes: tuple[str, ...],
+def _unlisted(items: list[Any]) -> list[Shard]:
+    """NO-LISTING (``expand_spec(listing=False)``): the named objects, sizes unknown."""
+    from fsspec.registry import known_implementations, registry
+
+    shards: list[Shard] = []
+    for raw in items:
+        if isinstance(raw, Shard):
+            shards.append(raw)
+            continue
+        item = os.fspath(raw)
+        if not isinstance(item, str) or not item:
+            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+        protocol, path = split_url(item)
+        if protocol not in known_implementations and protocol not in registry:
+            raise SpecError(f"unknown protocol {protocol!r} in {item!r}: use s3://, gs://, hdfs://, "
+                            "http(s)://, file:// or a local path")
+        if protocol not in _NO_LISTING and (any(c in path for c in "*?[") or path.endswith("/")):
+            raise SpecError(f"{item!r} is a glob or a directory: it cannot be expanded with "
+                            "listing=False. Name the shards (a brace pattern or a list of URLs), "
+                            "or leave listing on")
+        names = brace_expand(path) if "{" in path or "}" in path else [path]
+        shards.extend(Shard(_join(protocol, p), None) for p in names)
+    dupes = len(shards) - len({s.url for s in shards})
+    if dupes:
+        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    for protocol in {split_url(s.url)[0] for s in shards}:  # inherited by forked workers
+        warm_imports(protocol)
+    return shards
+
+
+def _expand_items(items: list[Any], b: _Backends, suffixes: tuple[str, ...],
                   config: FetchConfig) -> list[Shard]:
     shards: list[Shard] = []
-    known = _size_named_objects(filesystems, [i for i in items if isinstance(i, str)], config)
+    known = _size_named_objects(b, [i for i in items if isinstance(i, str)], config)
     for raw in items:
         if isinstance(raw, Shard) or raw in known:
             shards.append(raw if isinstance(raw, Shard) else known[raw])
             continue
         item = os.fspath(raw)
         protocol, _ = split_url(item)
-        found = _expand_one(filesystems[protocol], protocol, item, suffixes, config)
+        found = _expand_one(b, protocol, item, suffixes, config)
         if not found:
             raise ShardNotFoundError(
                 f"{item!r} matched no objects{' ending in ' + '/'.join(suffixes) if suffixes else ''}: "

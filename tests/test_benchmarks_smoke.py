@@ -52,6 +52,23 @@ def test_epochs_benchmark_compares_both_settings(tmp_path):
     assert "reuse / glibc defaults" in done.stdout
 
 
+def test_startup_benchmark_times_every_stage(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--samples", "128", "--shards", "4",
+           "--rounds", "1", "--delays", "0", "--epochs", "2", "--methods", "wire,streamdata,webdataset",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result] = tmp_path.glob("startup-*.json")
+    rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
+    assert set(rows) == {"wire", "streamdata", "webdataset"} and not any("error" in r for r in rows.values())
+    sd_row = rows["streamdata"]
+    assert sd_row["samples"] == 128 and sd_row["ctor_request_kinds"] == "GET"  # the one listing
+    stages = ("import", "ctor_imports", "listing", "worker_start", "worker_setup", "first_byte",
+              "first_batch")
+    assert abs(sum(sd_row[s] for s in stages) - sd_row["first_batch_s"]) < 1e-6
+    assert all(sd_row[s] == sd_row[s] for s in stages) and sd_row["epoch2_from_iter_s"] > 0  # no NaN
+
+
 def test_index_build_benchmark_counts_every_sample():
     cmd = [sys.executable, "-m", "benchmarks.index_build", "--quick", "--rounds", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -286,12 +286,13 @@ def test_the_scheduler_keeps_no_more_parts_in_flight_than_the_throttle_allows(pr
     blobs = [os.urandom(MiB // 4) for _ in range(16)]
     for i, blob in enumerate(blobs):
         fs.pipe_file(f"{bucket}/b/{i:02d}", blob)
-    # the first object is sized by a HEAD: throttled again and again (s3fs retries some of
-    # them itself), it brings the limit from 32 to 1 before the scheduler plans a part
+    # the first object is sized by a ranged GET (HEAD-START, client.py), the only request until
+    # it is answered: throttled again and again, it brings the limit from 32 to 1 before the
+    # scheduler plans a part
     items = [FetchItem(f"s3://{bucket}/b/00")] + [FetchItem(f"s3://{bucket}/b/{i:02d}", MiB // 4)
                                                   for i in range(1, 16)]
     options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
-    proxy.add(Fault("status", status=503, match="head", times=12))
+    proxy.add(Fault("status", status=503, match="get", times=12))
     data, fetcher = _read_all(items, options)
     assert data == blobs
     assert fetcher.throttle.lowest == 1 and fetcher.throttle.decreases >= 5
