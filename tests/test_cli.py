@@ -443,11 +443,9 @@ def test_credentials_and_endpoint_from_the_environment(bucket, tmp_path):
 def test_timeout_bounds_a_listing_of_an_unreachable_endpoint(capsys, monkeypatch):
     from streamdata.testing import free_port
 
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     code, out, err = run_cli(capsys, "ls", "s3://bkt/x/", "-o", f"endpoint_url={endpoint}",
-                             "--timeout", "0.5")
+                             "-o", "key=x", "-o", "secret=y", "--timeout", "0.5")
     assert_one_line_error(code, out, err, "cannot list s3://bkt/x/", "attempts in")
     import re
 
