@@ -3,11 +3,12 @@
 Footers are read once, in ``__init__``, through a ``Prefetcher`` over the tails of the objects
 (sizes from the listing), and kept as bytes.  The units are a Parquet row group, an Arrow IPC
 file's record batch, or a whole IPC stream object.  Parquet footers give every row group's
-row count, so a Parquet epoch is exact (EQUAL-STEPS, ``plan``): each reader gets an equal span
-of rows, cut inside row groups where needed, and every rank the same number of batches.
-Arrow units (whose row counts only their batches' headers hold) and a Parquet pass with a
-``filter`` are assigned whole, like tar shards without an index (EXACTLY-ONCE, ``sharding``).
-Each reader fetches only the byte
+row count, and an IPC file's batch headers (read right after its footer, one coalesced request
+per file) every batch's, so their epochs are exact (EQUAL-STEPS, ``plan``): each reader gets an
+equal span of rows, cut inside units where needed, and every rank the same number of batches.
+A dataset with any IPC *stream* object (no footer: its rows are unknown until read), and a
+pass with a ``filter``, assign units whole, like tar shards without an index (EXACTLY-ONCE,
+``sharding``).  Each reader fetches only the byte
 ranges of its units (for Parquet: only the column chunks asked for, adjacent ranges merged),
 decodes them with pyarrow, and turns rows into batches with Arrow slicing, never per row.
 """
@@ -15,6 +16,7 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +40,7 @@ __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
 _FOOTER_WINDOW = 64  # objects whose tails are in flight at once while reading footers
+_HEADER_GAP = 16 * KiB  # IPC batch headers this close are fetched as one range (with the body between)
 
 
 class RowGroup(NamedTuple):
@@ -131,6 +134,32 @@ def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchCo
     for shard, data in _fetch(list(again), storage_options, config):
         take(shard, data, True)
     return footers
+
+
+def read_batch_rows(shards: Sequence[Shard], footers: Mapping[str, bytes], storage_options: dict,
+                    config: FetchConfig, policy: ErrorPolicy) -> dict[str, list[int] | None]:
+    """``{url: rows of each record batch}`` of Arrow IPC files, from the batches' message
+    headers: one item per file (its headers' ranges coalesced), all files in parallel.  None:
+    a count past any plausible size (more rows than body bits + 64 Ki, e.g. a corrupt header, or
+    a batch of null columns) is not trusted.  An unreadable file is left out per ``policy``."""
+    wanted = {s.url: fmt.ipc_batch_meta_ranges(footers[s.url], s.url, s.size) for s in shards}
+    requests = [(s, tuple(fmt.coalesce([r for r, _ in wanted[s.url]], _HEADER_GAP)))
+                for s in shards if wanted[s.url]]
+    out: dict[str, list[int] | None] = {url: [] for url, ranges in wanted.items() if not ranges}
+    for (shard, ranges), (_, data) in zip(requests, _fetch(requests, storage_options, config), strict=True):
+        try:
+            if isinstance(data, StreamDataError):
+                raise data
+            rows: list[int] | None = []
+            starts = [a for a, _ in ranges]
+            for k, ((start, end), body) in enumerate(wanted[shard.url]):
+                i = bisect.bisect_right(starts, start) - 1
+                n = fmt.ipc_batch_rows(data[i][start - ranges[i][0]:end - ranges[i][0]], shard.url, k)
+                rows = None if rows is None or n > 8 * body + 65536 else [*rows, n]
+            out[shard.url] = rows
+        except StreamDataError as exc:
+            policy.check(exc)
+    return out
 
 
 # ---- the datasets -------------------------------------------------------------------------
@@ -344,6 +373,7 @@ class ArrowDataset(_ArrowTables):
             footer_length=lambda tail, s: fmt.ipc_footer_length(tail, s.size, s.url) or 0,
             policy=policy))
         self._blocks: dict[str, tuple[list[fmt.Range], list[fmt.Range]]] = {}
+        files: list[Shard] = []
         for shard in self.shards:
             footer = self._footers.get(shard.url)
             if footer is None:
@@ -357,7 +387,20 @@ class ArrowDataset(_ArrowTables):
             except FormatError as exc:
                 policy.check(exc)
                 continue
+            files.append(shard)
             self._units.extend(RecordBatchUnit(shard.url, shard.size, i) for i in range(len(batches)))
+        self._rows: dict[str, list[int] | None] = {}
+        if self.filter is None and all(u.index >= 0 for u in self._units):  # else: no exact epoch
+            self._rows = from_rank0(lambda: read_batch_rows(  # LIST-ONCE: rank 0 reads them
+                files, self._footers, self.storage_options, self.fetch_config, policy))
+            self._units = [u for u in self._units if u.url in self._rows]  # unreadable: skipped
+
+    def sample_counts(self) -> np.ndarray | None:
+        """Rows per record batch, from the batches' headers: an exact epoch (``plan``); None
+        (units split whole) with a ``filter``, any stream object, or a count not trusted."""
+        if self.filter is not None or any(self._rows.get(u.url) is None for u in self._units):
+            return None
+        return np.array([self._rows[u.url][u.index] for u in self._units], dtype=np.int64)
 
     def _check_columns(self, footer: bytes, shard: Shard) -> None:
         parts = [(shard.size - len(footer), footer)]

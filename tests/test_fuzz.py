@@ -15,6 +15,7 @@ import itertools
 import random
 import re
 import signal
+import struct
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -310,6 +311,29 @@ def test_mutated_arrow_ipc_ends_in_rows_or_our_error(tmp_path, stream):
     fuzz(tmp_path, name, random_cases(valid_arrow(stream), parquet_mutation, 80, seed=3), read_arrow)
 
 
+def ipc_header_mutation(data: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """Bytes changed inside one record batch's message header (where its row count is read)."""
+    from streamdata.formats.arrow import ipc_batch_meta_ranges
+
+    footer_len = struct.unpack_from("<i", data, len(data) - 10)[0]
+    headers = ipc_batch_meta_ranges(data[len(data) - 10 - footer_len:], "x", len(data))
+    (start, end), _ = rng.choice(headers)
+    at, length = rng.randrange(start, end), rng.choice([1, 1, 2, 4, 8])
+    value = bytes([rng.choice([0, 1, 0x7F, 0xFF, rng.randrange(256)]) for _ in range(length)])
+    return f"header bytes at {at}", data[:at] + value + data[at + length:]
+
+
+def test_mutated_ipc_batch_headers_end_in_rows_or_our_error_naming_the_url(tmp_path):
+    """The constructor reads each batch's row count from its header: damage there is a
+    FormatError naming the object (in the constructor, or as a stale count when read)."""
+
+    def names_url(exc: sd.StreamDataError, url: str) -> None:
+        assert isinstance(exc, sd.FormatError) and exc.url == url, repr(exc)
+
+    fuzz(tmp_path, "h.arrow", random_cases(valid_arrow(False), ipc_header_mutation, 120, seed=5),
+         read_arrow, check=names_url)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10, 14))
 def test_mutated_tar_many_more_cases(tmp_path, seed):
@@ -348,8 +372,6 @@ def test_invalid_utf8_in_a_parquet_string_column_is_a_decode_error_naming_column
 def test_an_ipc_footer_block_past_the_end_is_a_format_error_at_once(tmp_path):
     """A footer that sends the reader after bytes the object does not have fails in the
     constructor, instead of being fetched (and retried) until the deadline."""
-    import struct
-
     from streamdata.formats.arrow import ipc_blocks
 
     data = valid_arrow(stream=False)

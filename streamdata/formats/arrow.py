@@ -9,6 +9,7 @@ raises ``FormatError`` instead of reaching for the network.
   the byte ranges of the column chunks asked for (``column_chunk_ranges``).
 - Arrow IPC file (``ARROW1 ... <footer><len:4>ARROW1``): the footer's flatbuffer lists each
   record batch's block, so a batch is decoded from its block plus the dictionary blocks.
+  Each batch's row count is in its message header, read alone (``ipc_batch_rows``).
 - Arrow IPC stream: read sequentially from the fetcher's parts, one message at a time.
 
 Tables become tensors in :mod:`streamdata.tables`.
@@ -32,6 +33,8 @@ __all__ = [
     "SparseFile",
     "coalesce",
     "column_chunk_ranges",
+    "ipc_batch_meta_ranges",
+    "ipc_batch_rows",
     "ipc_blocks",
     "ipc_footer_length",
     "ipc_stream_batches",
@@ -258,13 +261,54 @@ def ipc_footer_length(tail: bytes, size: int, url: str) -> int | None:
 
 
 def _fb_field(buf: bytes, table: int, index: int) -> int | None:
-    """Position of field ``index`` of the flatbuffer table at ``table`` (None when absent)."""
-    vtable = table - struct.unpack_from("<i", buf, table)[0]
-    vsize = struct.unpack_from("<H", buf, vtable)[0]
+    """Position of field ``index`` of the flatbuffer table at ``table`` (None when absent);
+    every position read is checked against ``buf`` (``struct.error`` when outside it)."""
+    vtable = table - _fb_read(buf, "<i", table)
+    vsize = _fb_read(buf, "<H", vtable)
     if 4 + 2 * index >= vsize:
         return None
-    offset = struct.unpack_from("<H", buf, vtable + 4 + 2 * index)[0]
+    offset = _fb_read(buf, "<H", vtable + 4 + 2 * index)
     return table + offset if offset else None
+
+
+def _fb_read(buf: bytes, form: str, at: int) -> int:
+    """One value at ``at`` of ``buf``; a position outside ``buf`` (negative ones too, which
+    ``struct`` would count from the end) is a ``struct.error``."""
+    if at < 0 or at + struct.calcsize(form) > len(buf):
+        raise struct.error(f"flatbuffer offset {at} is outside its {len(buf)} bytes")
+    return struct.unpack_from(form, buf, at)[0]
+
+
+def _ipc_footer_blocks(footer: bytes, url: str, size: int | None,
+                      ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """``(dictionary blocks, record batch blocks)`` as ``(offset, metaDataLength, bodyLength)``."""
+    buf = footer[:-10]
+    try:
+        root = _fb_read(buf, "<I", 0)
+
+        def blocks(index: int) -> list[tuple[int, int, int]]:
+            at = _fb_field(buf, root, index)
+            if at is None:
+                return []
+            vec = at + _fb_read(buf, "<I", at)
+            count = _fb_read(buf, "<I", vec)
+            if vec + 4 + 24 * count > len(buf):
+                raise struct.error(f"{count} blocks do not fit in the footer")
+            out = []
+            for k in range(count):
+                offset, meta_len, body_len = struct.unpack_from("<qi4xq", buf, vec + 4 + 24 * k)
+                end = offset + meta_len + body_len
+                if size is not None and not (8 <= offset and meta_len > 0 and body_len >= 0
+                                             and end <= size - len(footer)):
+                    raise FormatError(f"corrupt Arrow IPC footer in {url}: block {k} at bytes "
+                                      f"{offset}..{end} is outside the object's data (size {size})",
+                                      url=url, key="footer")
+                out.append((offset, meta_len, body_len))
+            return out
+
+        return blocks(2), blocks(3)
+    except struct.error as exc:
+        raise FormatError(f"corrupt Arrow IPC footer in {url}: {exc}", url=url, key="footer") from exc
 
 
 def ipc_blocks(footer: bytes, url: str, size: int | None = None) -> tuple[list[Range], list[Range]]:
@@ -276,31 +320,47 @@ def ipc_blocks(footer: bytes, url: str, size: int | None = None) -> tuple[list[R
     1 schema, 2 dictionaries, 3 recordBatches; a Block is ``{offset: i64, metaDataLength: i32,
     bodyLength: i64}`` (24 bytes with padding).
     """
-    buf = footer[:-10]
+    dicts, batches = _ipc_footer_blocks(footer, url, size)
+    return ([(o, o + m + b) for o, m, b in dicts], [(o, o + m + b) for o, m, b in batches])
+
+
+def ipc_batch_meta_ranges(footer: bytes, url: str, size: int) -> list[tuple[Range, int]]:
+    """Each record batch's message header ``[offset, offset + metaDataLength)``, with its
+    ``bodyLength``: what ``ipc_batch_rows`` reads the batch's row count from."""
+    return [((o, o + m), b) for o, m, b in _ipc_footer_blocks(footer, url, size)[1]]
+
+
+_RECORD_BATCH = 3  # MessageHeader union: 1 Schema, 2 DictionaryBatch, 3 RecordBatch, 4 Tensor
+
+
+def ipc_batch_rows(meta: bytes, url: str, index: int) -> int:
+    """Rows of record batch ``index`` from its encapsulated message header alone: ``0xFFFFFFFF``,
+    an int32 size, then the Message flatbuffer (fields: 0 version, 1 header_type, 2 header,
+    3 bodyLength), whose header is a RecordBatch table (field 0 ``length``: int64, 0 when absent).
+    Pre-1.0 files lack the ``0xFFFFFFFF``.  Anything that does not read so is a FormatError."""
+    key = f"record batch {index}"
     try:
-        root = struct.unpack_from("<I", buf, 0)[0]
-
-        def blocks(index: int) -> list[Range]:
-            at = _fb_field(buf, root, index)
-            if at is None:
-                return []
-            vec = at + struct.unpack_from("<I", buf, at)[0]
-            count = struct.unpack_from("<I", buf, vec)[0]
-            out = []
-            for k in range(count):
-                offset, meta_len, body_len = struct.unpack_from("<qi4xq", buf, vec + 4 + 24 * k)
-                end = offset + meta_len + body_len
-                if size is not None and not (8 <= offset and meta_len > 0 and body_len >= 0
-                                             and end <= size - len(footer)):
-                    raise FormatError(f"corrupt Arrow IPC footer in {url}: block {k} at bytes "
-                                      f"{offset}..{end} is outside the object's data (size {size})",
-                                      url=url, key="footer")
-                out.append((offset, end))
-            return out
-
-        return blocks(2), blocks(3)
+        skip = 4 if _fb_read(meta, "<I", 0) == 0xFFFFFFFF else 0
+        length = _fb_read(meta, "<i", skip)
+        if length <= 0 or skip + 4 + length > len(meta):
+            raise struct.error(f"a message of {length} bytes in a block of {len(meta)}")
+        buf = bytes(meta[skip + 4:skip + 4 + length])
+        message = _fb_read(buf, "<I", 0)
+        kind = _fb_field(buf, message, 1)
+        if kind is None or _fb_read(buf, "<B", kind) != _RECORD_BATCH:
+            raise struct.error("its message is not a record batch")
+        at = _fb_field(buf, message, 2)
+        if at is None:
+            raise struct.error("its message has no header")
+        batch = at + _fb_read(buf, "<I", at)
+        field = _fb_field(buf, batch, 0)
+        rows = 0 if field is None else _fb_read(buf, "<q", field)
+        if rows < 0:
+            raise struct.error(f"a length of {rows} rows")
+        return rows
     except struct.error as exc:
-        raise FormatError(f"corrupt Arrow IPC footer in {url}: {exc}", url=url, key="footer") from exc
+        raise FormatError(f"corrupt Arrow IPC record batch {index} header in {url}: {exc}", url=url,
+                          key=key) from exc
 
 
 def _valid(batch: pa.RecordBatch) -> pa.RecordBatch:
