@@ -121,7 +121,7 @@ def test_a_stream_object_means_no_counts_and_a_batch_split(tmp_path):
 def test_a_filter_means_no_counts(arrow_files):
     spec, total = arrow_files
     ds = sd.ArrowDataset(spec, filter=pc.field("id") < 10)
-    assert ds.sample_counts() is None
+    assert ds.sample_counts() is None and ds._rows == {}  # no header fetched either
     assert sorted(int(r["id"]) for r in ds) == list(range(10))
 
 
@@ -159,6 +159,31 @@ def test_a_corrupt_batch_header_is_a_format_error_naming_the_url(tmp_path, what,
     assert ds.skipped["format"] == 1 and sum(ds.skipped.values()) == 1, ds.skipped
     assert all(u.url != str(bad) for u in ds.units())
     assert ds.sample_counts().tolist() == [n for i, s in enumerate(BATCHES) if i != 3 for n in s]
+
+
+def _message_table(header: bytes) -> tuple[bytes, int]:
+    """The Message flatbuffer of an encapsulated header, and its root table's position."""
+    buf = header[8:8 + struct.unpack_from("<i", header, 4)[0]]
+    return buf, struct.unpack_from("<I", buf, 0)[0]
+
+
+def test_a_header_that_is_not_a_record_batch_or_points_before_its_start_is_refused():
+    from streamdata.formats.arrow import _fb_field
+
+    data = _ipc_bytes([5], 0)
+    (a, b), = _meta_ranges(data)
+    header = data[a:b]
+    buf, table = _message_table(header)
+    kind = 8 + _fb_field(buf, table, 1)  # header_type: 3, RecordBatch
+    assert header[kind] == 3 and ipc_batch_rows(header, "u", 0) == 5
+    dictionary = header[:kind] + b"\x02" + header[kind + 1:]
+    with pytest.raises(sd.FormatError, match="not a record batch") as info:
+        ipc_batch_rows(dictionary, "u", 0)
+    assert info.value.url == "u"
+    # a vtable offset that points 2 bytes before the buffer (struct would read from its end)
+    before = header[:8 + table] + struct.pack("<i", table + 2) + header[8 + table + 4:]
+    with pytest.raises(sd.FormatError, match="offset -2 is outside"):
+        ipc_batch_rows(before, "u", 0)
 
 
 def test_ipc_batch_rows_reads_every_header_and_rejects_each_mutation_with_our_error():
