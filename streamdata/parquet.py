@@ -358,8 +358,9 @@ def _filter_columns(schema: pa.Schema, expr: Any, columns: list[str] | None) -> 
 class ArrowDataset(_ArrowTables):
     """Arrow IPC objects (the file format, ``.arrow``/``.feather`` v2, and the stream format).
 
-    A file's record batches are the units (addressed through its footer); a stream object is
-    one unit, parsed as its bytes arrive.  Whole record batches are fetched (the IPC layout
+    A file's record batches are the units (addressed through its footer; their row counts,
+    from their headers, make epochs exact); a stream object is one unit, parsed as its bytes
+    arrive (a dataset with one is split by unit).  Whole record batches are fetched (the IPC layout
     has no per-column chunks to skip); ``columns`` and ``filter`` apply after decoding.
     """
 

@@ -268,9 +268,12 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
     units = ds.units()
     if fmt == "parquet":
         write_out(f"samples   {ds.num_rows} rows in {len(units)} row groups (from the footers)")
+    elif ds.sample_counts() is not None:
+        write_out(f"samples   {int(ds.sample_counts().sum())} rows in {len(units)} record batches "
+                  "(from their headers)")
     else:
         streams = sum(1 for u in units if u.index < 0)
-        write_out(f"samples   not in Arrow IPC footers: {len(units) - streams} record batches in files, "
+        write_out(f"samples   unknown before reading: {len(units) - streams} record batches in files, "
                   f"{streams} stream object(s) (each read whole)")
     write_out("index     not needed: " + ("row counts come from the footers" if fmt == "parquet"
                                           else "record batches are the units read"))
