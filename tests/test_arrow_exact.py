@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 import pytest
 
 import streamdata as sd
+from streamdata.formats.arrow import coalesce as fmt_coalesce
 from streamdata.formats.arrow import ipc_batch_meta_ranges, ipc_batch_rows
 from tests.helpers import rank_env
 from tests.test_exact_epochs import _rank_batches
@@ -61,6 +62,29 @@ def test_counts_are_pyarrows_num_rows_per_batch(arrow_files):
             expected.append(f.get_batch(unit.index).num_rows)
     assert counts.tolist() == expected == [n for sizes in BATCHES for n in sizes]
     assert int(counts.sum()) == total
+
+
+def test_headers_far_apart_and_the_legacy_format_are_counted(tmp_path):
+    """Batches of 24-40 KB put their headers in separate ranges of the file's one item; pre-1.0
+    messages (no 0xFFFFFFFF marker) are read too."""
+    big = [3000, 5000, 7, 4000]
+    table = pa.table({"id": np.arange(sum(big)), "x": np.zeros(sum(big))})
+    legacy = pa.ipc.IpcWriteOptions(use_legacy_format=True)
+    for name, options in (("far.arrow", None), ("legacy.arrow", legacy)):
+        with pa.ipc.new_file(tmp_path / name, table.schema, options=options) as w:
+            start = 0
+            for n in big:
+                w.write_table(table.slice(start, n))
+                start += n
+    far = (tmp_path / "far.arrow").read_bytes()
+    from streamdata.parquet import _HEADER_GAP
+
+    # 3 ranges in the file's one item: the 7-row batch's header shares one with the next
+    assert len(fmt_coalesce(_meta_ranges(far), _HEADER_GAP)) == 3
+    assert (tmp_path / "legacy.arrow").read_bytes()[8:12] != b"\xff\xff\xff\xff"  # no marker
+    ds = sd.ArrowDataset(str(tmp_path) + "/", batch_size=1000)
+    assert ds.sample_counts().tolist() == big + big
+    assert sorted(i for b in ds for i in b["id"].tolist()) == sorted(list(range(sum(big))) * 2)
 
 
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 0), (2, 2), (3, 1), (5, 0)])
