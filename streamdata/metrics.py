@@ -25,9 +25,10 @@ SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
 RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other")
 # every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
-# (drop_last), summed over epochs (streamdata.plan)
+# (drop_last), summed over epochs (streamdata.plan); resumed.reread: samples read again after a
+# resume to reach the position inside a partly read unit (streamdata.resume)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
-            "accepted.unterminated", "planned.padded", "planned.left_out")
+            "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread")
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

@@ -31,7 +31,7 @@ from .plan import Span, _segments, _sizes, _steps, batch_sizes, reader_span
 from .sharding import epoch_order
 from .world import World
 
-__all__ = ["Stage", "resume_span"]
+__all__ = ["Stage", "resume_span", "resume_units"]
 
 Interval = tuple[int, int]  # epoch positions [a, b) (past the epoch's end: wrapped)
 
@@ -172,3 +172,31 @@ def _divide(order: np.ndarray, ends: np.ndarray, seq: list[Interval], world: Wor
         start = first if mine else 0
         segments += _to_segments(order, ends, _sub(seq, start, start + pad))
     return Span(segments, batches, tail, pad if length else 0)
+
+
+def resume_units(n_units: int, stages: Sequence[Stage], world: World, *, seed: int = 0, epoch: int = 0,
+                 shuffle: bool = False) -> list[tuple[int, int]]:
+    """A shard-level split's resume (units' sample counts unknown): ``(unit, samples to skip)`` in
+    reading order for this reader. A stage's positions are ``(units done, samples into the next)``
+    per reader; what they left (the partly read unit, then the untouched ones) is dealt round-robin
+    to the new readers (``sharding``'s EXACTLY-ONCE); the same world continues each reader's list."""
+    seq = [(int(u), 0) for u in epoch_order(n_units, seed=seed, epoch=epoch, shuffle=shuffle)]
+    for i, stage in enumerate(stages):
+        slots = stage.world_size * stage.num_workers
+        if i == len(stages) - 1 and stage.same_shape(world):
+            return _rest(seq[world.slot::slots], stage.delivered[world.slot], world)
+        if any(d is None for d in stage.delivered):
+            _leftover([], stage, None, False)  # raises: a partial position
+        seq = [item for k in range(slots)
+               for item in _rest(seq[k::slots], stage.delivered[k], stage.world(k))]
+    return seq[world.slot::world.slots]
+
+
+def _rest(mine: list[tuple[int, int]], position: Sequence[int] | None, world: World) -> list[tuple[int, int]]:
+    if position is None:
+        raise SpecError(f"the saved position has no entry for {world.describe()}")
+    done, into = (int(x) for x in position)
+    rest = list(mine[done:])
+    if rest and into:
+        rest[0] = (rest[0][0], rest[0][1] + into)
+    return rest
