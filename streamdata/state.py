@@ -137,13 +137,30 @@ class Position:
             yield item
 
     def count_unit(self, records: Iterable[Any], size: Any = None) -> Iterator[Any]:
-        """One unit's records (shard-level split), counted as read."""
+        """One unit's records (shard-level split), counted as read; each is passed on once the
+        next is read (or the unit has ended), so a unit whose last record is delivered is known
+        to be done, and a resume does not ask for it again."""
         self.unit_counts.append(0)
         i = len(self.unit_counts) - 1
-        for record in records:
-            self.unit_counts[i] += 1 if size is None else size(record)
-            yield record
-        self.finished = i + 1
+        it = iter(records)
+        try:
+            ahead = [next(it)]
+            while ahead:
+                record = ahead.pop()
+                try:
+                    ahead.append(next(it))
+                except StopIteration:
+                    self.finished = i + 1
+                except BaseException:
+                    self.unit_counts[i] += 1 if size is None else size(record)
+                    yield record
+                    raise
+                self.unit_counts[i] += 1 if size is None else size(record)
+                yield record
+        except StopIteration:  # an empty unit
+            self.finished = i + 1
+        finally:
+            getattr(it, "close", lambda: None)()
 
     def mine(self) -> Any:
         """This reader's position in the pass's stage."""
