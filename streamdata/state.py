@@ -202,8 +202,11 @@ def reader_state(fp: str, split: str, live: Position | None, resume: tuple | Non
 
 
 def check_batching(saved: list, batch_size: int | None, drop_last: bool) -> None:
-    """A resumed pass must batch as the saved one did (its plan depends on it)."""
-    if list(saved) != [batch_size, bool(drop_last and batch_size is not None)]:
+    """A resumed pass must leave out what the saved one did: with ``drop_last``, the same batch
+    size (the plan's spans depend on it); without, only the batch sizes may change (sd.loader
+    batches in the workers, or in the DataLoader with ``num_workers=0``)."""
+    now = bool(drop_last and batch_size is not None)
+    if bool(saved[1]) != now or (now and saved[0] != batch_size):
         raise SpecError(f"this state was saved from a pass batched as (batch_size, drop_last) = "
                         f"{tuple(saved)}, this pass is ({batch_size}, {drop_last}): resume with the "
                         "same batching")

@@ -111,3 +111,26 @@ def test_stateful_dataloader_resumes_by_seeking(proxied, kind, workers):
         assert ds.counts["resumed.reread"] <= readers * max(COUNTS)
     else:
         assert ds.counts["resumed.reread"] == 0  # seeks: ranged GETs from the next sample
+
+
+@pytest.mark.parametrize("workers,new_workers", [(0, 0), (2, 2), (2, 0), (0, 3)])
+def test_sd_loader_saves_every_readers_position(proxied, workers, new_workers):
+    """Loader.state_dict() holds every worker's position (what the loop received, whatever the
+    workers had prefetched), so it restarts on another number of workers too."""
+    root, options, proxy = proxied
+    kw = dict(storage_options=options, shuffle=True, seed=2, shuffle_buffer=0, decode=False)
+    everything = [i for b in sd.loader(sd.TarDataset(root + "tar/", **kw), batch_size=4, num_workers=0)
+                  for i in _ids(b)]
+    with sd.loader(sd.TarDataset(root + "tar/", **kw), batch_size=4, num_workers=workers) as loader:
+        it = iter(loader)
+        before = [i for _ in range(5) for i in _ids(next(it))]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del it
+    assert None not in state["stages"][-1]["delivered"]
+    assert sum(state["stages"][-1]["delivered"]) == len(before)
+    with sd.loader(sd.TarDataset(root + "tar/", **kw), batch_size=4, num_workers=new_workers) as loader:
+        loader.load_state_dict(state)
+        after = [i for b in loader for i in _ids(b)]
+        with pytest.raises(sd.SpecError, match="before the loader's first iteration"):
+            loader.load_state_dict(state)
+    assert sorted(before + after) == sorted(everything) and len(set(before + after)) == len(everything)
