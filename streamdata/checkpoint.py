@@ -2,8 +2,9 @@
 
 Each batch leaves its worker tagged with that worker's dataset state, taken right after the
 dataset yielded it (:class:`Positioned`, the last step of the worker's ``collate_fn``); the
-``Loader`` strips the tag as it hands the batch to the training loop (:class:`Positions`), so
-the recorded position is what the loop received, whatever was prefetched behind it.
+``Loader`` records the tag as it hands the batch to the training loop (:class:`Positions`;
+with the GPU feed, tags are taken off before it and recorded, in order, as its batches come
+out), so the recorded position is what the loop received, whatever was prefetched behind it.
 ``state_dict()`` merges the latest tag of every worker of this rank, fills in the workers that
 have delivered nothing yet, and, with ``torch.distributed`` initialised, gathers every rank's:
 the result holds every reader's position (``state.merge_states``) and restarts on any world
@@ -12,14 +13,16 @@ shape (RESUME-ELASTIC in ``resume``).
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .errors import SpecError
 from .state import merge_states
+from .world import World
 
-__all__ = ["Positioned", "Positions", "Tagged"]
+__all__ = ["Positioned", "Positions", "Stripped", "Tagged"]
 
 
 class Tagged(NamedTuple):
@@ -51,15 +54,27 @@ class Positions:
     def __init__(self, dataset: Any, num_workers: int) -> None:
         self.dataset, self.num_workers = dataset, max(num_workers, 1)
         self.latest: dict[int, dict] = {}
+        self._pending: collections.deque[Tagged | None] = collections.deque()  # (``strip``)
 
     def strip(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The batches without their tags; each tag recorded as its batch is handed on."""
+        """Upstream of a prefetcher (the GPU feed): the batches without their tags, each tag
+        queued to be recorded when its batch comes out of :meth:`deliver` (the feed keeps order)."""
         for item in batches:
             if isinstance(item, Tagged):
-                if item.state is not None:
-                    self.latest[item.worker] = item.state
+                self._pending.append(item)
                 item = item.batch
+            else:
+                self._pending.append(None)
             yield item
+
+    def deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The batches as the loop receives them, without their tags; each tag recorded then."""
+        self._pending.clear()
+        for item in batches:
+            tag = item if isinstance(item, Tagged) else self._pending.popleft() if self._pending else None
+            if tag is not None and tag.state is not None:
+                self.latest[tag.worker] = tag.state
+            yield item.batch if isinstance(item, Tagged) else item
 
     def state_dict(self) -> dict:
         """Every reader's position: this rank's workers, and every rank's when torch.distributed
@@ -70,7 +85,7 @@ class Positions:
         mine = [s for s in self.latest.values() if s.get("epoch") == max(
             x.get("epoch", 0) for x in self.latest.values())]
         state = merge_states(mine) if mine else base
-        state = _fill(state, base, self._rank())
+        state = _fill(state, base, World.current().rank)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, state)
@@ -87,10 +102,19 @@ class Positions:
     def reset(self) -> None:
         self.latest.clear()
 
-    def _rank(self) -> int:
-        from .world import World
 
-        return World.current().rank
+class Stripped:
+    """An iterable of tagged batches, stripped (:meth:`Positions.strip`): what the GPU feed
+    reads, so that its ``transform`` sees the batches themselves."""
+
+    def __init__(self, source: Any, positions: Positions) -> None:
+        self.source, self.positions = source, positions
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.positions.strip(iter(self.source))
+
+    def __len__(self) -> int:
+        return len(self.source)
 
 
 def _fill(state: dict, base: dict, rank: int) -> dict:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import recycle
 from ._alloc import keep_freed_memory
-from .checkpoint import Positioned, Positions
+from .checkpoint import Positioned, Positions, Stripped
 from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
@@ -173,7 +173,7 @@ class Loader:
         self._started = True
         source = iter(self._source)
         if self._positions is not None:
-            source = self._positions.strip(source)
+            source = self._positions.deliver(source)
         if self._together is not None and self._together.active():
             return self._together.wrap(source)  # END-TOGETHER
         return source
@@ -333,7 +333,8 @@ def loader(
         **dataloader_kwargs,
     )
     unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
-    feed = (CudaPrefetcher(unwrapped if unwrapped is not None else dataloader, device, depth, transform)
-            if device is not None else None)
+    source = unwrapped if unwrapped is not None else dataloader
+    feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
+                           transform) if device is not None else None)
     return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
                   positions=positions)

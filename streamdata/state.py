@@ -195,7 +195,7 @@ def reader_state(fp: str, split: str, live: Position | None, resume: tuple | Non
     epoch's start."""
     if live is not None:
         return {**live.state(fp), "batching": live.batching}
-    if resume is not None:
+    if resume is not None and resume[0] == epoch:  # (another epoch's is never read)
         epoch, stages, batching = resume
         return {**start_state(fp, epoch, split), "stages": _stages_json(stages), "batching": batching}
     return {**start_state(fp, epoch, split), "batching": batching}

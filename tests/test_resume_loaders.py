@@ -134,3 +134,29 @@ def test_sd_loader_saves_every_readers_position(proxied, workers, new_workers):
         with pytest.raises(sd.SpecError, match="before the loader's first iteration"):
             loader.load_state_dict(state)
     assert sorted(before + after) == sorted(everything) and len(set(before + after)) == len(everything)
+
+
+def _checked(batch):
+    assert isinstance(batch, dict), f"the feed's transform got a {type(batch).__name__}"
+    return {**batch, "seen": True}
+
+
+def test_sd_loader_with_a_feed_records_what_comes_out_of_it(proxied):
+    """With the GPU feed (here on the CPU, with a transform), tags come off before the feed and are
+    recorded as its batches come out: the transform sees plain batches, the state what it gave."""
+    root, options, proxy = proxied
+    kw = dict(storage_options=options, shuffle=True, seed=2, shuffle_buffer=0, decode=False)
+    make = lambda: sd.TarDataset(root + "tar/", **kw)  # noqa: E731
+    everything = [i for b in sd.loader(make(), batch_size=4, num_workers=0) for i in _ids(b)]
+    with sd.loader(make(), batch_size=4, num_workers=2, device="cpu", transform=_checked) as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(3)]
+        before = [i for b in got for i in _ids(b)]
+        state = loader.state_dict()
+        del it
+    assert all(b["seen"] for b in got)
+    assert sum(state["stages"][-1]["delivered"]) == len(before)
+    with sd.loader(make(), batch_size=4, num_workers=1, device="cpu", transform=_checked) as loader:
+        loader.load_state_dict(state)
+        after = [i for b in loader for i in _ids(b)]
+    assert sorted(before + after) == sorted(everything) and len(set(before + after)) == len(everything)
