@@ -2,8 +2,8 @@
 
 A StatefulDataLoader over an indexed ``sd.TarDataset`` (2 workers, batch 32) reads half an
 epoch straight from the embedded S3 server and saves its state; a fresh loader, reading through
-the latency proxy (``--delay-ms`` one way), loads that state and the time from ``iter()`` to its
-first batch and the bytes it fetched up to then are measured. "seek": streamdata's
+the latency proxy (``--delay-ms`` one way), loads that state; the time from ``iter()`` to its
+first batch, and the bytes it fetched to finish the epoch, are measured. "seek": streamdata's
 ``load_state_dict`` (the readers start at their next sample with a ranged GET). "naive": the
 same dataset behind a wrapper without ``state_dict``, so torchdata fast-forwards by reading and
 dropping the first half. The two alternate for ``--rounds`` rounds; medians and ratios printed.
@@ -49,7 +49,7 @@ def _loader(spec: str, options: dict, naive: bool):
 
 
 def run(spec: str, direct: dict, proxied: dict, proxy, naive: bool, half: int) -> tuple[float, int]:
-    """``(s to the first batch after the restart, bytes fetched until then)``."""
+    """``(s to the first batch after the restart, bytes fetched to the epoch's end)``."""
     loader = _loader(spec, direct, naive)
     it = iter(loader)
     for _ in range(half):
@@ -65,6 +65,8 @@ def run(spec: str, direct: dict, proxied: dict, proxy, naive: bool, half: int) -
         it = iter(resumed)
         next(it)
         took = time.perf_counter() - start
+        for _ in it:  # the rest of the epoch: what the restart fetched in all
+            pass
     fetched = proxy.bytes_down - before
     del it, resumed
     return took, fetched
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                     took, fetched = run(spec, server.storage_options, proxied, proxy, name == "naive", half)
                     rows[name].append((took, fetched))
                     print(f"  round {k + 1}/{args.rounds} {name}: first batch {took:.3f} s, "
-                          f"{fetched / 2**20:.1f} MiB fetched", flush=True)
+                          f"{fetched / 2**20:.1f} MiB fetched to the end", flush=True)
     med = {name: (statistics.median(t for t, _ in r), statistics.median(b for _, b in r))
            for name, r in rows.items()}
     print(f"\n{args.delay_ms:g} ms one-way, {args.samples} samples of {args.sample_kib} KiB in {args.shards} "
