@@ -29,23 +29,18 @@ from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
 from .resume import Stage, resume_span, resume_units
-from .rewind import dropped, placeholder_items, rewind_point, skipped
+from .rewind import dropped, placeholder_items, record_size, rewind_point, skipped, undelivered
 from .sharding import assign, reader_seed
 from .stages import shuffled
 from .state import Position, check_batching, fingerprint, parse_state, reader_state
 from .urls import Shard, Spec, expand_spec
 from .world import World
 
-__all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "record_size", "stale_count"]
+__all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_count"]
 
 log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
-
-
-def record_size(record: Any) -> int:
-    """Samples in a record: rows of an Arrow table, else 1."""
-    return getattr(record, "num_rows", 1)
 
 
 def stale_count(url: str, seen: int, expected: int) -> FormatError:
@@ -290,8 +285,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 return ReaderPass(world, epoch, [(unit, None) for unit in order])
             picks = resume_units(len(units), stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
             return ReaderPass(world, epoch, [(units[u], (skip, None) if skip else None) for u, skip in picks])
+        buffered = self.shuffle_buffer > 1  # RESUME-ELASTIC behind a buffer: what it left out (``rewind``)
+        runs = undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None
         span = resume_span(counts, stages or [], world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                           batch_size=batch_size, drop_last=drop_last)
+                           batch_size=batch_size, drop_last=drop_last, undelivered=runs)
         reads = [(units[s.unit], None if s.start == 0 and s.stop == counts[s.unit] else (s.start, s.stop))
                  for s in span.segments]
         return ReaderPass(world, epoch, reads, span)

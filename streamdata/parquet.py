@@ -24,13 +24,13 @@ import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
 from .config import UNIT_WINDOW, FetchConfig
-from .dataset import Batching, ShardedDataset, record_size, stale_count
+from .dataset import Batching, ShardedDataset, stale_count
 from .errors import DecodeError, FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
 from .ranks import from_rank0
-from .rewind import dropped, placeholder_tables
+from .rewind import dropped, placeholder_tables, record_size
 from .tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from .urls import Shard, Spec, listing_deadline, split_url
 

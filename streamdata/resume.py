@@ -22,7 +22,7 @@ buffer, which delivers out of order, is handled by the caller: see docs/resume.m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from .world import World
 __all__ = ["Stage", "resume_span", "resume_units"]
 
 Interval = tuple[int, int]  # epoch positions [a, b) (past the epoch's end: wrapped)
+Runs = Callable[[World, Sequence[int], int], list[Interval]]  # (``rewind.undelivered``)
 
 
 class Stage:
@@ -81,11 +82,14 @@ def _cuts(length: int, stage_world: World, batch_size: int | None, drop_last: bo
 
 def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage], world: World, *, seed: int = 0,
                 epoch: int = 0, shuffle: bool = False, batch_size: int | None = None,
-                drop_last: bool = False) -> Span:
+                drop_last: bool = False, undelivered: Runs | None = None) -> Span:
     """This reader's span of what ``stages`` left of the epoch (``plan.reader_span`` if none).
 
     The returned span's ``sizes`` are its batch sizes when it continues a span (RESUME-CONTINUES);
-    ``dropped`` counts only what this resume leaves out (``drop_last``)."""
+    ``dropped`` counts only what this resume leaves out (``drop_last``). ``undelivered(world,
+    sizes, d)``, when given, says which runs of a reader's span (of segments of ``sizes``) its
+    first ``d`` deliveries left out (a shuffle buffer delivers out of order: ``rewind``); else a
+    reader delivered the first ``d`` samples of its span."""
     if not stages:
         return reader_span(counts, world, seed=seed, epoch=epoch, shuffle=shuffle, batch_size=batch_size,
                            drop_last=drop_last)
@@ -104,11 +108,13 @@ def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage], wor
         last = i == len(stages) - 1
         if last and stage.same_shape(world):
             return _continue(order, ends, seq, stage, world, batch_size, drop_last)
-        seq = _leftover(seq, stage, batch_size, drop_last)
+        seq = _leftover(seq, stage, batch_size, drop_last, order, ends, undelivered)
     return _divide(order, ends, seq, world, batch_size, drop_last)
 
 
-def _leftover(seq: list[Interval], stage: Stage, batch_size: int | None, drop_last: bool) -> list[Interval]:
+def _leftover(seq: list[Interval], stage: Stage, batch_size: int | None, drop_last: bool,
+              order: np.ndarray | None = None, ends: np.ndarray | None = None,
+              undelivered: Runs | None = None) -> list[Interval]:
     """What the readers of ``stage`` had not delivered of their spans of ``seq``, in slot order."""
     if any(d is None for d in stage.delivered):
         missing = [s for s, d in enumerate(stage.delivered) if d is None]
@@ -120,7 +126,13 @@ def _leftover(seq: list[Interval], stage: Stage, batch_size: int | None, drop_la
     out: list[Interval] = []
     for slot, d in enumerate(stage.delivered):
         first, n = int(firsts[slot]), int(own[slot])
-        out += _sub(seq, first + min(max(int(d), 0), n), first + n)
+        d = min(max(int(d), 0), n)
+        if undelivered is None or d == 0 or d == n:
+            out += _sub(seq, first + d, first + n)
+            continue
+        sizes = [len(s) for s in _to_segments(order, ends, _sub(seq, first, first + n))]
+        for a, b in undelivered(stage.world(slot), sizes, d):
+            out += _sub(seq, first + a, first + b)
     return out
 
 

@@ -19,22 +19,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["dropped", "placeholder_items", "placeholder_tables", "rewind_point", "skipped"]
+from .sharding import reader_seed
+from .world import World
+
+__all__ = ["delivered_mask", "dropped", "placeholder_items", "placeholder_tables", "record_size",
+           "rewind_point", "skipped", "undelivered"]
 
 
-def rewind_point(shuffle: Callable[[Iterable[Any]], Iterator[Any]], sizes: Sequence[int], delivered: int,
-                 tables: bool) -> int:
-    """The first position of the span not among the first ``delivered`` samples ``shuffle``
-    puts out, for records of ``sizes`` samples (``tables``: Arrow tables, else one per sample)."""
+def delivered_mask(shuffle: Callable[[Iterable[Any]], Iterator[Any]], sizes: Sequence[int], delivered: int,
+                   tables: bool) -> np.ndarray:
+    """Which positions of a span (records of ``sizes`` samples; ``tables``: Arrow tables, else one
+    per sample) are among the first ``delivered`` samples ``shuffle`` puts out: one more entry
+    than the span has samples, the last False."""
     if tables:
         import pyarrow as pa  # only the Arrow formats' records are tables
-    pulled = 0
     starts = np.concatenate(([0], np.cumsum(np.asarray(sizes, dtype=np.int64))))
 
     def records() -> Iterator[Any]:
-        nonlocal pulled
         for i in range(len(sizes)):
-            pulled = int(starts[i + 1])
             yield pa.table({"p": np.arange(starts[i], starts[i + 1])}) if tables else int(starts[i])
 
     out: list[np.ndarray] = []
@@ -50,10 +52,31 @@ def rewind_point(shuffle: Callable[[Iterable[Any]], Iterator[Any]], sizes: Seque
             left -= take
             if not left:
                 break
-    seen = np.zeros(pulled + 1, dtype=bool)
+    seen = np.zeros(int(starts[-1]) + 1, dtype=bool)
     if out:
         seen[np.concatenate(out)] = True
-    return int(np.argmin(seen))  # the first False: ``pulled`` at most
+    return seen
+
+
+def rewind_point(shuffle: Callable[[Iterable[Any]], Iterator[Any]], sizes: Sequence[int], delivered: int,
+                 tables: bool) -> int:
+    """The first position of the span not among the first ``delivered`` samples ``shuffle`` puts out."""
+    return int(np.argmin(delivered_mask(shuffle, sizes, delivered, tables)))
+
+
+def undelivered(shuffled: Callable[[Iterable[Any], list[int]], Iterator[Any]], tables: bool, seed: int,
+                epoch: int) -> Callable[[World, Sequence[int], int], list[tuple[int, int]]]:
+    """For ``resume``'s RESUME-ELASTIC behind a shuffle buffer: ``runs(world, sizes, d)``, the runs
+    ``[a, b)`` of a reader's span (records of ``sizes``) that its first ``d`` samples out of its
+    shuffle (``shuffled(records, seed material)``, seeded as the reader's pass was) left out."""
+    def runs(world: World, sizes: Sequence[int], d: int) -> list[tuple[int, int]]:
+        material = reader_seed(world, seed=seed, epoch=epoch)
+        if not tables:
+            sizes = [1] * int(sum(sizes))
+        mask = delivered_mask(lambda records: shuffled(records, material), sizes, d, tables)[:-1]
+        edges = np.flatnonzero(np.diff(np.concatenate(([1], mask.astype(np.int8), [1]))))
+        return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    return runs
 
 
 def dropped(items: Iterable[Any], n: int) -> Iterator[Any]:
@@ -100,11 +123,16 @@ def placeholder_tables(tables: Iterable[Any], sizes: Sequence[int], m: int) -> I
     yield from tables
 
 
+def record_size(record: Any) -> int:
+    """Samples in a record: rows of an Arrow table, else 1."""
+    return getattr(record, "num_rows", 1)
+
+
 def skipped(records: Iterable[Any], n: int, count: Callable[[int], None]) -> Iterator[Any]:
     """``records`` without their first ``n`` samples (a shard-level split resumed inside a unit);
     ``count(k)`` is told of each ``k`` samples read again to get there."""
     for record in records:
-        size = getattr(record, "num_rows", 1)
+        size = record_size(record)
         if n >= size:
             n -= size
             count(size)

@@ -103,13 +103,14 @@ def test_a_state_saved_twice_resumes_again(tar_dir):
     assert got == full
 
 
-@pytest.mark.parametrize("kind", ["indexed", "unindexed", "parquet"])
+@pytest.mark.parametrize("kind,buffer", [("indexed", 0), ("indexed", 6), ("unindexed", 0), ("parquet", 0),
+                                         ("parquet", 10)])
 @pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (2, 2), (1, 4)])
-def test_another_world_gets_what_is_left_in_equal_steps(tar_dir, parquet_dir, kind, old, new):
+def test_another_world_gets_what_is_left_in_equal_steps(tar_dir, parquet_dir, kind, buffer, old, new):
     path, everything = parquet_dir if kind == "parquet" else tar_dir
     if kind == "indexed":
         sdx.build_index(path, progress=False)
-    kw = dict(batch_size=4, shuffle=True, shuffle_buffer=0, seed=5)
+    kw = dict(batch_size=4, shuffle=True, shuffle_buffer=buffer, seed=5)
     before, states = [], []
     for rank in range(old):
         with rank_env(rank, old):

@@ -1,7 +1,8 @@
 """Real ``torchrun`` resume (gloo on CPU, the S3 test server, uneven shards with an index): a
 2 ranks x 2 workers job stops at a seeded step and saves ``sd.loader``'s state (every rank's
 positions); it restarts on (a) the same world, (b) 3 ranks x 1 worker, (c) 1 rank x 0 workers.
-Before + after = the epoch exactly, no duplicate, the same number of steps on every rank."""
+Before + after = the epoch exactly, no duplicate, the same number of steps on every rank (a
+shuffle buffer of 16 on: RESUME-BUFFER and its elastic replay)."""
 
 from __future__ import annotations
 
