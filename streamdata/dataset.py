@@ -32,7 +32,7 @@ from .resume import Stage, resume_span, resume_units
 from .rewind import dropped, placeholder_items, record_size, rewind_point, skipped, undelivered
 from .sharding import assign, reader_seed
 from .stages import shuffled
-from .state import Position, check_batching, fingerprint, parse_state, reader_state
+from .state import STATE_FORMAT, Position, check_batching, dataset_key, parse_state, reader_state
 from .urls import Shard, Spec, expand_spec
 from .world import World
 
@@ -313,10 +313,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     # ---- the state: where the pass stands (``state``, ``resume``) --------------------------
 
     def _key(self) -> tuple[str, str]:
-        """This dataset's fingerprint and split (``state``)."""
-        counts = self.sample_counts()
-        fp = fingerprint(self.shards, counts, seed=self.seed, shuffle=self.shuffle)
-        return fp, "units" if counts is None else "samples"
+        return dataset_key(self)  # this dataset's fingerprint and split (``state``)
 
     def state_dict(self) -> dict:
         """Where this reader stands in the epoch, as plain data (``state``; docs/resume.md): in a
@@ -417,6 +414,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                          "a different set each epoch)", p.epoch, p.span.dropped)
 
     records_are_tables = False  # records are samples (Arrow formats: tables of rows)
+    state_format = STATE_FORMAT  # sd.loader's Loader gathers these states (``checkpoint``)
 
     def shuffled(self, samples: Iterable[Any], seed: list[int]) -> Iterator[Any]:
         """The pass's shuffle buffer (``shuffle_buffer`` samples; seeded per reader and epoch)."""

@@ -20,6 +20,7 @@ from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
 from .incremental import batches
+from .state import STATE_FORMAT
 from .together import EndTogether
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
@@ -310,7 +311,7 @@ def loader(
                             f"{sorted(torch.multiprocessing.get_all_sharing_strategies())}")
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
     positions = None
-    if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):  # (``checkpoint``)
+    if getattr(dataset, "state_format", None) == STATE_FORMAT:  # positions to resume (``checkpoint``)
         collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers)
     board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
     if board is not None:

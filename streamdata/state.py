@@ -26,8 +26,8 @@ from .errors import SpecError
 from .resume import Stage
 from .world import World
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "fingerprint", "merge_states",
-           "parse_state", "reader_state", "start_state"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "dataset_key", "fingerprint",
+           "merge_states", "parse_state", "reader_state", "start_state"]
 
 STATE_FORMAT = "streamdata-state"
 STATE_VERSION = 1
@@ -39,6 +39,19 @@ def fingerprint(shards: Iterable[Any], counts: Sequence[int] | None, *, seed: in
     data = {"shards": [[s.url, s.size] for s in shards], "counts": None if counts is None else
             [int(c) for c in counts], "seed": seed, "shuffle": bool(shuffle)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def dataset_key(dataset: Any) -> tuple[str, str]:
+    """A sharded dataset's fingerprint and split (``"samples"`` with sample counts, else
+    ``"units"``), worked out once per (seed, shuffle): a worker's ``state_dict`` runs after
+    every batch."""
+    cached = dataset.__dict__.get("_state_key")
+    if cached is None or cached[0] != (dataset.seed, dataset.shuffle):
+        counts = dataset.sample_counts()
+        fp = fingerprint(dataset.shards, counts, seed=dataset.seed, shuffle=dataset.shuffle)
+        cached = dataset._state_key = ((dataset.seed, dataset.shuffle), fp,
+                                       "units" if counts is None else "samples")
+    return cached[1], cached[2]
 
 
 def _stages_json(stages: Sequence[Stage]) -> list[dict]:

@@ -205,3 +205,27 @@ def test_the_epoch_after_a_resumed_one_is_whole(tar_dir):
     assert len([i for b in resumed for i in _ids(b)]) == len(everything) - 8
     resumed.set_epoch(3)
     assert sorted(i for b in resumed for i in _ids(b)) == sorted(everything)
+
+
+def test_arrow_record_batches_resume_by_unit(tmp_path):
+    """ArrowDataset (record batches split whole: a unit-level position) resumes too."""
+    ids = 0
+    for i, groups in enumerate(ROW_GROUPS):
+        with pa.OSFile(str(tmp_path / f"part-{i}.arrow"), "wb") as f, \
+                pa.ipc.new_file(f, pa.schema([("id", pa.int64())])) as w:
+            for n in groups:
+                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
+                ids += n
+    kw = dict(batch_size=4, shuffle=True, shuffle_buffer=0, seed=3)
+    full = [i for b in sd.ArrowDataset(str(tmp_path) + "/", **kw) for i in _ids(b)]
+    assert sorted(full) == list(range(ids))
+    for stop in (1, 5, 9):
+        ds = sd.ArrowDataset(str(tmp_path) + "/", **kw)
+        it = iter(ds)
+        before = [i for b in _take(it, stop) for i in _ids(b)]
+        state = json.loads(json.dumps(ds.state_dict()))
+        it.close()
+        assert state["split"] == "units"
+        resumed = sd.ArrowDataset(str(tmp_path) + "/", **kw)
+        resumed.load_state_dict(state)
+        assert before + [i for b in resumed for i in _ids(b)] == full
