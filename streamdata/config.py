@@ -75,6 +75,12 @@ class FetchConfig:
                   of many parts and many workers spread out instead of arriving together).
     backoff_cap:  the longest back-off sleep.
     timeout:      seconds for one request before it counts as failed (and is retried).
+    cache_dir:    a local directory where fetched shards (and Parquet/Arrow byte ranges) are
+                  kept as they stream, and read from on later epochs (``streamdata.cache``);
+                  ``None`` (the default): no cache. Safe to share between every worker and
+                  rank of a node.
+    cache_limit:  bytes the cache directory may hold (least recently used entries are evicted);
+                  ``None``: no limit but the disk's (a full disk degrades to streaming).
     """
 
     window: int = 32
@@ -87,8 +93,18 @@ class FetchConfig:
     backoff: float = 0.1
     backoff_cap: float = 10.0
     timeout: float = 60.0
+    cache_dir: str | None = None
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise SpecError(f"FetchConfig.cache_dir must be a path or None, got {self.cache_dir!r}")
+            path = os.fspath(self.cache_dir)
+            object.__setattr__(self, "cache_dir", os.path.abspath(os.path.expanduser(path)) if path else None)
+        limit = self.cache_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise SpecError(f"FetchConfig.cache_limit must be a number of bytes >= 1 or None, got {limit!r}")
         for name in ("window", "part_size", "first_part", "max_requests", "byte_budget"):
             if getattr(self, name) < 1:
                 raise SpecError(f"FetchConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -130,10 +146,14 @@ class FetchConfig:
 
     @classmethod
     def from_env(cls) -> FetchConfig:
-        """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET."""
+        """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET
+        and STREAMDATA_CACHE_DIR / _CACHE_LIMIT."""
         base = cls()
-        return base.replace(**{field: env_int(name, getattr(base, field)) for field, name in _ENV.items()})
+        return base.replace(**{field: (env_str if field in _ENV_STR else env_int)(name, getattr(base, field))
+                               for field, name in _ENV.items()})
 
 
 _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
-        "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET"}
+        "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET",
+        "cache_dir": "STREAMDATA_CACHE_DIR", "cache_limit": "STREAMDATA_CACHE_LIMIT"}
+_ENV_STR = {"cache_dir"}  # read as text; the others as integers

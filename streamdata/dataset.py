@@ -88,16 +88,17 @@ class ReaderPass:
     """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
     ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop)`` from an exact
-    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit), or
-    ``(skip, None)``: all but the first ``skip`` (a shard-level split resumed, ``resume``).
+    shard-level split, EXACTLY-ONCE in ``sharding``), ``(start, stop, count)`` from an exact
+    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit of
+    ``count`` samples), or ``(skip, None, None)``: all but the first ``skip`` (a shard-level
+    split resumed, ``resume``).
     A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
     saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    reads: list[tuple[Any, tuple[int, int | None] | None]]
+    reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
     span: Span | None = None
 
     @property
@@ -225,31 +226,41 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""
-        return FetchItem(unit.url, unit.size)
+        return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
+
+    def etag(self, url: str) -> str | None:
+        """The listing's ETag of the object at ``url`` (part of a cache entry's key), if any."""
+        etags = self.__dict__.get("_etags")
+        if etags is None:
+            etags = self._etags = {s.url: getattr(s, "etag", None) for s in self.shards}
+        return etags.get(url)
 
     def read_unit(self, unit: Any, reader: ItemReader) -> Iterable[Any]:
         """A fetched unit's records, in order."""
         raise NotImplementedError
 
-    def fetch_segment(self, unit: Any, start: int, stop: int) -> FetchItem:
-        """What to fetch for samples ``[start, stop)`` of ``unit``: all of it unless a format
-        knows where its samples lie (a tar index's offsets)."""
+    def fetch_segment(self, unit: Any, start: int, stop: int, count: int) -> FetchItem:
+        """What to fetch for samples ``[start, stop)`` of ``unit`` (of ``count``): all of it
+        unless a format knows where its samples lie (a tar index's offsets)."""
         return self.fetch_item(unit)
 
-    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[Any]:
-        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start;
-        a unit with fewer than ``stop`` is a stale count (FormatError)."""
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[Any]:
+        """Records ``[start, stop)`` of ``unit`` (records are samples here), read from its start.
+        A unit that does not hold the ``count`` records its count says (fewer than ``stop``, or,
+        read to its end, more than ``count``) is a stale count: FormatError."""
         seen = 0
         records = iter(self.read_unit(unit, reader))
         try:
             for seen, record in enumerate(records, 1):
-                if seen > start:
+                if seen > start and seen <= stop:
                     yield record
-                if seen == stop:
-                    return
+                elif seen > stop and stop < count:
+                    return  # the rest is another reader's
+            if seen != count:
+                raise stale_count(reader.url, seen, count)
         finally:
             getattr(records, "close", lambda: None)()
-        raise stale_count(reader.url, seen, stop)
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
@@ -284,13 +295,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
                 return ReaderPass(world, epoch, [(unit, None) for unit in order])
             picks = resume_units(len(units), stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-            return ReaderPass(world, epoch, [(units[u], (skip, None) if skip else None) for u, skip in picks])
+            return ReaderPass(world, epoch, [(units[u], (skip, None, None) if skip else None)
+                                             for u, skip in picks])
         buffered = self.shuffle_buffer > 1  # RESUME-ELASTIC behind a buffer: what it left out (``rewind``)
         runs = undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None
         span = resume_span(counts, stages or [], world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                            batch_size=batch_size, drop_last=drop_last, undelivered=runs)
-        reads = [(units[s.unit], None if s.start == 0 and s.stop == counts[s.unit] else (s.start, s.stop))
-                 for s in span.segments]
+        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
         return ReaderPass(world, epoch, reads, span)
 
     def _rewound(self, p: ReaderPass, stages: list[Stage], batch_size: int | None,
@@ -312,20 +323,16 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     # ---- the state: where the pass stands (``state``, ``resume``) --------------------------
 
-    def _key(self) -> tuple[str, str]:
-        return dataset_key(self)  # this dataset's fingerprint and split (``state``)
-
     def state_dict(self) -> dict:
-        """Where this reader stands in the epoch, as plain data (``state``; docs/resume.md): in a
-        DataLoader worker, what it has yielded (``StatefulDataLoader`` asks after each batch);
-        outside a pass, the position :meth:`load_state_dict` set, or the epoch's start."""
+        """Where this reader stands in the epoch (``state``; docs/resume.md): in a worker, what it
+        yielded (``StatefulDataLoader`` asks after each batch); else the one loaded, or the start."""
         batching = [self.batch_size, bool(self.drop_last and self.batch_size is not None)]
-        return reader_state(*self._key(), self._live, self._resume, self.epoch, batching)
+        return reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
 
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);
         a state of another dataset is refused (SpecError). Call it before iterating."""
-        epoch, stages = parse_state(state, *self._key())
+        epoch, stages = parse_state(state, *dataset_key(self))
         batching = state.get("batching") or [self.batch_size, False]
         self._resume = (epoch, stages, [batching[0], bool(batching[1])])
         self._epoch, self._passes, self._live = epoch, 0, None
@@ -353,11 +360,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
 
-    def _read(self, p: ReaderPass, unit: Any, part: tuple[int, int | None] | None,
-              reader: ItemReader) -> Iterable[Any]:
+    def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
         """One read's records; a shard-level split's counted per unit (``state.Position``)."""
         if part is not None and part[1] is not None:
-            return self.read_segment(unit, part[0], part[1], reader)
+            return self.read_segment(unit, *part, reader)
         records = self.read_unit(unit, reader)
         if part is not None:  # a resumed shard-level split: skip what was delivered before
             records = skipped(records, part[0], lambda n: self._counters.add("resumed.reread", n))

@@ -11,6 +11,12 @@ released by the consumer.  A part is requested only while ``reserved + part <= b
 or when nothing at all is reserved, so the fetcher never holds more than
 ``max(byte_budget, one part)`` bytes.  Parts are requested in consumption order, so the
 part the consumer waits for is never queued behind later ones (no deadlock).
+
+With ``cache_dir`` (``streamdata.cache``), an item found in the cache is served from disk
+through the same ``ItemReader`` (no request, no budget); any other item's parts are also
+written to the cache as they arrive (CACHE-PUBLISH, CACHE-VERIFY), by a thread of their own
+after the reader has them, so the loop never waits for the disk. Parts queued for it hold at
+most ``byte_budget`` bytes more; past that, an item is streamed without being cached.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from ._aio import wait_future
+from ._aio import wait_future, wait_threads_gone
 from .backends import translate_error
+from .cache import Cache, CorruptEntry, Entry, Writer, cache_key
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
@@ -35,11 +44,13 @@ Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end o
 
 
 class FetchItem(NamedTuple):
-    """An object to fetch: whole (``ranges=None``) or only the given byte ranges, in order."""
+    """An object to fetch: whole (``ranges=None``) or only the given byte ranges, in order.
+    ``etag`` (when the listing or index gave one) is part of the item's cache key."""
 
     url: str
     size: int | None = None
     ranges: tuple[Range, ...] | None = None
+    etag: str | None = None
 
 
 # The reader's first shard gets its requests out this long before the rest of the window,
@@ -85,7 +96,8 @@ class Prefetcher:
     def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, where: str = "",
                  counters: Counters | None = None) -> None:
-        self.items = [i if isinstance(i, FetchItem) else FetchItem(i.url, i.size) for i in items]
+        self.items = [i if isinstance(i, FetchItem) else
+                      FetchItem(i.url, i.size, None, getattr(i, "etag", None)) for i in items]
         self.config = config or FetchConfig()
         self.where = where
         protocols = {split_url(i.url)[0] for i in self.items}
@@ -98,6 +110,11 @@ class Prefetcher:
                                   url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
+        cfg = self.config
+        self.cache = Cache(cfg.cache_dir, cfg.cache_limit, counters) if cfg.cache_dir else None
+        self._writers: dict[int, Writer] = {}  # item index: its cache entry being written
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="streamdata-cache") if self.cache else None
+        self._disk_queued = 0  # bytes of parts handed to the disk thread, not yet written
         self.peak_reserved = 0
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: list[concurrent.futures.Future[_Plan]] = [
@@ -128,6 +145,17 @@ class Prefetcher:
             return
         self._closed = True
         self.client.close()
+        if self._disk is not None:  # parts queued (byte_budget at most) are written: a pass that
+            threads = list(getattr(self._disk, "_threads", ()))  # ends publishes its last items
+            self._disk.shutdown(wait=True)
+            wait_threads_gone(threads)
+        for writer in self._writers.values():  # loop and disk thread gone: unfinished entries dropped
+            writer.abort()
+        self._writers.clear()
+        for plan in self._plans:  # cache entries opened ahead that no reader took
+            if plan is not _DONE and plan.done() and not plan.cancelled() and plan.exception() is None \
+                    and isinstance(plan.result(), Entry):
+                plan.result().close()
 
     def _check(self) -> None:
         """Raise if the fetcher can no longer deliver (closed, or its scheduler failed)."""
@@ -140,7 +168,7 @@ class Prefetcher:
     def _wait_timeout(self) -> float:
         return self.config.wait_limit()  # past the part's retry_deadline: never before it
 
-    def _take_plan(self, index: int) -> _Plan:
+    def _take_plan(self, index: int) -> _Plan | Entry:
         """Wait for item ``index``'s plan and drop the prefetcher's reference to it, so
         that consumed parts are freed as soon as the reader lets go of them."""
         self._io.call_soon(self._advance, index)
@@ -182,15 +210,30 @@ class Prefetcher:
                 # cost the client and the server less CPU per byte
                 small = cfg.first_part if index == 0 and item.ranges is None else None
                 parts = _split(ranges, cfg.part_size, small)
+                writer = None
+                if self.cache is not None and all(end is not None for _, end in ranges):
+                    length = sum(end - start for start, end in ranges)
+                    key = cache_key(item.url, ranges, item.size, item.etag)
+                    entry = self.cache.lookup(key, length)
+                    if entry is not None:  # from disk: no request, no budget
+                        entry.ranges = ranges
+                        self._plans[index].set_result(entry)
+                        continue
+                    writer = self.cache.writer(key, length)
+                    if writer is not None:
+                        self._writers[index] = writer
             except Exception as exc:
                 self._plans[index].set_exception(translate_error(exc, item.url))
                 continue
+            # each part's offset in the item's bytes (the cache entry): parts tile the ranges
+            offsets = itertools.accumulate(((e if e is not None else s) - s for s, e in parts), initial=0)
             todo = collections.deque((part, concurrent.futures.Future()) for part in parts)
             # the reader gets its own queue of the same futures: each side drops a future
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
             while todo:
                 (start, end), fut = todo.popleft()
+                offset = next(offsets)
                 need = (end if end is not None else start + cfg.part_size) - start
                 # No slow start: the window's requests all go out at once, in consumption
                 # order. Measured (benchmarks/README.md): starting at 4 in flight and adding
@@ -203,31 +246,55 @@ class Prefetcher:
                 self._inflight += 1
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
-                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut))
+                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
                 del fut
             if small is not None:  # the reader's first shard: see FIRST_SHARD_HEAD_START_S
                 await asyncio.sleep(FIRST_SHARD_HEAD_START_S)
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
-                     fut: concurrent.futures.Future) -> None:
+                     fut: concurrent.futures.Future, index: int, offset: int) -> None:
         try:
             data = await self.client.get(url, start, end, chunks=True)
             size = body_size(data)
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
                 fut.reserved_fix = size - reserved  # type: ignore[attr-defined]
-            if not fut.set_running_or_notify_cancel():
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(data)  # the reader first: the cache adds no wait
+            else:
                 self._reserved -= size
-                return
-            fut.set_result(data)
+            if index in self._writers:  # also when the reader gave up: the entry can still complete
+                self._to_disk(index, offset, data, size)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            writer = self._writers.pop(index, None)
+            if writer is not None:
+                self._disk.submit(writer.abort)  # after its parts already queued
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
         finally:
             self._inflight -= 1
             self._wake.set()
+
+
+    def _to_disk(self, index: int, offset: int, data: bytes | Chunks, size: int) -> None:
+        """Hand a part to the disk thread (CACHE-PUBLISH); past ``byte_budget`` bytes queued,
+        drop the item's entry instead (the disk is slower than the network)."""
+        writer = self._writers[index]
+        if self._disk_queued + size > self.config.byte_budget:
+            del self._writers[index]
+            self._disk.submit(writer.abort)
+            return
+        self._disk_queued += size
+
+        def written(_: concurrent.futures.Future) -> None:  # on the loop
+            self._disk_queued -= size
+            if not writer.active and self._writers.get(index) is writer:  # published, or failed
+                del self._writers[index]
+
+        self._disk.submit(writer.write, offset, data).add_done_callback(
+            lambda f: self._io.call_soon(written, f))
 
 
 class ItemReader:
@@ -249,7 +316,11 @@ class ItemReader:
         f = self._fetcher
         pending: collections.deque = collections.deque()
         try:
-            pending = f._take_plan(self.index)
+            plan = f._take_plan(self.index)
+            if isinstance(plan, Entry):
+                yield from self._from_cache(plan)
+                return
+            pending = plan
             while pending:
                 (start, end), fut = pending[0]
                 data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
@@ -283,6 +354,36 @@ class ItemReader:
                 need = (end if end is not None else start + f.config.part_size) - start
                 fut.add_done_callback(lambda fu, n=need: f._release_soon(
                     n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
+
+    def _from_cache(self, entry: Entry) -> Iterator[bytes]:
+        """The item's bytes from its cache entry, each segment verified before it is handed
+        on; from the first bad one (CACHE-VERIFY), the entry is deleted and the rest fetched."""
+        f, done = self._fetcher, 0
+        try:
+            try:
+                for block in entry.blocks():
+                    yield block
+                    done += len(block)
+            except (CorruptEntry, OSError) as exc:
+                entry.discard()
+                f._io.call_soon(f.cache.count, "corrupt" if isinstance(exc, CorruptEntry) else "errors")
+                yield from self._fetch_rest(entry.ranges, done)
+        finally:
+            entry.close()
+
+    def _fetch_rest(self, ranges: Sequence[Range], skip: int) -> Iterator[bytes]:
+        """The item's bytes after its first ``skip``, fetched part by part, one at a time."""
+        f = self._fetcher
+        for start, end in ranges:
+            length = end - start
+            if skip >= length:
+                skip -= length
+                continue
+            for s, e in _split(((start + skip, end),), f.config.part_size):
+                data = wait_future(f._io.submit(f.client.get(self.url, s, e, chunks=True)),
+                                   f._wait_timeout(), what=f"bytes {s}..{e}", url=self.url, check=f._check)
+                yield from (data if type(data) is Chunks else (data,))
+            skip = 0
 
     def read(self) -> bytes:
         """The whole item as one ``bytes`` (for small objects and footers)."""

@@ -117,7 +117,8 @@ def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
     first), or ``None`` when there is no such object. Retried like the constructor's listing
     (within ``urls.listing_deadline``)."""
     config = config or FetchConfig()
-    config = config.replace(retry_deadline=listing_deadline(config))
+    # never from the local cache: an index rebuilt in place must be read anew
+    config = config.replace(retry_deadline=listing_deadline(config), cache_dir=None)
     try:
         with Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options or {}), config) as fetcher:
             data = next(iter(fetcher)).read()

@@ -16,19 +16,24 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["COUNTERS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
 # why a request was tried again (client): 503 SlowDown / 429, other 5xx, a request past its
 # time-out, a connection reset or refused, a body shorter than asked, anything else
 RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other")
+# the local disk cache (cache.py): items served from disk, items not found there (fetched and
+# teed), entries evicted under cache_limit, entries found corrupt (deleted, re-fetched), and
+# OSErrors (the first one of a process stops its writing to the cache)
+CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
 # every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
 # (drop_last), summed over epochs (streamdata.plan); resumed.reread: samples read again after a
 # resume to reach the position inside a partly read unit (streamdata.resume)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
-            "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread")
+            "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread",
+            *(f"cache.{e}" for e in CACHE_EVENTS))
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

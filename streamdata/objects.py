@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.utils.data
 
+from .cache import Cache, cached_object
 from .config import OBJECT_MAX_REQUESTS, FetchConfig
 from .decode import DecodeSpec, make_decoder
 from .metrics import COUNTERS, Counters
@@ -41,11 +42,17 @@ class ObjectDataset(torch.utils.data.Dataset):
         self.map = map
         self._counters = Counters(COUNTERS)
         self._client: Any = None
+        self._cache: Cache | None = None
 
     @property
     def retried(self) -> dict[str, int]:
         """Requests tried again so far, per reason, over every worker (``metrics.RETRY_REASONS``)."""
         return self._counters.snapshot("retried.")
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Every counter (``retried.*``, ``cache.*``), over every worker."""
+        return self._counters.snapshot()
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -57,16 +64,22 @@ class ObjectDataset(torch.utils.data.Dataset):
         import asyncio
 
         client = self._get_client()
-        urls = [self.shards[i].url for i in indices]
+        shards = [self.shards[i] for i in indices]
+        urls = [s.url for s in shards]
+        cache = self._cache
 
         async def fetch_all() -> list[bytes]:
             sem = asyncio.Semaphore(self.fetch_config.max_requests)
 
-            async def one(url: str) -> bytes:
+            async def get(url: str) -> bytes:
                 async with sem:
                     return await client.get(url)
 
-            return await asyncio.gather(*(one(u) for u in urls))
+            async def one(shard: Any) -> bytes:  # from the local cache when there (cache_dir)
+                return await cached_object(cache, shard.url, shard.size, getattr(shard, "etag", None),
+                                           lambda: get(shard.url))
+
+            return await asyncio.gather(*(one(s) for s in shards))
 
         cfg = self.fetch_config
         datas = client.io.run(fetch_all(), cfg.wait_limit(), what="a batch of objects")
@@ -87,6 +100,8 @@ class ObjectDataset(torch.utils.data.Dataset):
             self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
                                        counters=self._counters,
                                        name="objects", url=self.shards[0].url)
+            cfg = self.fetch_config
+            self._cache = Cache(cfg.cache_dir, cfg.cache_limit, self._counters) if cfg.cache_dir else None
         return self._client
 
     def close(self) -> None:
@@ -98,4 +113,5 @@ class ObjectDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_client"] = None  # never inherit a loop (LOOP-AFTER-FORK)
+        state["_cache"] = None  # made again with the client, in the process that reads
         return state

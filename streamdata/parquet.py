@@ -91,7 +91,7 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     """
     if not requests:
         return []
-    items = [FetchItem(s.url, s.size, ranges) for s, ranges in requests]
+    items = [FetchItem(s.url, s.size, ranges, getattr(s, "etag", None)) for s, ranges in requests]
     cfg = config.replace(window=max(config.window, _FOOTER_WINDOW))
     out: list[tuple[Shard, list[bytes] | StreamDataError]] = []
     with Prefetcher(items, storage_options, cfg, where="footers") as fetcher:
@@ -185,17 +185,18 @@ class _ArrowTables(ShardedDataset):
             raise DecodeError(f"the filter {self.filter} failed on rows of {url}: "
                               f"{type(exc).__name__}: {exc}", url=url, key="filter") from exc
 
-    def read_segment(self, unit: Any, start: int, stop: int, reader: ItemReader) -> Iterator[pa.Table]:
-        """Rows ``[start, stop)`` of ``unit`` (an exact epoch's span may cut a row group)."""
+    def read_segment(self, unit: Any, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[pa.Table]:
+        """Rows ``[start, stop)`` of ``unit`` (an exact epoch's span may cut a row group); a
+        unit that does not hold the ``count`` rows its footer says is a FormatError."""
         seen = 0
         for table in self.read_unit(unit, reader):
             lo, hi = max(start - seen, 0), min(stop - seen, table.num_rows)
             if hi > lo:
                 yield table.slice(lo, hi - lo)
             seen += table.num_rows
-            if seen >= stop:
-                return
-        raise stale_count(reader.url, seen, stop)
+        if seen != count:
+            raise stale_count(reader.url, seen, count)
 
     records_are_tables = True
 
@@ -303,7 +304,8 @@ class ParquetDataset(_ArrowTables):
         if leaves is None:
             leaves = self._leaf_cache[unit.url] = fmt.parquet_leaves(meta, self._read_columns, unit.url)
         ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce(ranges, self.coalesce_gap)),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:
         parts = zip([start for start, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
@@ -388,9 +390,10 @@ class ArrowDataset(_ArrowTables):
     def fetch_item(self, unit: RecordBatchUnit) -> FetchItem:
         """A stream object whole; a file's record batch block plus its dictionary blocks."""
         if unit.index < 0:
-            return FetchItem(unit.url, unit.size)
+            return FetchItem(unit.url, unit.size, None, self.etag(unit.url))
         dicts, batches = self._blocks[unit.url]
-        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])))
+        return FetchItem(unit.url, unit.size, tuple(fmt.coalesce([*dicts, batches[unit.index]])),
+                         self.etag(unit.url))
 
     def read_unit(self, unit: RecordBatchUnit, reader: ItemReader) -> Iterator[pa.Table]:
         if unit.index < 0:

@@ -71,22 +71,24 @@ class TarDataset(ShardedDataset):
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
 
-    def fetch_segment(self, unit: Shard, start: int, stop: int) -> FetchItem:
+    def fetch_segment(self, unit: Shard, start: int, stop: int, count: int) -> FetchItem:
         """The bytes of samples ``[start, stop)`` from the index's offsets (to the object's end,
-        marker included, for a span that ends with the shard)."""
+        marker included, for a span that ends with the shard); a whole shard as one object."""
         offsets = self._offsets.get(unit.url)
-        if offsets is None:  # counts without offsets (a wids shard list): read from the start
+        if offsets is None or start == 0 and stop == count:  # whole, or counts without offsets
             return self.fetch_item(unit)
-        end = unit.size if stop == len(offsets) - 1 else int(offsets[stop])
-        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),))
+        end = unit.size if stop == count else int(offsets[stop])
+        return FetchItem(unit.url, unit.size, ((int(offsets[start]), end),), self.etag(unit.url))
 
-    def read_segment(self, unit: Shard, start: int, stop: int, reader: ItemReader) -> Iterator[dict]:
-        offsets = self._offsets.get(unit.url)
-        if offsets is None:
-            yield from super().read_segment(unit, start, stop, reader)
+    def read_segment(self, unit: Shard, start: int, stop: int, count: int,
+                     reader: ItemReader) -> Iterator[dict]:
+        """Samples ``[start, stop)``: the fetched range parsed as it is (checked to hold exactly
+        those samples), or, without offsets, the shard read from its start."""
+        if reader.item.ranges is None:  # the whole shard (or no offsets): read from its start
+            yield from super().read_segment(unit, start, stop, count, reader)
             return
-        (first, end), = reader.item.ranges or ((0, unit.size),)
-        to_end = stop == len(offsets) - 1  # the range ends with the shard's end-of-archive marker
+        (first, end), = reader.item.ranges
+        to_end = stop == count  # the range ends with the shard's end-of-archive marker
         samples = samples_from_chunks(
             reader.chunks(), redact_url(reader.url), total=end - first,
             accept_unterminated=self.accept_unterminated or not to_end,

@@ -209,3 +209,40 @@ def test_without_an_index_a_multi_rank_job_is_told_how_to_get_exact_epochs(tmp_p
         ds = sd.TarDataset(str(tmp_path) + "/")
     assert ds.sample_counts() is None
     assert any("streamdata index" in r.getMessage() for r in caplog.records)
+
+
+def _wids(tmp_path, counts, claimed=None):
+    import json
+
+    from tests.helpers import make_samples, tar_bytes
+
+    keys, shardlist = [], []
+    for i, samples in enumerate(make_samples(counts, floats=4)):
+        (tmp_path / f"shard-{i:03d}.tar").write_bytes(tar_bytes(samples))
+        keys += [s["__key__"] for s in samples]
+        shardlist.append({"url": f"shard-{i:03d}.tar", "nsamples": (claimed or counts)[i]})
+    (tmp_path / "wids.json").write_text(json.dumps({"__kind__": "wids-shard-index-v1",
+                                                    "shardlist": shardlist}))
+    return str(tmp_path / "wids.json"), keys
+
+
+def test_a_wids_shard_list_gives_exact_epochs_without_offsets(tmp_path):
+    """Counts without offsets: spans that start inside a shard read it from its start and
+    skip to the span; equal steps and exactly once all the same."""
+    counts = [5, 1, 9, 3, 0, 7, 2]
+    wids, keys = _wids(tmp_path, counts)
+    ds = sd.TarDataset(str(tmp_path) + "/", index=wids, batch_size=4, shuffle=True, seed=2, decode=False)
+    assert ds.sample_counts().tolist() == counts
+    per_rank = [_rank_keys(ds, r, 2, 2) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1])
+    got = [k for batches in per_rank for b in batches for k in b]
+    assert sorted(got) == sorted(keys)
+
+
+@pytest.mark.parametrize("claimed", [[3, 6], [3, 2]])
+def test_a_count_that_misstates_a_shard_is_an_error_naming_it(tmp_path, claimed):
+    """More or fewer samples than the count says: never a silent change of the epoch's steps."""
+    wids, _ = _wids(tmp_path, [3, 4], claimed=claimed)
+    ds = sd.TarDataset(str(tmp_path) + "/", index=wids, decode=False)
+    with pytest.raises(sd.FormatError, match="shard-001.tar.*streamdata index"):
+        list(ds)

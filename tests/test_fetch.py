@@ -164,10 +164,10 @@ def test_retries_then_a_clear_error_naming_the_url(tmp_path, monkeypatch):
         return await real_call(self, async_name, sync_name, path, **kwargs)
 
     monkeypatch.setattr(AsyncClient, "_call", flaky)
-    keys = [s["__key__"] for s in sd.TarDataset(str(tmp_path / "a.tar"), retries=2, backoff=0.01)]
+    keys = [s["__key__"] for s in sd.TarDataset(str(tmp_path / "a.tar"), retries=2, backoff=0.01, index=None)]
     assert keys == ["s000000", "s000001"] and len(calls) == 3
     calls.clear()
-    ds = sd.TarDataset(str(tmp_path / "a.tar"), retries=1, backoff=0.01)
+    ds = sd.TarDataset(str(tmp_path / "a.tar"), retries=1, backoff=0.01, index=None)
     calls.extend([None, None, None])  # every call from now on fails
     monkeypatch.setattr(AsyncClient, "_call", lambda self, *a, **k: (_ for _ in ()).throw(OSError("down")))
     with pytest.raises(sd.ShardFetchError, match=r"a\.tar.*after 2 attempts"):
