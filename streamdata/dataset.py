@@ -29,7 +29,7 @@ from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
 from .resume import Stage, resume_span, resume_units
-from .rewind import dropped, placeholder_items, record_size, rewind_point, skipped, undelivered
+from .rewind import dropped, placeholder_items, rewind_point, skipped, undelivered
 from .sharding import assign, reader_seed
 from .stages import shuffled
 from .state import STATE_FORMAT, Position, check_batching, dataset_key, parse_state, reader_state
@@ -332,7 +332,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);
         a state of another dataset is refused (SpecError). Call it before iterating."""
-        epoch, stages = parse_state(state, *dataset_key(self))
+        epoch, stages = parse_state(state, *dataset_key(self), buffer=self.shuffle_buffer)
         batching = state.get("batching") or [self.batch_size, False]
         self._resume = (epoch, stages, [batching[0], bool(batching[1])])
         self._epoch, self._passes, self._live = epoch, 0, None
@@ -367,8 +367,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         records = self.read_unit(unit, reader)
         if part is not None:  # a resumed shard-level split: skip what was delivered before
             records = skipped(records, part[0], lambda n: self._counters.add("resumed.reread", n))
-        live = self._live
-        return records if p.span is not None or live is None else live.count_unit(records, record_size)
+        return records if p.span is not None or self._live is None else self._live.count_unit(records)
 
     def _start(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, Prefetcher]:
         """A pass's fetch items and its prefetcher, whose requests start now."""

@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from .errors import SpecError
 from .resume import Stage
+from .rewind import record_size
 from .world import World
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "dataset_key", "fingerprint",
            "merge_states", "parse_state", "reader_state", "start_state"]
+
+log = logging.getLogger("streamdata")
 
 STATE_FORMAT = "streamdata-state"
 STATE_VERSION = 1
@@ -58,8 +62,9 @@ def _stages_json(stages: Sequence[Stage]) -> list[dict]:
     return [{"world": [s.world_size, s.num_workers], "delivered": list(s.delivered)} for s in stages]
 
 
-def parse_state(state: Any, expected: str, split: str) -> tuple[int, list[Stage]]:
-    """``(epoch, stages)`` of a state made by a dataset whose fingerprint is ``expected``."""
+def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple[int, list[Stage]]:
+    """``(epoch, stages)`` of a state made by a dataset whose fingerprint is ``expected`` (with a
+    shuffle ``buffer`` and no sample counts, a resume is exact only within a buffer: a warning)."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise SpecError(f"not a streamdata state (no 'format': {STATE_FORMAT!r}): {str(state)[:120]}")
     if state.get("version") != STATE_VERSION:
@@ -74,6 +79,11 @@ def parse_state(state: Any, expected: str, split: str) -> tuple[int, list[Stage]
                         f"splits by {split} (an index added or removed?): start the epoch again")
     try:
         stages = [Stage(*s["world"], [_entry(d, split) for d in s["delivered"]]) for s in state["stages"]]
+        if split == "units" and buffer > 1 and stages:
+            log.warning("resuming a shard-level split (no sample index) behind a shuffle buffer of %d: "
+                        "up to about one buffer per reader may be delivered twice or not at all; for "
+                        "an exact resume build the index (streamdata index SPEC) or use shuffle_buffer=0",
+                        buffer)
         return int(state["epoch"]), stages
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"a malformed streamdata state: {type(exc).__name__}: {exc}") from exc
@@ -149,7 +159,7 @@ class Position:
             self.delivered += 1 if size is None else size(item)
             yield item
 
-    def count_unit(self, records: Iterable[Any], size: Any = None) -> Iterator[Any]:
+    def count_unit(self, records: Iterable[Any], size: Any = record_size) -> Iterator[Any]:
         """One unit's records (shard-level split), counted as read; each is passed on once the
         next is read (or the unit has ended), so a unit whose last record is delivered is known
         to be done, and a resume does not ask for it again."""

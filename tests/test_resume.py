@@ -229,3 +229,21 @@ def test_arrow_record_batches_resume_by_unit(tmp_path):
         resumed = sd.ArrowDataset(str(tmp_path) + "/", **kw)
         resumed.load_state_dict(state)
         assert before + [i for b in resumed for i in _ids(b)] == full
+
+
+def test_an_inexact_resume_says_so(tar_dir, caplog):
+    """A shard-level split behind a shuffle buffer resumes within a buffer only: a warning."""
+    path, _ = tar_dir
+    ds = _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=8)
+    it = iter(ds)
+    _take(it, 3)
+    state = ds.state_dict()
+    it.close()
+    with caplog.at_level("WARNING", logger="streamdata"):
+        _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=8).load_state_dict(state)
+    assert "delivered twice or not at all" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="streamdata"):
+        _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=0).load_state_dict(
+            _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=0).state_dict())
+    assert "delivered twice" not in caplog.text
