@@ -24,12 +24,15 @@ from .errors import FormatError, SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .incremental import batches
 from .metrics import COUNTERS, Counters
-from .plan import Span, batch_sizes, reader_span
+from .plan import Span, batch_sizes
 from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
+from .resume import Stage, resume_span, resume_units
+from .rewind import dropped, placeholder_items, rewind_point, skipped, undelivered
 from .sharding import assign, reader_seed
 from .stages import shuffled
+from .state import STATE_FORMAT, Position, check_batching, dataset_key, parse_state, reader_state
 from .urls import Shard, Spec, expand_spec
 from .world import World
 
@@ -85,16 +88,17 @@ class ReaderPass:
     """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
     ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), or ``(start, stop, count)`` from an
-    exact epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit
-    of ``count`` samples).
+    shard-level split, EXACTLY-ONCE in ``sharding``), ``(start, stop, count)`` from an exact
+    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit of
+    ``count`` samples), or ``(skip, None, None)``: all but the first ``skip`` (a shard-level
+    split resumed, ``resume``).
     A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
     saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    reads: list[tuple[Any, tuple[int, int, int] | None]]
+    reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
     span: Span | None = None
 
     @property
@@ -174,6 +178,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._passes = 0
         self.early_next_epoch = False  # NEXT-EPOCH-EARLY; sd.loader sets it for persistent workers
         self._early: _Early | None = None
+        self._resume: tuple[int, list[Stage], list] | None = None  # load_state_dict's, for its epoch
+        self._live: Position | None = None  # the current pass's position (state_dict)
 
     # ---- epochs and counts ------------------------------------------------------------
 
@@ -184,6 +190,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         ``set_epoch(0), set_epoch(1), ...`` gives the same orders with or without persistence."""
         self._epoch = int(epoch)
         self._passes = 0
+        self._live = None  # state_dict(): this epoch's start
 
     @property
     def epoch(self) -> int:
@@ -265,21 +272,70 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
         """This reader's pass of the current epoch (and, in a worker, one pass counted): an
         exact epoch's span when sample counts are known, else a shard-level split."""
-        p = self._plan_pass(self.epoch, batch_size, drop_last)
+        stages: list[Stage] = []
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] == self.epoch:  # load_state_dict's position, once
+            stages = resume[1]
+            check_batching(resume[2], batch_size, drop_last)
+        p = self._plan_pass(self.epoch, batch_size, drop_last, stages)
+        self._live = Position.of_pass(p.world, p.epoch, "units" if p.span is None else "samples", stages,
+                                      [batch_size, bool(drop_last and batch_size is not None)])
+        if self._live.base and p.span is not None and self.shuffle_buffer > 1:
+            p = self._rewound(p, stages, batch_size, drop_last)
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
         return p
 
-    def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool) -> ReaderPass:
+    def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool,
+                   stages: list[Stage] | None = None) -> ReaderPass:
         world = World.current()
         units, counts = self.units(), self.sample_counts()
         if counts is None:
-            order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-            return ReaderPass(world, epoch, [(unit, None) for unit in order])
-        span = reader_span(counts, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                           batch_size=batch_size, drop_last=drop_last)
+            if not stages:
+                order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+                return ReaderPass(world, epoch, [(unit, None) for unit in order])
+            picks = resume_units(len(units), stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            return ReaderPass(world, epoch, [(units[u], (skip, None, None) if skip else None)
+                                             for u, skip in picks])
+        buffered = self.shuffle_buffer > 1  # RESUME-ELASTIC behind a buffer: what it left out (``rewind``)
+        runs = undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None
+        span = resume_span(counts, stages or [], world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                           batch_size=batch_size, drop_last=drop_last, undelivered=runs)
         reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
         return ReaderPass(world, epoch, reads, span)
+
+    def _rewound(self, p: ReaderPass, stages: list[Stage], batch_size: int | None,
+                 drop_last: bool) -> ReaderPass:
+        """RESUME-BUFFER (``rewind``): a continued pass behind a shuffle buffer reads from the first
+        sample not delivered, and its shuffle replays the original order from there."""
+        def at(position: int) -> ReaderPass:
+            last = Stage(stages[-1].world_size, stages[-1].num_workers, [None] * p.world.slots)
+            last.delivered[p.world.slot] = position
+            return self._plan_pass(self.epoch, batch_size, drop_last, [*stages[:-1], last])
+
+        full, d = at(0).span, self._live.base
+        sizes = [len(s) for s in full.segments] if self.records_are_tables else [1] * full.samples
+        m = rewind_point(lambda records: self.shuffled(records, p.seed(self.seed)), sizes, d,
+                         self.records_are_tables)
+        self._live.rewind = (m, d, sizes)
+        self._counters.add("resumed.reread", d - m)  # delivered, behind the first not delivered
+        return ReaderPass(p.world, p.epoch, at(m).reads, p.span)
+
+    # ---- the state: where the pass stands (``state``, ``resume``) --------------------------
+
+    def state_dict(self) -> dict:
+        """Where this reader stands in the epoch (``state``; docs/resume.md): in a worker, what it
+        yielded (``StatefulDataLoader`` asks after each batch); else the one loaded, or the start."""
+        batching = [self.batch_size, bool(self.drop_last and self.batch_size is not None)]
+        return reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);
+        a state of another dataset is refused (SpecError). Call it before iterating."""
+        epoch, stages = parse_state(state, *dataset_key(self), buffer=self.shuffle_buffer)
+        batching = state.get("batching") or [self.batch_size, False]
+        self._resume = (epoch, stages, [batching[0], bool(batching[1])])
+        self._epoch, self._passes, self._live = epoch, 0, None
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn)
@@ -300,17 +356,26 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 early.fetcher.close()
             reads, fetcher = self._start(p, policy)
         opened = self._opened(reads, fetcher, lambda: self._start_next(p, batch_size, drop_last))
-        records = policy.units(self.read_unit(u, r) if part is None else self.read_segment(u, *part, r)
-                               for (u, part), r in opened)
+        records = policy.units(self._read(p, u, part, r) for (u, part), r in opened)
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
+
+    def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
+        """One read's records; a shard-level split's counted per unit (``state.Position``)."""
+        if part is not None and part[1] is not None:
+            return self.read_segment(unit, *part, reader)
+        records = self.read_unit(unit, reader)
+        if part is not None:  # a resumed shard-level split: skip what was delivered before
+            records = skipped(records, part[0], lambda n: self._counters.add("resumed.reread", n))
+        return records if p.span is not None or self._live is None else self._live.count_unit(records)
 
     def _start(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, Prefetcher]:
         """A pass's fetch items and its prefetcher, whose requests start now."""
         reads, items = [], []
         for unit, part in p.reads:  # a unit whose byte ranges cannot be worked out is a bad unit
             try:
-                items.append(self.fetch_item(unit) if part is None else self.fetch_segment(unit, *part))
+                items.append(self.fetch_item(unit) if part is None or part[1] is None
+                             else self.fetch_segment(unit, *part))
             except StreamDataError as exc:
                 policy.check(exc)
                 continue
@@ -353,13 +418,27 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 log.info("epoch %d: drop_last leaves out %d samples (fewer than readers x batch size; "
                          "a different set each epoch)", p.epoch, p.span.dropped)
 
+    records_are_tables = False  # records are samples (Arrow formats: tables of rows)
+    state_format = STATE_FORMAT  # sd.loader's Loader gathers these states (``checkpoint``)
+
+    def shuffled(self, samples: Iterable[Any], seed: list[int]) -> Iterator[Any]:
+        """The pass's shuffle buffer (``shuffle_buffer`` samples; seeded per reader and epoch)."""
+        return shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
+
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
         samples = policy.each(records, self.prepare)
         if self.map is not None:
             samples = policy.each(samples, self.map)
-        samples = shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
+        rewind = None if self._live is None else self._live.rewind
+        if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
+            samples = placeholder_items(samples, rewind[0])
+        samples = self.shuffled(samples, seed)
+        if rewind is not None:
+            samples = dropped(samples, rewind[1])
+        if self._live is not None:
+            samples = self._live.count(samples)  # counted as delivered (state_dict)
         if batching.batch_size is None:
             return samples
         return batches(samples, batching.batch_size, collate_fn=batching.collate_fn,

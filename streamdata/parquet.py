@@ -32,6 +32,7 @@ from .fetch import FetchItem, ItemReader, Prefetcher
 from .formats import arrow as fmt
 from .policy import ErrorPolicy
 from .ranks import from_rank0
+from .rewind import dropped, placeholder_tables, record_size
 from .tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from .urls import Shard, Spec, listing_deadline, split_url
 
@@ -226,6 +227,11 @@ class _ArrowTables(ShardedDataset):
         if seen != count:
             raise stale_count(reader.url, seen, count)
 
+    records_are_tables = True
+
+    def shuffled(self, tables: Iterable[pa.Table], seed: list[int]) -> Iterator[pa.Table]:
+        return shuffle_rows(tables, self.shuffle_buffer, np.random.default_rng(seed))
+
     def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:
         """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
@@ -233,14 +239,22 @@ class _ArrowTables(ShardedDataset):
         converted (nulls without ``fill_null``, a failing decoder) is skipped or raised per
         ``on_error``; so is one that ``map`` fails on."""
         tables = policy.each(records, self.prepare)
-        tables = shuffle_rows(tables, self.shuffle_buffer, np.random.default_rng(seed))
+        rewind = None if self._live is None else self._live.rewind
+        if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
+            tables = placeholder_tables(tables, rewind[2], rewind[0])
+        tables = self.shuffled(tables, seed)
+        if rewind is not None:
+            tables = dropped(tables, rewind[1])
         opts = self.tensor_options
         if batching.batch_size is not None:
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
+            if self._live is not None:  # counted as delivered (state_dict)
+                tables = self._live.count(tables, record_size)
             items = policy.each(tables, lambda t: to_tensors(t, opts))
         else:
             items = (row for rows in policy.each(tables, lambda t: list(to_rows(t, opts)))
                      for row in rows)
+            items = items if self._live is None else self._live.count(items)
         return items if self.map is None else policy.each(items, self.map)
 
     def __repr__(self) -> str:

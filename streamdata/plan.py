@@ -55,6 +55,7 @@ class Span:
     tail:     sizes of its last batches when the plan splits one (EQUAL-STEPS), else ``()``.
     pad:      samples it repeats so that its rank keeps step (0 but in degenerate cases).
     dropped:  samples of the epoch that no reader yields (``drop_last``); the same on every reader.
+    sizes:    its batch sizes, when not the above (a resumed span that continues, ``resume``).
     """
 
     segments: tuple[Segment, ...]
@@ -62,6 +63,7 @@ class Span:
     tail: tuple[int, ...] = ()
     pad: int = 0
     dropped: int = 0
+    sizes: tuple[int, ...] | None = None
 
     @property
     def samples(self) -> int:
@@ -98,6 +100,8 @@ def batch_sizes(span: Span, batch_size: int) -> list[int]:
     """The sizes of the batches ``span`` yields, in order (full ones, then its ``tail``)."""
     if span.batches is None:
         raise ValueError("a span planned without a batch size has no batch sizes")
+    if span.sizes is not None:
+        return list(span.sizes)
     if span.tail:
         return [batch_size] * (span.batches - len(span.tail)) + list(span.tail)
     if not span.batches:

@@ -15,10 +15,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import recycle
 from ._alloc import keep_freed_memory
+from .checkpoint import Positioned, Positions, Stripped
 from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
 from .incremental import batches
+from .state import STATE_FORMAT
 from .together import EndTogether
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
@@ -154,13 +156,14 @@ class Loader:
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
                  batches: _Unwrapped | None = None, *, dataset: Any = None,
-                 end_together: bool = True) -> None:
+                 end_together: bool = True, positions: Positions | None = None) -> None:
         self.dataloader = dataloader
         self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
         self._batches = batches  # with recycled buffers: unwraps, and owns the boards
         self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
         self._together = EndTogether() if end_together else None
+        self._positions, self._started = positions, False  # mid-epoch resume (``checkpoint``)
 
     @property
     def board(self) -> recycle.Board | None:
@@ -168,9 +171,27 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        self._started = True
+        source = iter(self._source)
+        if self._positions is not None:
+            source = self._positions.deliver(source)
         if self._together is not None and self._together.active():
-            return self._together.wrap(iter(self._source))  # END-TOGETHER
-        return iter(self._source)
+            return self._together.wrap(source)  # END-TOGETHER
+        return source
+
+    def state_dict(self) -> dict:
+        """Every reader's position in the epoch, as plain data: with torch.distributed, every
+        rank's (a collective: call it on every rank), so one rank's saved state restarts any
+        world size (docs/resume.md)."""
+        if self._positions is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no state_dict()")
+        return self._positions.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the saved epoch at the saved position: call it before the first iteration."""
+        if self._positions is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no load_state_dict()")
+        self._positions.load_state_dict(state, self._started)
 
     @property
     def undelivered(self) -> int:
@@ -193,6 +214,8 @@ class Loader:
         if set_epoch is None:
             raise AttributeError(f"{type(self.dataset).__name__} has no set_epoch()")
         set_epoch(epoch)
+        if self._positions is not None:
+            self._positions.reset()
 
     def close(self) -> None:
         """Stop the prefetcher's thread and shut the DataLoader's persistent workers down."""
@@ -287,6 +310,9 @@ def loader(
             raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "
                             f"{sorted(torch.multiprocessing.get_all_sharing_strategies())}")
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
+    positions = None
+    if getattr(dataset, "state_format", None) == STATE_FORMAT:  # positions to resume (``checkpoint``)
+        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers)
     board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
     if board is not None:
         collate_fn = _Lending(collate_fn)
@@ -308,6 +334,8 @@ def loader(
         **dataloader_kwargs,
     )
     unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
-    feed = (CudaPrefetcher(unwrapped if unwrapped is not None else dataloader, device, depth, transform)
-            if device is not None else None)
-    return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together)
+    source = unwrapped if unwrapped is not None else dataloader
+    feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
+                           transform) if device is not None else None)
+    return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
+                  positions=positions)
