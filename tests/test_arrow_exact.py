@@ -77,7 +77,7 @@ def test_headers_far_apart_and_the_legacy_format_are_counted(tmp_path):
                 w.write_table(table.slice(start, n))
                 start += n
     far = (tmp_path / "far.arrow").read_bytes()
-    from streamdata.parquet import _HEADER_GAP
+    from streamdata.footers import _HEADER_GAP
 
     # 3 ranges in the file's one item: the 7-row batch's header shares one with the next
     assert len(fmt_coalesce(_meta_ranges(far), _HEADER_GAP)) == 3

@@ -207,12 +207,16 @@ def test_the_epoch_after_a_resumed_one_is_whole(tar_dir):
     assert sorted(i for b in resumed for i in _ids(b)) == sorted(everything)
 
 
-def test_arrow_record_batches_resume_by_unit(tmp_path):
-    """ArrowDataset (record batches split whole: a unit-level position) resumes too."""
+@pytest.mark.parametrize("stream", [False, True], ids=["files", "with-a-stream"])
+def test_arrow_record_batches_resume(tmp_path, stream):
+    """ArrowDataset resumes too: IPC files have row counts (a sample-level position); one IPC
+    stream object among them splits record batches whole (a unit-level position)."""
     ids = 0
-    for i, groups in enumerate(ROW_GROUPS):
-        with pa.OSFile(str(tmp_path / f"part-{i}.arrow"), "wb") as f, \
-                pa.ipc.new_file(f, pa.schema([("id", pa.int64())])) as w:
+    for i, groups in enumerate(ROW_GROUPS + ([[4, 2]] if stream else [])):
+        name = f"part-{i}.arrows" if stream and i == len(ROW_GROUPS) else f"part-{i}.arrow"
+        with pa.OSFile(str(tmp_path / name), "wb") as f, \
+                (pa.ipc.new_stream if name.endswith("s") else pa.ipc.new_file)(
+                    f, pa.schema([("id", pa.int64())])) as w:
             for n in groups:
                 w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
                 ids += n
@@ -225,7 +229,7 @@ def test_arrow_record_batches_resume_by_unit(tmp_path):
         before = [i for b in _take(it, stop) for i in _ids(b)]
         state = json.loads(json.dumps(ds.state_dict()))
         it.close()
-        assert state["split"] == "units"
+        assert state["split"] == ("units" if stream else "samples")
         resumed = sd.ArrowDataset(str(tmp_path) + "/", **kw)
         resumed.load_state_dict(state)
         assert before + [i for b in resumed for i in _ids(b)] == full
