@@ -77,6 +77,10 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
             import pyarrow.parquet as pq
 
             pq.write_table(pa.table({"n": list(range(10 * i, 10 * i + 10))}), f, row_group_size=4)
+        with fs.open(f"{bucket}/ipc/part-{i}.arrow", "wb") as f:  # record batches of 4, 4, 2 rows
+            with pa.ipc.new_file(f, pa.schema([("n", pa.int64())])) as w:
+                for start in (0, 4, 8):
+                    w.write_table(pa.table({"n": list(range(10 * i + start, 10 * i + min(start + 4, 10)))}))
     with FaultProxy(server.endpoint_url) as proxy:
         options = {**server.storage_options, "endpoint_url": proxy.url}
         indexed = {"spec": f"s3://{bucket}/indexed/", "storage_options": options}
@@ -85,10 +89,12 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
         proxy.reset_counters()
         cases = {"indexed": indexed, "tar": {"spec": f"s3://{bucket}/tar/", "storage_options": options},
                  "parquet": {"spec": f"s3://{bucket}/pq/part-{{0..2}}.parquet", "storage_options": options},
+                 "arrow": {"spec": f"s3://{bucket}/ipc/part-{{0..2}}.arrow", "storage_options": options},
                  "missing": {"spec": f"s3://{bucket}/tar/shard-{{000..009}}.tar", "storage_options": options}}
         for case in cases.values():  # one process: the requests one job should make
             try:
-                (sd.ParquetDataset if case["spec"].endswith(".parquet") else sd.TarDataset)(
+                (sd.ParquetDataset if case["spec"].endswith(".parquet") else
+                 sd.ArrowDataset if case["spec"].endswith(".arrow") else sd.TarDataset)(
                     case["spec"], storage_options=options)
             except sd.ShardNotFoundError:
                 pass
@@ -101,6 +107,7 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
     assert ranks[0] == ranks[1]
     assert len(ranks[0]["tar"]["shards"]) == len(UNEVEN) and ranks[0]["parquet"]["rows"] == 30
     assert ranks[0]["indexed"]["samples"] == sum(UNEVEN) and ranks[0]["tar"]["samples"] is None
+    assert ranks[0]["arrow"]["samples"] == 30  # row counts from the batches' headers, read on rank 0
     assert ranks[0]["missing"]["error"] == "ShardNotFoundError"
 
 

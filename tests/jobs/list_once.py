@@ -21,7 +21,8 @@ def main(out_dir: str, cases_json: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = {}
     for name, case in json.loads(cases_json).items():
-        make = sd.ParquetDataset if case["spec"].endswith(".parquet") else sd.TarDataset
+        make = (sd.ParquetDataset if case["spec"].endswith(".parquet") else
+                sd.ArrowDataset if case["spec"].endswith(".arrow") else sd.TarDataset)
         try:
             ds = make(case["spec"], storage_options=case["storage_options"])
             counts = ds.sample_counts()
