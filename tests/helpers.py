@@ -85,3 +85,42 @@ def in_forked_child(target, timeout: float = 30.0):
         return parent.recv() if parent.poll(timeout) else None
     finally:
         proc.join(timeout)
+
+
+def rank_batches(ds, rank: int, world_size: int, num_workers: int, field: str = "id") -> list[list]:
+    """``field`` of each batch one simulated rank's DataLoader yields, as lists."""
+    with rank_env(rank, world_size):
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers,
+                                             timeout=60 if num_workers else 0)
+        return [list(b[field].tolist() if hasattr(b[field], "tolist") else b[field]) for b in loader]
+
+
+def check_exact_epochs(ds, total: int, world_size: int, num_workers: int, drop_last: bool,
+                       batch_size: int) -> None:
+    """Two epochs of ``ds`` (rows ``id`` 0..total-1) over simulated ranks x real workers:
+    equal steps per rank, no duplicate, every row once (or, with drop_last, full batches, the
+    left-out counted, and a different left-out set each epoch): EQUAL-STEPS."""
+    import collections
+
+    left_out_sets = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        before = ds.counts["planned.left_out"]
+        per_rank = [rank_batches(ds, r, world_size, num_workers) for r in range(world_size)]
+        steps = [len(b) for b in per_rank]
+        assert len(set(steps)) == 1, f"unequal steps per rank: {steps}"
+        ids = [i for batches in per_rank for b in batches for i in b]
+        dupes = [k for k, n in collections.Counter(ids).items() if n > 1]
+        assert not dupes, f"duplicates {dupes}"
+        if not drop_last:
+            assert sorted(ids) == list(range(total))
+            assert ds.counts["planned.left_out"] == 0
+        else:
+            assert all(len(b) == batch_size for batches in per_rank for b in batches)
+            left_out = total - len(ids)
+            assert 0 <= left_out < world_size * max(num_workers, 1) * batch_size
+            # every rank's worker 0 counts the job's figure (here all ranks share one process)
+            assert ds.counts["planned.left_out"] - before == world_size * left_out
+            left_out_sets.append(frozenset(range(total)) - frozenset(ids))
+    if drop_last and left_out_sets[0]:
+        assert left_out_sets[0] != left_out_sets[1], "the same samples left out every epoch"

@@ -4,7 +4,6 @@ rank; IPC streams (no footer) and ``filter=`` fall back to the record-batch spli
 
 from __future__ import annotations
 
-import collections
 import struct
 
 import numpy as np
@@ -15,8 +14,7 @@ import pytest
 import streamdata as sd
 from streamdata.formats.arrow import coalesce as fmt_coalesce
 from streamdata.formats.arrow import ipc_batch_meta_ranges, ipc_batch_rows
-from tests.helpers import rank_env
-from tests.test_exact_epochs import _rank_batches
+from tests.helpers import check_exact_epochs, rank_batches, rank_env
 
 # rows per record batch, per file: uneven on purpose, an empty batch too
 BATCHES = [[5, 1, 9], [3, 0], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -91,29 +89,8 @@ def test_headers_far_apart_and_the_legacy_format_are_counted(tmp_path):
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_arrow_epochs_are_exact_with_equal_steps(arrow_files, world_size, num_workers, drop_last):
     spec, total = arrow_files
-    batch_size = 4
-    ds = sd.ArrowDataset(spec, batch_size=batch_size, shuffle=True, seed=7, drop_last=drop_last)
-    left_out_sets = []
-    for epoch in range(2):
-        ds.set_epoch(epoch)
-        before = ds.counts["planned.left_out"]
-        per_rank = [_rank_batches(ds, r, world_size, num_workers) for r in range(world_size)]
-        steps = [len(b) for b in per_rank]
-        assert len(set(steps)) == 1, f"unequal steps per rank: {steps}"
-        ids = [i for batches in per_rank for b in batches for i in b]
-        dupes = [k for k, n in collections.Counter(ids).items() if n > 1]
-        assert not dupes, f"duplicates {dupes}"
-        if not drop_last:
-            assert sorted(ids) == list(range(total))
-            assert ds.counts["planned.left_out"] == 0
-        else:
-            assert all(len(b) == batch_size for batches in per_rank for b in batches)
-            left_out = total - len(ids)
-            assert 0 <= left_out < world_size * max(num_workers, 1) * batch_size
-            assert ds.counts["planned.left_out"] - before == world_size * left_out
-            left_out_sets.append(frozenset(range(total)) - frozenset(ids))
-    if drop_last and left_out_sets[0]:
-        assert left_out_sets[0] != left_out_sets[1], "the same samples left out every epoch"
+    ds = sd.ArrowDataset(spec, batch_size=4, shuffle=True, seed=7, drop_last=drop_last)
+    check_exact_epochs(ds, total, world_size, num_workers, drop_last, batch_size=4)
 
 
 def test_spans_cut_record_batches(arrow_files):
@@ -254,6 +231,6 @@ def test_over_s3_the_constructor_makes_one_footer_and_one_header_read_per_file(s
         assert made.get("get") == 2 * len(BATCHES), made  # a tail, then the batch headers
         assert set(made) <= {"list", "get"} and made.get("list", 0) <= 1, made
         assert ds.sample_counts().tolist() == [n for sizes in BATCHES for n in sizes]
-        per_rank = [_rank_batches(ds, r, 2, 0) for r in range(2)]
+        per_rank = [rank_batches(ds, r, 2, 0) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(ids))

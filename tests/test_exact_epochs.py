@@ -4,16 +4,13 @@ real DataLoader workers. The real torchrun jobs are in test_ddp.py."""
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 import streamdata as sd
-from tests.helpers import rank_env
+from tests.helpers import check_exact_epochs, rank_batches, rank_env
 
 # rows per row group, per file: uneven on purpose (the issue's 5, 1, 9, 3, 0, 7, 2 and more)
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -34,43 +31,12 @@ def parquet_files(tmp_path):
     return str(tmp_path) + "/", ids
 
 
-def _rank_batches(ds, rank: int, world_size: int, num_workers: int) -> list[list[int]]:
-    """The ids of each batch one rank's DataLoader yields."""
-    with rank_env(rank, world_size):
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers,
-                                             timeout=60 if num_workers else 0)
-        return [b["id"].tolist() for b in loader]
-
-
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 0), (2, 2), (3, 1), (3, 2), (5, 0)])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_parquet_epochs_are_exact_with_equal_steps(parquet_files, world_size, num_workers, drop_last):
     spec, total = parquet_files
-    batch_size = 4
-    ds = sd.ParquetDataset(spec, batch_size=batch_size, shuffle=True, seed=7, drop_last=drop_last)
-    left_out_sets = []
-    for epoch in range(2):
-        ds.set_epoch(epoch)
-        before = ds.counts["planned.left_out"]
-        per_rank = [_rank_batches(ds, r, world_size, num_workers) for r in range(world_size)]
-        steps = [len(b) for b in per_rank]
-        assert len(set(steps)) == 1, f"unequal steps per rank: {steps}"
-        ids = [i for batches in per_rank for b in batches for i in b]
-        dupes = [k for k, n in collections.Counter(ids).items() if n > 1]
-        assert not dupes, f"duplicates {dupes}"
-        if not drop_last:
-            assert sorted(ids) == list(range(total))
-            assert ds.counts["planned.left_out"] == 0
-        else:
-            assert all(len(b) == batch_size for batches in per_rank for b in batches)
-            left_out = total - len(ids)
-            slots = world_size * max(num_workers, 1)
-            assert 0 <= left_out < slots * batch_size
-            # every rank's worker 0 counts the job's figure (here all ranks share one process)
-            assert ds.counts["planned.left_out"] - before == world_size * left_out
-            left_out_sets.append(frozenset(range(total)) - frozenset(ids))
-    if drop_last and left_out_sets[0]:
-        assert left_out_sets[0] != left_out_sets[1], "the same samples left out every epoch"
+    ds = sd.ParquetDataset(spec, batch_size=4, shuffle=True, seed=7, drop_last=drop_last)
+    check_exact_epochs(ds, total, world_size, num_workers, drop_last, batch_size=4)
 
 
 def test_parquet_span_cuts_row_groups_and_reads_each_once(parquet_files):
@@ -140,13 +106,6 @@ def indexed_tars(request, tmp_path):
     return str(tmp_path) + "/", keys
 
 
-def _rank_keys(ds, rank, world_size, num_workers):
-    with rank_env(rank, world_size):
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers,
-                                             timeout=60 if num_workers else 0)
-        return [list(b["__key__"]) for b in loader]
-
-
 @pytest.mark.parametrize("world_size,num_workers", [(2, 2), (3, 1), (4, 0)])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_tar_epochs_with_an_index_are_exact(indexed_tars, world_size, num_workers, drop_last):
@@ -155,7 +114,7 @@ def test_tar_epochs_with_an_index_are_exact(indexed_tars, world_size, num_worker
     assert ds.sample_counts() is not None and int(ds.sample_counts().sum()) == len(keys)
     for epoch in range(2):
         ds.set_epoch(epoch)
-        per_rank = [_rank_keys(ds, r, world_size, num_workers) for r in range(world_size)]
+        per_rank = [rank_batches(ds, r, world_size, num_workers, "__key__") for r in range(world_size)]
         steps = [len(b) for b in per_rank]
         assert len(set(steps)) == 1, f"unequal steps per rank: {steps}"
         got = [k for batches in per_rank for b in batches for k in b]
@@ -233,7 +192,7 @@ def test_a_wids_shard_list_gives_exact_epochs_without_offsets(tmp_path):
     wids, keys = _wids(tmp_path, counts)
     ds = sd.TarDataset(str(tmp_path) + "/", index=wids, batch_size=4, shuffle=True, seed=2, decode=False)
     assert ds.sample_counts().tolist() == counts
-    per_rank = [_rank_keys(ds, r, 2, 2) for r in range(2)]
+    per_rank = [rank_batches(ds, r, 2, 2, "__key__") for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     got = [k for batches in per_rank for b in batches for k in b]
     assert sorted(got) == sorted(keys)
