@@ -13,24 +13,23 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch.utils.data
 
 from .config import FetchConfig
-from .errors import FormatError, SpecError, StreamDataError
+from .errors import SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
 from .incremental import batches
 from .metrics import COUNTERS, Counters
-from .plan import Span, batch_sizes
+from .passes import Batching, EpochIterator, ReaderPass, _Early, stale_count
 from .policy import ErrorPolicy, OnError
 from .ranks import from_rank0
 from .redact import redact_url
 from .resume import Stage, resume_span, resume_units
 from .rewind import dropped, placeholder_items, rewind_point, skipped, undelivered
-from .sharding import assign, reader_seed
+from .sharding import assign
 from .stages import shuffled
 from .state import STATE_FORMAT, Position, check_batching, dataset_key, parse_state, reader_state
 from .urls import Shard, Spec, expand_spec
@@ -41,99 +40,6 @@ __all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_c
 log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
-
-
-def stale_count(url: str, seen: int, expected: int) -> FormatError:
-    """A unit whose samples do not match its count (the sample index, or footers)."""
-    return FormatError(f"{redact_url(url)} does not match its sample count: {seen} samples found where "
-                       f"the count says {expected}; the shard changed after its index was built: run "
-                       "`streamdata index SPEC` again", url=url)
-
-
-class EpochIterator:
-    """One reader's pass over its share of an epoch; creating it starts the fetch.
-
-    Closing it (explicitly, at exhaustion, on error, or when garbage-collected after an
-    early ``break``) closes the prefetcher: no thread, task or connection is left behind.
-    """
-
-    def __init__(self, items: Iterator[Any], close: Callable[[], None]) -> None:
-        self._items = items
-        self._close: Callable[[], None] | None = close
-
-    def __iter__(self) -> EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._close is None:
-            raise StopIteration
-        try:
-            return next(self._items)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        close, self._close = self._close, None
-        if close is not None:
-            getattr(self._items, "close", lambda: None)()
-            close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
-@dataclass(frozen=True)
-class ReaderPass:
-    """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
-
-    ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), ``(start, stop, count)`` from an exact
-    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit of
-    ``count`` samples), or ``(skip, None, None)``: all but the first ``skip`` (a shard-level
-    split resumed, ``resume``).
-    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
-    saved position in it is all a resume needs.
-    """
-
-    world: World
-    epoch: int
-    reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
-    span: Span | None = None
-
-    @property
-    def units(self) -> list[Any]:
-        return [unit for unit, _ in self.reads]
-
-    def seed(self, seed: int) -> list[int]:
-        """Seed material for this reader's shuffle in this pass."""
-        return reader_seed(self.world, seed=seed, epoch=self.epoch)
-
-    def batch_sizes(self, batch_size: int | None) -> list[int] | None:
-        """The planned size of each batch this reader yields (an exact epoch), else None."""
-        if self.span is None or batch_size is None:
-            return None
-        return batch_sizes(self.span, batch_size)
-
-
-@dataclass(frozen=True)
-class _Early:
-    """A pass whose requests started before its ``iter()`` (NEXT-EPOCH-EARLY)."""
-
-    p: ReaderPass
-    reads: list
-    fetcher: Prefetcher
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How a pass groups its samples: ``batch_size`` None yields samples one by one."""
-
-    batch_size: int | None
-    drop_last: bool = False
-    collate_fn: Callable[[list], Any] | None = None
-    in_flight: int | None = None
-    sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
 
 
 class ShardedDataset(torch.utils.data.IterableDataset):

@@ -24,11 +24,12 @@ import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
 from .config import UNIT_WINDOW
-from .dataset import Batching, ShardedDataset, stale_count
+from .dataset import ShardedDataset
 from .errors import DecodeError, FormatError, SpecError
 from .fetch import FetchItem, ItemReader
 from .footers import read_batch_rows, read_footers, with_sizes
 from .formats import arrow as fmt
+from .passes import Batching, stale_count
 from .policy import ErrorPolicy
 from .ranks import from_rank0
 from .rewind import dropped, placeholder_tables, record_size

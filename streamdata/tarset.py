@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from .dataset import ShardedDataset, stale_count
+from .dataset import ShardedDataset
 from .decode import DecodeSpec, make_decoder
 from .fetch import FetchItem, ItemReader
 from .formats.compress import TAR_SUFFIXES, decompressed
 from .formats.tar import samples_from_chunks
 from .index import IndexedShards, lookup
+from .passes import stale_count
 from .ranks import from_rank0
 from .redact import redact_url
 from .urls import Shard, Spec
