@@ -18,6 +18,7 @@ from .errors import (
 )
 from .fetch import FetchItem, Prefetcher
 from .index import build_index
+from .mix import Mix
 from .objects import ObjectDataset
 from .presets import Loader, loader
 from .shardwriter import ShardWriter
@@ -56,6 +57,7 @@ __all__ = [
     "FetchTimeoutError",
     "FormatError",
     "Loader",
+    "Mix",
     "ObjectDataset",
     "ParquetDataset",
     "PinAhead",

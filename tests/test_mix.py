@@ -1,0 +1,277 @@
+"""sd.Mix: weighted sampling from a tar (with an index) and a Parquet source.
+
+Proportions; every source's epoch exactly once over simulated ranks x real workers (the ranks
+take equal steps); stop="first" / "all" / samples=N; resume on the same world (the uninterrupted
+order) and on another (what each source has left, no duplicate) with torchdata's
+StatefulDataLoader and with sd.loader; foreign states and bad arguments refused."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import streamdata as sd
+from streamdata import index as sdx
+from streamdata.mixplan import choices, counts_before
+from streamdata.state import merge_states
+from tests.helpers import rank_env, write_shards
+
+COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11]  # 58 tar samples
+ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
+TOTAL = [58, 65]
+
+
+def tar_row(sample):
+    return {"src": 0, "id": int(sample["__key__"][1:])}
+
+
+def pq_row(row):
+    return {"src": 1, "id": int(row["id"])}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    (root / "tar").mkdir()
+    (root / "pq").mkdir()
+    write_shards(fsspec.filesystem("file"), str(root / "tar"), counts=COUNTS)
+    sdx.build_index(str(root / "tar") + "/", progress=False)
+    ids = 0
+    for i, groups in enumerate(ROW_GROUPS):
+        with pq.ParquetWriter(root / "pq" / f"part-{i}.parquet", pa.schema([("id", pa.int64())])) as w:
+            for n in groups:
+                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
+                ids += n
+    return str(root)
+
+
+def make(root, weights=(1, 1), **kw):
+    tar = sd.TarDataset(root + "/tar/", map=tar_row, shuffle=True, seed=1, shuffle_buffer=kw.pop("buffer", 0))
+    parquet = sd.ParquetDataset(root + "/pq/", map=pq_row, shuffle=True, seed=2)
+    return sd.Mix([tar, parquet], weights=list(weights), seed=kw.pop("seed", 7), **kw)
+
+
+def pairs(item):
+    src, ids = item["src"], item["id"]
+    if isinstance(src, torch.Tensor) and src.dim():
+        return list(zip(src.tolist(), ids.tolist(), strict=True))
+    return [(int(src), int(ids))]
+
+
+def run_rank(mix, rank, world_size, workers):
+    """The batches (lists of (source, id)) one simulated rank's DataLoader yields."""
+    with rank_env(rank, world_size):
+        loader = torch.utils.data.DataLoader(mix, batch_size=None, num_workers=workers,
+                                             timeout=60 if workers else 0)
+        return [pairs(b) for b in loader]
+
+
+def check_once(got, mix, stop):
+    """Each source's epoch exactly once: no duplicate; with stop="first", what was not delivered
+    is counted; with "all", every sample came and the rest are counted cycles."""
+    counts = mix.counts
+    for k, total in enumerate(TOTAL):
+        ids = [i for s, i in got if s == k]
+        if stop == "first":
+            assert len(ids) == len(set(ids)), f"source {k}: duplicates"
+            assert set(ids) <= set(range(total))
+            assert len(ids) + counts[f"mix.undelivered.{k}"] == total, f"source {k}: lost samples"
+        else:
+            assert set(ids) == set(range(total)), f"source {k}: not every sample"
+            assert len(ids) == total + counts[f"mix.cycled.{k}"], f"source {k}: uncounted repeats"
+
+
+# ---- the choices -------------------------------------------------------------------------
+
+
+def test_proportions_within_two_percent_over_10000_samples(data):
+    weights = [0.6, 0.3, 0.1]
+    tar = sd.TarDataset(data + "/tar/", map=tar_row)
+    other = sd.TarDataset(data + "/tar/", map=lambda s: {**tar_row(s), "src": 2})
+    mix = sd.Mix([tar, sd.ParquetDataset(data + "/pq/", map=pq_row), other], weights=weights, seed=3,
+                 samples=10_000)
+    got = collections.Counter(s["src"] for s in mix)
+    assert sum(got.values()) == 10_000
+    for k, w in enumerate(weights):
+        assert abs(got[k] / 10_000 - w) < 0.02, (k, got)
+    assert mix.counts["mix.cycled.0"] > 0 and mix.counts["mix.taken.2"] == got[2]
+
+
+def test_choices_are_seeded_per_epoch_and_worker_and_resumable():
+    probs = np.array([0.5, 0.5])
+    head = lambda it, n: [next(it) for _ in range(n)]  # noqa: E731
+    a = head(choices(probs, 0, 1, 0, 0), 3000)
+    assert a == head(choices(probs, 0, 1, 0, 0), 3000)  # no rank in the seed: the same on every rank
+    assert a != head(choices(probs, 0, 2, 0, 0), 3000) and a != head(choices(probs, 0, 1, 0, 1), 3000)
+    assert head(choices(probs, 0, 1, 0, 0, start=1500), 1500) == a[1500:]  # a position, not a replay
+    assert counts_before(probs, 0, 1, 0, 0, 2500) == np.bincount(a[:2500], minlength=2).tolist()
+
+
+# ---- exactly once, equal steps -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+@pytest.mark.parametrize("world_size,workers", [(1, 0), (2, 2), (3, 1)])
+def test_each_source_exactly_once_and_equal_steps(data, stop, world_size, workers):
+    for epoch in (0, 1):
+        mix = make(data, weights=(2, 1), stop=stop, batch_size=4)
+        mix.set_epoch(epoch)
+        per_rank = [run_rank(mix, r, world_size, workers) for r in range(world_size)]
+        steps = [len(b) for b in per_rank]
+        assert len(set(steps)) == 1, f"unequal steps per rank: {steps}"
+        check_once([p for batches in per_rank for b in batches for p in b], mix, stop)
+
+
+def test_samples_n_divides_over_the_job(data):
+    mix = make(data, weights=(1, 3), samples=300, batch_size=8)
+    per_rank = [run_rank(mix, r, 3, 2) for r in range(3)]
+    assert len({len(b) for b in per_rank}) == 1
+    got = [p for batches in per_rank for b in batches for p in b]
+    assert len(got) == 300 and mix.counts["mix.left_out"] == 0
+    assert mix.counts["mix.cycled.1"] > 0
+    odd = make(data, samples=301)
+    assert sum(len(b) for r in range(2) for b in run_rank(odd, r, 2, 0)) == 300
+    assert odd.counts["mix.left_out"] == 1
+
+
+def test_epochs_differ_and_repeat(data):
+    mix = make(data)
+    first = [p for s in mix for p in pairs(s)]
+    mix.set_epoch(1)
+    second = [p for s in mix for p in pairs(s)]
+    mix.set_epoch(0)
+    assert first != second and [p for s in mix for p in pairs(s)] == first
+
+
+# ---- resume ----------------------------------------------------------------------------------
+
+torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+
+
+def _stateful(ds, workers):
+    return torchdata.StatefulDataLoader(ds, batch_size=None, num_workers=workers,
+                                        timeout=60 if workers else 0,
+                                        multiprocessing_context="fork" if workers else None)
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_in_the_same_order(data, stop, workers):
+    kw = dict(weights=(1, 2), stop=stop, batch_size=5, buffer=6)
+    full = [p for b in _stateful(make(data, **kw), workers) for p in pairs(b)]
+    loader = _stateful(make(data, **kw), workers)
+    it = iter(loader)
+    before = [p for _ in range(9) for p in pairs(next(it))]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    resumed = _stateful(make(data, **kw), workers)
+    resumed.load_state_dict(state)
+    after = [p for b in resumed for p in pairs(b)]
+    assert before + after == full
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2)])
+def test_another_world_gets_what_each_source_has_left(data, stop, old, new):
+    kw = dict(weights=(1, 1), stop=stop, batch_size=3)
+    before, states, olds = [], [], []
+    for rank in range(old):
+        with rank_env(rank, old):
+            mix = make(data, **kw)
+            olds.append(mix)
+            it = iter(mix)
+            before += [p for _ in range(6) for p in pairs(next(it))]  # DDP ranks stop at one step
+            states.append(mix.state_dict())
+            it.close()
+    state = json.loads(json.dumps(merge_states(states)))
+    after, steps = [], []
+    resumed = make(data, **kw)
+    for rank in range(new):
+        with rank_env(rank, new):
+            resumed.load_state_dict(state)
+            batches = [pairs(b) for b in resumed]
+            steps.append(len(batches))
+            after += [p for b in batches for p in b]
+    assert len(set(steps)) == 1, f"unequal steps {steps}"
+    got = before + after
+    for k, total in enumerate(TOTAL):
+        ids = collections.Counter(i for s, i in got if s == k)
+        if stop == "first":
+            assert max(ids.values()) == 1, f"source {k} duplicates"
+            assert sum(ids.values()) + resumed.counts[f"mix.undelivered.{k}"] == total
+        else:
+            assert set(ids) == set(range(total))
+            cycled = sum(m.counts[f"mix.cycled.{k}"] for m in [resumed, *olds])
+            assert sum(ids.values()) == total + cycled, f"source {k}: uncounted repeats"
+
+
+@pytest.mark.parametrize("workers,new_workers", [(2, 2), (2, 0), (0, 3)])
+def test_sd_loader_state_restarts_any_number_of_workers(data, workers, new_workers):
+    kw = dict(weights=(1, 1), stop="first")
+    with sd.loader(make(data, **kw), batch_size=4, num_workers=workers) as loader:
+        full = [p for b in loader for p in pairs(b)]
+    with sd.loader(make(data, **kw), batch_size=4, num_workers=workers) as loader:
+        it = iter(loader)
+        before = [p for _ in range(5) for p in pairs(next(it))]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del it
+    assert state["split"] == "mix" and None not in state["stages"][-1]["delivered"]
+    assert sum(e["t"] for e in state["stages"][-1]["delivered"]) == len(before)
+    mix = make(data, **kw)
+    with sd.loader(mix, batch_size=4, num_workers=new_workers) as loader:
+        loader.load_state_dict(state)
+        after = [p for b in loader for p in pairs(b)]
+    got = collections.Counter(before + after)
+    assert max(got.values()) == 1
+    if workers == new_workers:  # the same readers stop where they would have: the same samples
+        assert set(got) == set(full)
+    for k, total in enumerate(TOTAL):
+        assert sum(1 for s, _ in got if s == k) + mix.counts[f"mix.undelivered.{k}"] == total
+
+
+# ---- refused -----------------------------------------------------------------------------------
+
+
+def test_foreign_states_are_refused_naming_what_differs(data):
+    mix = make(data)
+    state = mix.state_dict()
+    with pytest.raises(sd.SpecError, match="weights"):
+        make(data, weights=(1, 2)).load_state_dict(state)
+    with pytest.raises(sd.SpecError, match="stop"):
+        make(data, stop="all").load_state_dict(state)
+    other = sd.Mix([sd.TarDataset(data + "/tar/", map=tar_row, shuffle=True, seed=9),
+                    sd.ParquetDataset(data + "/pq/", map=pq_row, shuffle=True, seed=2)], seed=7)
+    with pytest.raises(sd.SpecError, match=r"source 0 \(TarDataset\) differs"):
+        other.load_state_dict(state)
+    plain = sd.TarDataset(data + "/tar/")
+    with pytest.raises(sd.SpecError, match="not of a Mix"):
+        mix.load_state_dict(plain.state_dict())
+    with pytest.raises(sd.SpecError, match="another dataset"):
+        plain.load_state_dict(state)
+    mix.load_state_dict(json.loads(json.dumps(state)))  # its own: accepted
+
+
+def test_bad_arguments_are_refused(data):
+    tar = lambda **kw: sd.TarDataset(data + "/tar/", **kw)  # noqa: E731
+    with pytest.raises(sd.SpecError, match="one weight per source"):
+        sd.Mix([tar(), tar()], weights=[1])
+    with pytest.raises(sd.SpecError, match="> 0"):
+        sd.Mix([tar(), tar()], weights=[1, 0])
+    with pytest.raises(sd.SpecError, match="sharded"):
+        sd.Mix([tar(), [1, 2, 3]])
+    with pytest.raises(sd.SpecError, match="batches itself"):
+        sd.Mix([tar(), tar(batch_size=4)])
+    with pytest.raises(sd.SpecError, match="not both"):
+        sd.Mix([tar()], stop="all", samples=10)
+    with pytest.raises(sd.SpecError, match="'first' or 'all'"):
+        sd.Mix([tar()], stop="longest")
+    t = tar()
+    with pytest.raises(sd.SpecError, match="same dataset object"):
+        sd.Mix([t, t])
