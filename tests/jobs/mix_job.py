@@ -1,0 +1,73 @@
+"""A DDP job over a tar + Parquet ``sd.Mix`` that stops mid-epoch and saves, or resumes; run by
+``torchrun`` from tests/test_mix_ddp.py.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/jobs/mix_job.py OUT_DIR CONFIG_JSON
+
+CONFIG: ``tar``, ``parquet`` (specs), ``storage_options``, ``workers``, ``tag``, and either ``stop``
+(the step after which every rank calls ``loader.state_dict()``, a collective; rank 0 writes it to
+``save``) or ``load``. Each rank trains a tiny DDP model (gloo, CPU) and writes
+``OUT_DIR/{tag}-rank{R}.json``: its steps, every rank's steps, the (source, id) pairs it delivered
+and its mix counters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import streamdata as sd
+from tests.jobs._leave import leave
+
+
+def tar_row(sample):
+    return {"src": 0, "id": int(sample["__key__"][1:]), "x": torch.as_tensor(sample["npy"][:4])}
+
+
+def pq_row(row):
+    return {"src": 1, "id": int(row["id"]), "x": torch.full((4,), float(row["id"]))}
+
+
+def main(out_dir: str, config_json: str) -> None:
+    cfg = json.loads(config_json)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    options = cfg["storage_options"]
+    mix = sd.Mix([sd.TarDataset(cfg["tar"], storage_options=options, shuffle=True, seed=3, map=tar_row),
+                  sd.ParquetDataset(cfg["parquet"], storage_options=options, shuffle=True, seed=4,
+                                    map=pq_row)],
+                 weights=[2, 1], seed=5, stop=cfg["mode"])
+    pairs, steps = [], 0
+    with sd.loader(mix, batch_size=4, num_workers=cfg["workers"]) as loader:
+        loader.set_epoch(1)
+        if cfg.get("load"):
+            with open(cfg["load"]) as f:
+                loader.load_state_dict(json.load(f))
+        for batch in loader:
+            loss = model(batch["x"].float()).square().mean()  # DDP all-reduces the grads
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            pairs += list(zip(batch["src"].tolist(), batch["id"].tolist(), strict=True))
+            if steps == cfg.get("stop"):
+                state = loader.state_dict()  # every rank's positions (a collective)
+                if rank == 0:
+                    with open(cfg["save"], "w") as f:
+                        json.dump(state, f)
+                break
+    all_steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_steps, steps)
+    with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:
+        json.dump({"steps": steps, "all_steps": all_steps, "pairs": pairs, "counts": mix.counts}, f)
+    leave()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
