@@ -218,7 +218,7 @@ class Mix(torch.utils.data.IterableDataset):
                                 "on another")
         run = _Run(self, world, epoch, before, entry)
         try:
-            for k in range(len(self.sources)):
+            for k in range(len(self.sources) if not run.ended else 0):  # (an ended reader reads nothing)
                 cycle, position = entry["sources"][k]
                 run.open(k, cycle, source_stages(stages, k, splits[k]) if cycle == 0 else
                          [_own_stage(world, position)])
@@ -231,18 +231,15 @@ class Mix(torch.utils.data.IterableDataset):
         return run
 
     def _mixed(self, run: _Run) -> Iterator[Any]:
-        """The reader's samples: choose, take (cycling as ``stop`` says), until the epoch ends."""
+        """The reader's samples: choose, take (cycling as ``stop`` says), until the epoch ends. The
+        end is known before the last sample goes (the next choice is drawn first), so the state
+        taken after the last batch says it (``end``: a restart on another world then hands that
+        reader's leftovers to no one; they were counted as undelivered)."""
         chosen = choices(self.probs, self.seed, run.epoch, len(run.before), run.world.worker, run.t)
+        k = next(chosen)
+        started_ended = run.ended = run.ended or run.over(k)
         try:
-            while True:
-                if run.budget is not None and run.t >= run.budget:
-                    break
-                if run.quotas is not None and self.stop == "all" and all(
-                        c >= q for c, q in zip(run.chosen, run.quotas, strict=True)):
-                    break
-                k = next(chosen)
-                if run.quotas is not None and self.stop == "first" and run.chosen[k] >= run.quotas[k]:
-                    break
+            while not run.ended:
                 sample = run.take(k)
                 if sample is _END:
                     break
@@ -251,8 +248,12 @@ class Mix(torch.utils.data.IterableDataset):
                 self._counters.add(f"mix.taken.{k}")
                 if run.cycles[k]:
                     self._counters.add(f"mix.cycled.{k}")
+                k = next(chosen)
+                run.ended = run.over(k)
                 yield sample
-            run.finish()
+            run.ended = True
+            if not started_ended:
+                run.finish()
         finally:
             run.close()
 
@@ -271,7 +272,7 @@ class _Run:
     def __init__(self, mix: Mix, world: World, epoch: int, before: list[Stage], entry: dict) -> None:
         self.mix, self.world, self.epoch, self.before = mix, world, epoch, before
         n = len(mix.sources)
-        self.t = entry["t"]
+        self.t, self.ended, self.saved = entry["t"], bool(entry.get("end")), entry
         self.cycles = [c for c, _ in entry["sources"]]
         self.iters: list[Any] = [None] * n
         self.empty = [0] * n
@@ -293,6 +294,16 @@ class _Run:
             agg = min if mix.stop == "first" else max
             self.quotas = [agg(q) for q in per_rank]
             self.own = [q[world.rank] for q in per_rank]
+
+    def over(self, k: int) -> bool:
+        """Whether the epoch ends before taking the choice ``k`` (with a budget, or quotas)."""
+        if self.budget is not None:
+            return self.t >= self.budget
+        if self.quotas is None:
+            return False
+        if self.mix.stop == "all":
+            return all(c >= q for c, q in zip(self.chosen, self.quotas, strict=True))
+        return self.chosen[k] >= self.quotas[k]
 
     def open(self, k: int, cycle: int, stages: list[Stage]) -> None:
         """Source ``k``'s pass of its epoch in cycle ``cycle``, resumed at ``stages``' position."""
@@ -333,8 +344,10 @@ class _Run:
 
     def entry(self) -> dict:
         """This reader's entry in the state: choices taken, and each source's cycle and position."""
+        if self.iters[0] is None:  # it ended before this pass: nothing was opened
+            return self.saved
         positions = [s.state_dict()["stages"][-1]["delivered"][self.world.slot] for s in self.mix.sources]
-        return entry_of(self.t, self.cycles, positions)
+        return entry_of(self.t, self.cycles, positions, self.ended)
 
     def finish(self) -> None:
         """Count what ``stop="first"`` left undelivered of this reader's share of each source."""

@@ -76,20 +76,23 @@ def parse_entry(entry: Any, splits: Sequence[str]) -> dict | None:
     for (cycle, position), split in zip(sources, splits, strict=True):
         position = [int(position[0]), int(position[1])] if split == "units" else int(position)
         out.append([int(cycle), position])
-    return {"t": int(entry["t"]), "sources": out}
+    return {"t": int(entry["t"]), "sources": out, **({"end": True} if entry.get("end") else {})}
 
 
-def entry_of(t: int, cycles: Sequence[int], positions: Sequence[Any]) -> dict:
-    return {"t": int(t), "sources": [[int(c), p] for c, p in zip(cycles, positions, strict=True)]}
+def entry_of(t: int, cycles: Sequence[int], positions: Sequence[Any], end: bool = False) -> dict:
+    """A reader's entry; ``"end": true`` once its pass has ended (nothing more to take)."""
+    entry = {"t": int(t), "sources": [[int(c), p] for c, p in zip(cycles, positions, strict=True)]}
+    return {**entry, "end": True} if end else entry
 
 
 def source_stages(stages: Sequence[Stage], k: int, split: str) -> list[Stage]:
     """Source ``k``'s stages of its primary epoch, from the mix's: a reader that had cycled
-    ``k`` had delivered all of its span (``FULL``)."""
+    ``k`` had delivered all of its span, and one that had ended will deliver no more of it
+    (what it left was counted as undelivered): ``FULL``."""
     full = [FULL, 0] if split == "units" else FULL
     out = []
     for stage in stages:
-        delivered = [None if e is None else full if e["sources"][k][0] else e["sources"][k][1]
+        delivered = [None if e is None else full if e["sources"][k][0] or e.get("end") else e["sources"][k][1]
                      for e in stage.delivered]
         out.append(Stage(stage.world_size, stage.num_workers, delivered))
     return out

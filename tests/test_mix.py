@@ -161,14 +161,24 @@ def _stateful(ds, workers):
                                         multiprocessing_context="fork" if workers else None)
 
 
-@pytest.mark.parametrize("stop", ["first", "all"])
+def _take(it, n):
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+@pytest.mark.parametrize("stop,at", [("first", 9), ("all", 9), ("all", 25)])  # 25: a source cycled
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_resumes_in_the_same_order(data, stop, workers):
+def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers):
     kw = dict(weights=(1, 2), stop=stop, batch_size=5, buffer=6)
     full = [p for b in _stateful(make(data, **kw), workers) for p in pairs(b)]
     loader = _stateful(make(data, **kw), workers)
     it = iter(loader)
-    before = [p for _ in range(9) for p in pairs(next(it))]
+    before = [p for b in _take(it, at) for p in pairs(b)]
     state = json.loads(json.dumps(loader.state_dict()))
     del it
     resumed = _stateful(make(data, **kw), workers)
@@ -177,17 +187,18 @@ def test_stateful_dataloader_resumes_in_the_same_order(data, stop, workers):
     assert before + after == full
 
 
-@pytest.mark.parametrize("stop", ["first", "all"])
+@pytest.mark.parametrize("stop,at", [("first", 6), ("first", 20), ("all", 6), ("all", 20)])
 @pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2)])
-def test_another_world_gets_what_each_source_has_left(data, stop, old, new):
-    kw = dict(weights=(1, 1), stop=stop, batch_size=3)
+def test_another_world_gets_what_each_source_has_left(data, stop, at, old, new):
+    """(at 20 batches the tar source has run out on every old reader: ended, or cycled)"""
+    kw = dict(weights=(3, 1), stop=stop, batch_size=3)
     before, states, olds = [], [], []
     for rank in range(old):
         with rank_env(rank, old):
             mix = make(data, **kw)
             olds.append(mix)
             it = iter(mix)
-            before += [p for _ in range(6) for p in pairs(next(it))]  # DDP ranks stop at one step
+            before += [p for b in _take(it, at) for p in pairs(b)]  # DDP ranks stop at one step
             states.append(mix.state_dict())
             it.close()
     state = json.loads(json.dumps(merge_states(states)))
@@ -205,7 +216,8 @@ def test_another_world_gets_what_each_source_has_left(data, stop, old, new):
         ids = collections.Counter(i for s, i in got if s == k)
         if stop == "first":
             assert max(ids.values()) == 1, f"source {k} duplicates"
-            assert sum(ids.values()) + resumed.counts[f"mix.undelivered.{k}"] == total
+            lost = sum(m.counts[f"mix.undelivered.{k}"] for m in [resumed, *olds])
+            assert sum(ids.values()) + lost == total, f"source {k}: lost or counted twice"
         else:
             assert set(ids) == set(range(total))
             cycled = sum(m.counts[f"mix.cycled.{k}"] for m in [resumed, *olds])
@@ -275,3 +287,20 @@ def test_bad_arguments_are_refused(data):
     t = tar()
     with pytest.raises(sd.SpecError, match="same dataset object"):
         sd.Mix([t, t])
+
+
+def test_a_state_saved_after_the_last_batch_ends_the_epoch_on_any_world(data):
+    """The last batch's state says its reader has ended (stop="first"): restarted on another
+    world, what the readers left (counted as undelivered) is not handed to anyone."""
+    kw = dict(weights=(3, 1), stop="first")
+    mix = make(data, **kw)
+    with sd.loader(mix, batch_size=1, num_workers=2) as loader:  # (every last batch is full)
+        got = [p for b in loader for p in pairs(b)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert all(e.get("end") for e in state["stages"][-1]["delivered"])
+    assert mix.counts["mix.undelivered.1"] > 0
+    for workers in (0, 3):
+        with sd.loader(make(data, **kw), batch_size=4, num_workers=workers) as loader:
+            loader.load_state_dict(state)
+            assert [b for b in loader] == []
+    assert len(got) + sum(mix.counts[f"mix.undelivered.{k}"] for k in (0, 1)) == sum(TOTAL)
