@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 
 import fsspec
 import numpy as np
@@ -53,7 +54,8 @@ def data(tmp_path_factory):
 
 
 def make(root, weights=(1, 1), **kw):
-    tar = sd.TarDataset(root + "/tar/", map=tar_row, shuffle=True, seed=1, shuffle_buffer=kw.pop("buffer", 0))
+    tar = sd.TarDataset(root + "/tar/", map=tar_row, shuffle=True, seed=1, shuffle_buffer=kw.pop("buffer", 0),
+                        index=kw.pop("index", "auto"))
     parquet = sd.ParquetDataset(root + "/pq/", map=pq_row, shuffle=True, seed=2)
     return sd.Mix([tar, parquet], weights=list(weights), seed=kw.pop("seed", 7), **kw)
 
@@ -173,7 +175,7 @@ def _take(it, n):
 
 @pytest.mark.parametrize("stop,at", [("first", 9), ("all", 9), ("all", 25)])  # 25: a source cycled
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers):
+def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers, caplog):
     kw = dict(weights=(1, 2), stop=stop, batch_size=5, buffer=6)
     full = [p for b in _stateful(make(data, **kw), workers) for p in pairs(b)]
     loader = _stateful(make(data, **kw), workers)
@@ -181,17 +183,21 @@ def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers):
     before = [p for b in _take(it, at) for p in pairs(b)]
     state = json.loads(json.dumps(loader.state_dict()))
     del it
-    resumed = _stateful(make(data, **kw), workers)
+    mix = make(data, **kw)
+    resumed = _stateful(mix, workers)
     resumed.load_state_dict(state)
-    after = [p for b in resumed for p in pairs(b)]
+    with caplog.at_level(logging.WARNING):
+        after = [p for b in resumed for p in pairs(b)]
+    assert "fast-forwarding" not in caplog.text, "torchdata replayed the epoch"
     assert before + after == full
+    assert sum(mix.counts[f"mix.taken.{k}"] for k in (0, 1)) == len(after), "samples taken again"
 
 
 @pytest.mark.parametrize("stop,at", [("first", 6), ("first", 20), ("all", 6), ("all", 20)])
 @pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2)])
 def test_another_world_gets_what_each_source_has_left(data, stop, at, old, new):
     """(at 20 batches the tar source has run out on every old reader: ended, or cycled)"""
-    kw = dict(weights=(3, 1), stop=stop, batch_size=3)
+    kw = dict(weights=(3, 1), stop=stop, batch_size=3, buffer=5)
     before, states, olds = [], [], []
     for rank in range(old):
         with rank_env(rank, old):
@@ -222,6 +228,44 @@ def test_another_world_gets_what_each_source_has_left(data, stop, at, old, new):
             assert set(ids) == set(range(total))
             cycled = sum(m.counts[f"mix.cycled.{k}"] for m in [resumed, *olds])
             assert sum(ids.values()) == total + cycled, f"source {k}: uncounted repeats"
+
+
+def _dataset_states(loader_state):
+    """The dataset states in a StatefulDataLoader's state (torchdata 0.11's layout)."""
+    if "_snapshot" not in loader_state:
+        return [loader_state["dataset_state"]]
+    return [w["dataset_state"] for w in loader_state["_snapshot"]["_worker_snapshots"].values()]
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+def test_stateful_dataloader_states_merged_restart_another_world(data, stop):
+    """2 simulated ranks x 2 workers under StatefulDataLoader; every worker's state merged
+    (docs/resume.md's recipe) restarts on 3 ranks x 1 worker: each source once, equal steps."""
+    kw = dict(weights=(2, 1), stop=stop, batch_size=4, buffer=5)
+    before, states, olds = [], [], []
+    for rank in range(2):
+        with rank_env(rank, 2):
+            olds.append(make(data, **kw))
+            loader = _stateful(olds[-1], 2)
+            it = iter(loader)
+            before += [p for b in _take(it, 7) for p in pairs(b)]
+            states += _dataset_states(loader.state_dict())
+            del it
+    state = json.loads(json.dumps(merge_states(states)))
+    resumed = make(data, **kw)
+    resumed.load_state_dict(state)
+    per_rank = [run_rank(resumed, r, 3, 1) for r in range(3)]
+    assert len({len(b) for b in per_rank}) == 1, [len(b) for b in per_rank]
+    got = before + [p for batches in per_rank for b in batches for p in b]
+    for k, total in enumerate(TOTAL):
+        ids = collections.Counter(i for s, i in got if s == k)
+        if stop == "first":
+            assert max(ids.values()) == 1
+            lost = sum(m.counts[f"mix.undelivered.{k}"] for m in [resumed, *olds])
+            assert sum(ids.values()) + lost == total
+        else:
+            assert set(ids) == set(range(total))
+            assert sum(ids.values()) == total + sum(m.counts[f"mix.cycled.{k}"] for m in [resumed, *olds])
 
 
 @pytest.mark.parametrize("workers,new_workers", [(2, 2), (2, 0), (0, 3)])
@@ -304,3 +348,41 @@ def test_a_state_saved_after_the_last_batch_ends_the_epoch_on_any_world(data):
             loader.load_state_dict(state)
             assert [b for b in loader] == []
     assert len(got) + sum(mix.counts[f"mix.undelivered.{k}"] for k in (0, 1)) == sum(TOTAL)
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+def test_a_source_without_counts_ends_when_it_runs_out_and_resumes(data, stop):
+    """A tar source without its index (a shard-level split): no quotas; the reader's epoch ends
+    when a source runs out on it ("first") or when the last one does ("all"); resume is exact."""
+    kw = dict(weights=(1, 1), stop=stop, batch_size=4, index=None)
+    mix = make(data, **kw)
+    full = [p for b in _stateful(mix, 2) for p in pairs(b)]
+    for k, total in enumerate(TOTAL):
+        ids = collections.Counter(i for s, i in full if s == k)
+        if stop == "first":
+            assert max(ids.values()) == 1 and set(ids) <= set(range(total))
+        else:
+            assert set(ids) == set(range(total))
+            assert sum(ids.values()) == total + mix.counts[f"mix.cycled.{k}"]
+    loader = _stateful(make(data, **kw), 2)
+    it = iter(loader)
+    before = [p for b in _take(it, 8) for p in pairs(b)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    resumed = _stateful(make(data, **kw), 2)
+    resumed.load_state_dict(state)
+    assert before + [p for b in resumed for p in pairs(b)] == full
+
+
+def test_persistent_workers_follow_set_epoch(data):
+    kw = dict(weights=(1, 1), stop="first")
+    expected = []
+    for epoch in (0, 1):
+        with sd.loader(make(data, **kw), batch_size=4, num_workers=2, persistent_workers=False) as loader:
+            loader.set_epoch(epoch)
+            expected.append(sorted(p for b in loader for p in pairs(b)))
+    assert expected[0] != expected[1]
+    with sd.loader(make(data, **kw), batch_size=4, num_workers=2) as loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert sorted(p for b in loader for p in pairs(b)) == expected[epoch]
