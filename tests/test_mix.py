@@ -193,41 +193,61 @@ def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers, 
     assert sum(mix.counts[f"mix.taken.{k}"] for k in (0, 1)) == len(after), "samples taken again"
 
 
-@pytest.mark.parametrize("stop,at", [("first", 6), ("first", 20), ("all", 6), ("all", 20)])
-@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2)])
-def test_another_world_gets_what_each_source_has_left(data, stop, at, old, new):
-    """(at 20 batches the tar source has run out on every old reader: ended, or cycled)"""
-    kw = dict(weights=(3, 1), stop=stop, batch_size=3, buffer=5)
-    before, states, olds = [], [], []
-    for rank in range(old):
-        with rank_env(rank, old):
-            mix = make(data, **kw)
-            olds.append(mix)
-            it = iter(mix)
-            before += [p for b in _take(it, at) for p in pairs(b)]  # DDP ranks stop at one step
-            states.append(mix.state_dict())
-            it.close()
-    state = json.loads(json.dumps(merge_states(states)))
-    after, steps = [], []
-    resumed = make(data, **kw)
-    for rank in range(new):
-        with rank_env(rank, new):
-            resumed.load_state_dict(state)
-            batches = [pairs(b) for b in resumed]
-            steps.append(len(batches))
-            after += [p for b in batches for p in b]
-    assert len(set(steps)) == 1, f"unequal steps {steps}"
-    got = before + after
+def legs(data, kw, worlds, at):
+    """Runs of simulated ranks (direct iteration), each leg's ranks stopping after ``at`` batches
+    and their states merged for the next leg; the last leg runs to the end. Returns every
+    (source, id) delivered, every Mix made, and the last leg's steps per rank."""
+    got, mixes, state = [], [], None
+    for leg, ranks in enumerate(worlds):
+        states, steps = [], []
+        for rank in range(ranks):
+            with rank_env(rank, ranks):
+                mixes.append(make(data, **kw))
+                if state is not None:
+                    mixes[-1].load_state_dict(state)
+                it = iter(mixes[-1])
+                batches = [pairs(b) for b in (_take(it, at) if leg < len(worlds) - 1 else it)]
+                steps.append(len(batches))
+                got += [p for b in batches for p in b]
+                states.append(mixes[-1].state_dict())
+                it.close()
+        assert len(set(steps)) == 1, f"leg {leg}: unequal steps {steps}"
+        state = json.loads(json.dumps(merge_states(states)))
+    return got, mixes, steps
+
+
+def check_sources(got, mixes, kw):
     for k, total in enumerate(TOTAL):
         ids = collections.Counter(i for s, i in got if s == k)
-        if stop == "first":
+        if kw.get("stop") == "first":
             assert max(ids.values()) == 1, f"source {k} duplicates"
-            lost = sum(m.counts[f"mix.undelivered.{k}"] for m in [resumed, *olds])
+            lost = sum(m.counts[f"mix.undelivered.{k}"] for m in mixes)
             assert sum(ids.values()) + lost == total, f"source {k}: lost or counted twice"
-        else:
+        elif kw.get("stop") == "all":
             assert set(ids) == set(range(total))
-            cycled = sum(m.counts[f"mix.cycled.{k}"] for m in [resumed, *olds])
+            cycled = sum(m.counts[f"mix.cycled.{k}"] for m in mixes)
             assert sum(ids.values()) == total + cycled, f"source {k}: uncounted repeats"
+    if kw.get("samples"):
+        assert len(got) == kw["samples"]
+
+
+ENDS = [{"stop": "first"}, {"stop": "all"}, {"samples": 240}]
+
+
+@pytest.mark.parametrize("at", [6, 20])  # at 20 the tar source ran out on every old reader
+@pytest.mark.parametrize("end", ENDS, ids=["first", "all", "samples"])
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2)])
+def test_another_world_gets_what_each_source_has_left(data, end, at, old, new):
+    kw = dict(weights=(3, 1), batch_size=3, buffer=5, **end)
+    got, mixes, _ = legs(data, kw, [old, new], at)
+    check_sources(got, mixes, kw)
+
+
+@pytest.mark.parametrize("end", ENDS, ids=["first", "all", "samples"])
+def test_three_worlds_in_one_epoch(data, end):
+    kw = dict(weights=(1, 2), batch_size=2, buffer=3, **end)
+    got, mixes, _ = legs(data, kw, [2, 3, 3, 1], 5)  # (3 then 3: the same shape continues)
+    check_sources(got, mixes, kw)
 
 
 def _dataset_states(loader_state):
