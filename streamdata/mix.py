@@ -280,7 +280,9 @@ class _Run:
         shape = (world.world_size, world.num_workers)
         self.budget: int | None = None
         if mix.samples is not None:
-            left = mix.samples - sum(e["t"] for s in before for e in s.delivered if e is not None)
+            left = mix.samples  # each earlier stage gave out what its ranks could share equally
+            for stage in before:
+                left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.delivered)
             self.budget, lost = split_budget(left, shape, world.worker)
             if lost and world.slot == 0 and self.t == 0:
                 mix._counters.add("mix.left_out", lost)
