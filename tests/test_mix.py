@@ -406,3 +406,21 @@ def test_persistent_workers_follow_set_epoch(data):
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             assert sorted(p for b in loader for p in pairs(b)) == expected[epoch]
+
+
+def flaky_row(sample):
+    n = int(sample["__key__"][1:])
+    if n % 10 == 0:
+        raise sd.DecodeError(f"no sample {n}", url=sample["__url__"], key=sample["__key__"])
+    return {"src": 0, "id": n}
+
+
+def test_the_sources_counters_are_the_mixs(data):
+    tar = sd.TarDataset(data + "/tar/", map=flaky_row, on_error="skip")
+    mix = sd.Mix([tar, sd.ParquetDataset(data + "/pq/", map=pq_row)], weights=[1, 1], stop="all")
+    got = [p for s in mix for p in pairs(s)]
+    skipped = sum(mix.skipped.values())
+    assert skipped == sum(tar.skipped.values()) > 0
+    assert mix.counts["skipped.other"] + mix.counts["skipped.decode"] == skipped
+    assert not [i for s, i in got if s == 0 and i % 10 == 0]
+    assert set(mix.retried) == set(tar.retried)
