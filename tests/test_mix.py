@@ -424,3 +424,19 @@ def test_the_sources_counters_are_the_mixs(data):
     assert mix.counts["skipped.other"] + mix.counts["skipped.decode"] == skipped
     assert not [i for s, i in got if s == 0 and i % 10 == 0]
     assert set(mix.retried) == set(tar.retried)
+
+
+def test_a_source_that_never_yields_cannot_be_cycled(data, tmp_path):
+    write_shards(fsspec.filesystem("file"), str(tmp_path), counts=[0, 0])
+    empty = sd.TarDataset(str(tmp_path) + "/", index=None, map=tar_row)
+    with pytest.raises(sd.SpecError, match="no samples"):  # counts known: refused at once
+        sd.Mix([make(data).sources[0], _empty_parquet(tmp_path)], stop="all")
+    mix = sd.Mix([sd.ParquetDataset(data + "/pq/", map=pq_row), empty], samples=50)
+    with pytest.raises(sd.StreamDataError, match="no sample in 3 epochs in a row"):
+        list(mix)
+
+
+def _empty_parquet(tmp_path):
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.int64())}), tmp_path / "pq" / "empty.parquet")
+    return sd.ParquetDataset(str(tmp_path / "pq") + "/", map=pq_row)
