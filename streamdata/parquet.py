@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
+from .blocks import block_shuffled
 from .config import UNIT_WINDOW
 from .dataset import ShardedDataset
 from .errors import DecodeError, FormatError, SpecError
@@ -138,7 +139,8 @@ class _ArrowTables(ShardedDataset):
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             tables = placeholder_tables(tables, rewind[2], rewind[0])
-        tables = self.shuffled(tables, seed)
+        tables = self.shuffled(tables, seed) if batching.windows is None else block_shuffled(
+            tables, batching.windows)
         if rewind is not None:
             tables = dropped(tables, rewind[1])
         opts = self.tensor_options

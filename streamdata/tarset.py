@@ -74,6 +74,10 @@ class TarDataset(ShardedDataset):
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
 
+    def ranged_segments(self) -> bool:
+        """With the index's offsets a span's samples are one ranged GET (the block shuffle's windows)."""
+        return bool(self._offsets) and all(o is not None for o in self._offsets.values())
+
     def fetch_segment(self, unit: Shard, start: int, stop: int, count: int) -> FetchItem:
         """The bytes of samples ``[start, stop)`` from the index's offsets (to the object's end,
         marker included, for a span that ends with the shard); a whole shard as one object."""
