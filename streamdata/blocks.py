@@ -38,9 +38,10 @@ from .sharding import reader_seed
 from .world import World
 
 __all__ = ["MAX_WINDOW", "MIN_WINDOW", "Windows", "block_reads", "block_runs", "block_shuffled",
-           "check_mode", "delivered_mask", "mode_tag", "window_for", "window_spans"]
+           "check_mode", "delivered_mask", "mode_tag", "window_for", "window_spans", "windows_of"]
 
 MIN_WINDOW, MAX_WINDOW = 64, 65536  # samples, the default window's bounds
+PIECES = 16  # a window gathers this many pieces of the span, from seeded places
 TAG = 0xB10C  # seed material that sets the block shuffle's generators apart
 MODES = ("block", "buffer")
 
@@ -134,37 +135,55 @@ def _within(material: Sequence[int], key: int, n: int) -> np.ndarray:
     return np.random.default_rng([*material, TAG, key + 1]).permutation(n)
 
 
-def _locate(wins: list[tuple[int, int]], order: np.ndarray, d: int) -> tuple[int, int]:
-    """``(j, r)``: ``d`` delivered = windows ``order[:j]`` whole and ``r`` of window ``order[j]``."""
+def windows_of(sizes: Sequence[int], window: int, split: bool, material: Sequence[int],
+               pieces: int = PIECES) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """A span's pieces ``[a, b)`` (``window_spans`` of ``window / pieces`` samples) and its
+    windows: the pieces in their seeded order, taken in turn while a window holds at most
+    ``window`` samples (always one piece)."""
+    spans = window_spans(sizes, -(-window // max(min(pieces, window), 1)), split)
+    groups: list[list[int]] = []
+    held = window + 1
+    for k in _order(material, len(spans)):
+        size = spans[k][1] - spans[k][0]
+        if held + size > window:
+            groups.append([])
+            held = 0
+        groups[-1].append(int(k))
+        held += size
+    return spans, groups
+
+
+def _locate(spans: list[tuple[int, int]], groups: list[list[int]], d: int) -> tuple[int, int]:
+    """``(j, r)``: ``d`` put out = windows ``[0, j)`` whole and the first ``r`` of window ``j``."""
     done = 0
-    for j, k in enumerate(order):
-        size = wins[k][1] - wins[k][0]
+    for j, group in enumerate(groups):
+        size = sum(spans[k][1] - spans[k][0] for k in group)
         if done + size > d:
             return j, d - done
         done += size
-    return len(order), 0
+    return len(groups), 0
 
 
-def delivered_mask(sizes: Sequence[int], d: int, window: int, split: bool,
-                   material: Sequence[int]) -> np.ndarray:
+def delivered_mask(sizes: Sequence[int], d: int, window: int, split: bool, material: Sequence[int],
+                   pieces: int = PIECES) -> np.ndarray:
     """Which of a span's samples (segments of ``sizes``) are among its first ``d`` put out."""
-    wins = window_spans(sizes, window, split)
-    order = _order(material, len(wins))
-    j, r = _locate(wins, order, d)
+    spans, groups = windows_of(sizes, window, split, material, pieces)
+    j, r = _locate(spans, groups, d)
     mask = np.zeros(int(sum(sizes)), dtype=bool)
-    for k in order[:j]:
-        mask[wins[k][0]:wins[k][1]] = True
-    if j < len(order) and r:
-        a, b = wins[order[j]]
-        mask[a + _within(material, int(order[j]), b - a)[:r]] = True
+    for group in groups[:j]:
+        for k in group:
+            mask[spans[k][0]:spans[k][1]] = True
+    if j < len(groups) and r:
+        held = np.concatenate([np.arange(*spans[k]) for k in groups[j]])  # as read: piece by piece
+        mask[held[_within(material, j, len(held))[:r]]] = True
     return mask
 
 
-def block_runs(window: int, split: bool, seed: int, epoch: int):
+def block_runs(window: int, split: bool, seed: int, epoch: int, pieces: int = PIECES):
     """``resume``'s ``undelivered(world, sizes, d)`` for the block shuffle: the runs ``[a, b)`` of
     an old reader's span that its first ``d`` samples put out left out."""
     def runs(world: World, sizes: Sequence[int], d: int) -> list[tuple[int, int]]:
-        mask = delivered_mask(sizes, d, window, split, reader_seed(world, seed=seed, epoch=epoch))
+        mask = delivered_mask(sizes, d, window, split, reader_seed(world, seed=seed, epoch=epoch), pieces)
         edges = np.flatnonzero(np.diff(np.concatenate(([1], mask.astype(np.int8), [1]))))
         return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
     return runs
@@ -185,21 +204,22 @@ def _cut(segments: Sequence[Segment], a: int, b: int) -> list[Segment]:
 
 
 def block_reads(full: Span, d: int, window: int, split: bool, material: Sequence[int],
-                tables: bool) -> tuple[list[Segment], Windows]:
+                tables: bool, pieces: int = PIECES) -> tuple[list[Segment], Windows]:
     """What a reader whose whole span is ``full`` reads, having put out ``d`` of it, and how it
-    puts them out: the windows from the one ``d`` falls in, in their seeded order, then what is
-    left of the plan's ``pad``."""
+    puts them out: the windows from the one ``d`` falls in, piece after piece, then what is left
+    of the plan's ``pad``."""
     own = full.samples - full.pad
     sizes = [len(s) for s in _cut(full.segments, 0, own)]
-    wins = window_spans(sizes, window, split)
-    order = _order(material, len(wins))
-    j, r = _locate(wins, order, min(d, own))
+    spans, groups = windows_of(sizes, window, split, material, pieces)
+    j, r = _locate(spans, groups, min(d, own))
     reads: list[Segment] = []
-    for k in order[j:]:
-        reads += _cut(full.segments, *wins[k])
+    for group in groups[j:]:
+        for k in group:
+            reads += _cut(full.segments, *spans[k])
     reads += _cut(full.segments, max(own, d), full.samples)
-    plan = Windows(tuple(int(x) for x in material), tuple(wins[k][1] - wins[k][0] for k in order[j:]),
-                   tuple(int(k) for k in order[j:]), r, tables)
+    plan = Windows(tuple(int(x) for x in material),
+                   tuple(sum(spans[k][1] - spans[k][0] for k in g) for g in groups[j:]),
+                   tuple(range(j, len(groups))), r, tables)
     return reads, plan
 
 

@@ -22,7 +22,13 @@ import pytest
 
 import streamdata as sd
 from streamdata import index as sdx
-from streamdata.blocks import block_reads, block_runs, block_shuffled, delivered_mask, window_spans
+from streamdata.blocks import (
+    block_reads,
+    block_runs,
+    block_shuffled,
+    delivered_mask,
+    windows_of,
+)
 from streamdata.errors import SpecError
 from streamdata.plan import Segment, Span, reader_span
 from streamdata.state import merge_states
@@ -81,27 +87,39 @@ def _span(sizes):
 
 
 @pytest.mark.parametrize("split", [True, False])
-def test_the_order_is_a_seeded_permutation_by_windows(split):
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_the_order_is_a_seeded_permutation_by_windows(split, pieces):
     sizes = [7, 3, 12, 1, 9, 4]
     full = _span(sizes)
-    reads, plan = block_reads(full, 0, 5, split, [1, 2, 0, 0], tables=False)
+    reads, plan = block_reads(full, 0, 6, split, [1, 2, 0, 0], tables=False, pieces=pieces)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     positions = [int(starts[s.unit]) + p for s in reads for p in range(s.start, s.stop)]
     out = list(block_shuffled(positions, plan))
     assert sorted(out) == list(range(sum(sizes)))
     assert out != sorted(out)
-    wins = window_spans(sizes, 5, split)
-    assert max(b - a for a, b in wins) <= (5 if split else max(5, max(sizes)))
+    spans, groups = windows_of(sizes, 6, split, [1, 2, 0, 0], pieces)
+    assert sorted(p for a, b in spans for p in range(a, b)) == list(range(sum(sizes)))  # pieces tile it
+    piece = 6 // pieces
+    assert all(b - a <= piece for a, b in spans) if split else all(
+        b - a <= piece or len(_cut_sizes(sizes, a, b)) == 1 for a, b in spans)
+    assert all(sum(spans[k][1] - spans[k][0] for k in g) <= max(6, max(sizes)) for g in groups)
     at = 0
-    for size in plan.sizes:  # each window's samples come out together: a contiguous run of the span
-        chunk = sorted(out[at:at + size])
-        assert chunk == list(range(chunk[0], chunk[0] + size))
+    for size, group in zip(plan.sizes, groups, strict=True):  # a window's samples come out together
+        assert sorted(out[at:at + size]) == sorted(p for k in group for p in range(*spans[k]))
         at += size
-    again, _ = block_reads(full, 0, 5, split, [1, 2, 0, 0], tables=False)
+    if pieces > 1 and split:
+        assert any(len(g) > 1 for g in groups)  # pieces from several places of the span
+    again, _ = block_reads(full, 0, 6, split, [1, 2, 0, 0], tables=False, pieces=pieces)
     assert again == reads
-    other = [int(starts[s.unit]) + p for s in block_reads(full, 0, 5, split, [1, 3, 0, 0], False)[0]
+    other = [int(starts[s.unit]) + p for s in block_reads(full, 0, 6, split, [1, 3, 0, 0], False, pieces)[0]
              for p in range(s.start, s.stop)]
     assert other != positions  # another epoch (or seed): another order of windows
+
+
+def _cut_sizes(sizes, a, b):
+    """The segments (of ``sizes``) that positions [a, b) touch."""
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    return [i for i in range(len(sizes)) if starts[i] < b and starts[i + 1] > a]
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -120,7 +138,7 @@ def test_any_position_restores_the_rest_and_says_what_was_delivered(split):
     for d in sorted(rng.sample(range(1, sum(sizes)), 12)):
         rest, plan = order(d)
         assert rest == whole[d:], d
-        assert plan.skip < max(b - a for a, b in window_spans(sizes, 5, split))  # one window, at most
+        assert plan.skip < max(5, max(sizes))  # one window, at most
         mask = delivered_mask(sizes, d, 5, split, material)
         assert sorted(np.flatnonzero(mask).tolist()) == sorted(whole[:d])
         runs = block_runs(5, split, seed=4, epoch=1)(World(1, 2, 0, 1), sizes, d)
@@ -326,7 +344,8 @@ def test_a_resume_fetches_the_rest_and_one_window_measured_at_a_proxy(proxied):
         payload = sum(size[i] for i in after) + reread * max(size.values())
         # headers, and the end-of-archive marker and padding (to 10 KiB) of a range that ends a shard
         assert latency.bytes_down <= payload + gets * (2048 + 10240), (latency.bytes_down, payload, gets)
-        assert gets <= 2 * (-(-len(after) // W) + 1)  # a window: one ranged GET, two across a shard
+        piece = -(-W // min(W, 16))
+        assert gets <= 2 * (-(-(len(after) + W) // piece))  # a piece: one ranged GET, two across a shard
 
 
 @pytest.mark.s3
@@ -376,3 +395,12 @@ def test_sd_loader_batches_in_workers_resumes_elsewhere_and_starts_the_next_epoc
         loader.load_state_dict(state)
         after = [i for b in loader for i in _ids(b)]
     assert sorted(before + after) == list(range(sum(COUNTS))) and len(before + after) == sum(COUNTS)
+
+
+def test_the_quality_benchmark_runs_small(capsys):
+    from benchmarks import shuffle_quality
+
+    shuffle_quality.main(["--samples", "2000", "--shards", "10", "--classes", "10", "--memory", "64",
+                          "--epochs", "1", "--resumes", "2"])
+    out = capsys.readouterr().out
+    assert "block/16" in out and "buffer" in out and "uniform" in out
