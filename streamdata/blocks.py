@@ -1,21 +1,24 @@
 """The block shuffle: a stateless seeded shuffle of an exact epoch's span (BLOCK-SHUFFLE). Pure, no I/O.
 
 With every unit's sample count known (a tar index with offsets, Parquet footers, Arrow IPC
-files), a reader's span (``plan``) is cut into *windows* of about ``window`` samples; the
-windows are read in a seeded order and each window's samples are put out in a seeded
-permutation. The order is a pure function of ``(seed, epoch, world, span)`` and the number of
-samples put out so far, so the position alone restores it:
+files), a reader's span (``plan``) is cut into *pieces*; the pieces are read in a seeded order,
+taken in turn into *windows* of at most ``window`` samples (``PIECES`` pieces each, from seeded
+places of the span), and each window's samples are put out in a seeded permutation. The order is
+a pure function of ``(seed, epoch, world, span)`` and the number of samples put out so far, so
+the position alone restores it:
 
-- a window is ``[a, b)`` of the span's own samples (the plan's repeated ``pad`` samples, if any,
-  come last, unshuffled). Tar with offsets: fixed cuts of ``window`` samples, each read with one
-  ranged GET (two where it crosses a shard); formats whose unit is fetched whole (Parquet row
-  groups, Arrow record batches): runs of whole segments, closed before ``window`` is passed (a
-  segment bigger than ``window`` is a window), so no unit is fetched twice;
-- the windows' order: ``rng([*reader_seed, TAG]).permutation``; window ``k``'s samples:
-  ``rng([*reader_seed, TAG, k + 1]).permutation`` (numpy's default generator);
-- RESUME-CONTINUES: ``d`` delivered = the first ``j`` windows of that order whole and the first
-  ``r`` of window ``j``'s permutation: the resumed pass reads window ``j`` again (``r`` samples
-  read again, counted in ``resumed.reread``), drops those ``r``, and goes on with window ``j+1``;
+- a piece is ``[a, b)`` of the span's own samples (the plan's repeated ``pad`` samples, if any,
+  come last, unshuffled). Tar with offsets: fixed cuts of ``window / PIECES`` samples, each read
+  with one ranged GET (two where it crosses a shard); formats whose unit is fetched whole (Parquet
+  row groups, Arrow record batches): runs of whole segments of at most that (a bigger segment is
+  a piece, and a window, of its own), so no unit is fetched twice;
+- the pieces' order: ``rng([*reader_seed, TAG]).permutation``; window ``j``'s samples, as read
+  (piece by piece): ``rng([*reader_seed, TAG, j + 1]).permutation`` (numpy's default generator).
+  Pieces from 16 places make neighbours unlike each other even where the shards were written in
+  label order (contiguous windows keep that order inside a window: benchmarks/README.md);
+- RESUME-CONTINUES: ``d`` delivered = windows ``[0, j)`` whole and the first ``r`` of window
+  ``j``'s permutation: the resumed pass reads window ``j`` again (``r`` samples read again,
+  counted in ``resumed.reread``), drops those ``r``, and goes on with window ``j + 1``;
 - RESUME-ELASTIC: :func:`block_runs` says which runs of an old reader's span its first ``d``
   samples left out (window arithmetic, O(span)); ``resume`` re-divides them.
 
@@ -37,8 +40,9 @@ from .plan import Segment, Span
 from .sharding import reader_seed
 from .world import World
 
-__all__ = ["MAX_WINDOW", "MIN_WINDOW", "Windows", "block_reads", "block_runs", "block_shuffled",
-           "check_mode", "delivered_mask", "mode_tag", "window_for", "window_spans", "windows_of"]
+__all__ = ["MAX_WINDOW", "MIN_WINDOW", "PIECES", "Windows", "block_reads", "block_runs", "block_shuffled",
+           "check_mode", "check_shuffle_option", "delivered_mask", "mode_tag", "window_for", "window_spans",
+           "windows_of"]
 
 MIN_WINDOW, MAX_WINDOW = 64, 65536  # samples, the default window's bounds
 PIECES = 16  # a window gathers this many pieces of the span, from seeded places

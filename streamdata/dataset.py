@@ -179,9 +179,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def block_window(self) -> int | None:
         """The block shuffle's window in samples (``blocks``), or None: a shuffle buffer, or none."""
-        if "_window" not in self.__dict__:
-            self._window = blocks.window_for(self)
-        return self._window
+        key = (self.shuffle, self.shuffle_mode, self.shuffle_window)
+        if self.__dict__.get("_window", (None,))[0] != key:
+            self._window = (key, blocks.window_for(self))
+        return self._window[1]
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are

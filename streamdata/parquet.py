@@ -206,6 +206,7 @@ class ParquetDataset(_ArrowTables):
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
                                           self.filter, self.columns)
         self._read_columns = None if self.columns is None else self.columns + self._extra
+        self.block_window()  # shuffle="block" with a filter: SpecError here, not in a worker
 
     def sample_counts(self) -> np.ndarray | None:
         """Rows per row group, from the footers: an exact epoch (``plan``), unless a ``filter``
@@ -307,6 +308,7 @@ class ArrowDataset(_ArrowTables):
             self._rows = from_rank0(lambda: read_batch_rows(  # LIST-ONCE: rank 0 reads them
                 files, self._footers, self.storage_options, self.fetch_config, policy))
             self._units = [u for u in self._units if u.url in self._rows]  # unreadable: skipped
+        self.block_window()  # shuffle="block" without row counts: SpecError here, not in a worker
 
     def sample_counts(self) -> np.ndarray | None:
         """Rows per record batch, from the batches' headers: an exact epoch (``plan``); None

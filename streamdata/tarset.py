@@ -55,6 +55,7 @@ class TarDataset(ShardedDataset):
             lambda: lookup(self.shards, index, self.storage_options, self.fetch_config))
         self._offsets = {} if self._index is None else dict(
             zip((s.url for s in self.shards), self._index.offsets, strict=True))
+        self.block_window()  # shuffle="block" without sample counts: SpecError here, not in a worker
         world = World.current()
         if self._index is None and world.world_size > 1 and world.rank == 0:
             log.warning("%d tar shards and no sample index: each epoch is split by shard, so ranks can "

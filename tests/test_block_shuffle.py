@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -281,7 +282,9 @@ def test_which_shuffle_a_dataset_takes(tar_dir, parquet_dir, tmp_path):
     default = sd.TarDataset(path, shuffle=True, byte_budget=2 ** 20).block_window()
     assert 64 <= default <= 65536 and default < sd.TarDataset(path, shuffle=True).block_window()
     with pytest.raises(SpecError, match="sample count"):
-        sd.TarDataset(path, shuffle="block", index=None).block_window()
+        sd.TarDataset(path, shuffle="block", index=None)  # in the constructing process
+    with pytest.raises(SpecError, match="sample count"):
+        sd.ParquetDataset(parquet_dir[0], shuffle="block", filter=pc.field("id") > 3)
     with pytest.raises(SpecError, match="shuffle must be"):
         sd.TarDataset(path, shuffle="blocks")
     with pytest.raises(SpecError, match="shuffle_window"):
