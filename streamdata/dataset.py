@@ -50,8 +50,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options
     (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``timeout``,
     ``retry_deadline``, ``retries``, ``backoff``, ``backoff_cap``, ...) are given flat or as
-    ``fetch_config=`` (:meth:`FetchConfig.resolve`). Skips under ``on_error`` and retries are
-    counted in :attr:`skipped` and :attr:`retried`, over every worker.
+    ``fetch_config=`` (:meth:`FetchConfig.resolve`). ``shuffle``: True (the block shuffle where
+    sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
+    ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
     """
 
     suffixes: tuple[str, ...] = ()

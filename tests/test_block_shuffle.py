@@ -388,6 +388,9 @@ def test_sd_loader_batches_in_workers_resumes_elsewhere_and_starts_the_next_epoc
         loader.set_epoch(1)
         assert [i for b in loader for i in _ids(b)] == epochs[1]  # adopted early: the same order
     assert all(sorted(e) == list(range(sum(COUNTS))) for e in epochs) and epochs[0] != epochs[1]
+    with rank_env(1, 2):  # the early pass is adopted only if it equals the pass iter() plans
+        assert late._plan_pass(1, 4, False) == late._plan_pass(1, 4, False)
+        assert late._plan_pass(1, 4, False).windows is not None
     with sd.loader(_s3(spec, options), batch_size=4, num_workers=2) as loader:
         it = iter(loader)
         before = [i for _ in range(5) for i in _ids(next(it))]
