@@ -107,7 +107,8 @@ def check_mode(state: Any, window: int | None) -> None:
             return "a shuffle buffer or none" if tag is None else f"the block shuffle, window {tag[6:]}"
         raise SpecError(f"this state was saved from a pass shuffled with {say(saved)}, this dataset "
                         f"shuffles with {say(mode_tag(window))}: resume with the same shuffle= and "
-                        "shuffle_window= (or byte_budget, which sizes the default window)")
+                        "shuffle_window= (or byte_budget, which sizes the default window); a state "
+                        "saved with a shuffle buffer loads into shuffle='buffer'")
 
 
 # ---- the windows and their orders ------------------------------------------------------------
