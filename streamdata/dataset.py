@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from . import blocks
 from .config import FetchConfig
 from .errors import SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
@@ -29,7 +30,7 @@ from .ranks import from_rank0
 from .redact import redact_url
 from .resume import Stage, resume_span, resume_units
 from .rewind import dropped, placeholder_items, rewind_point, skipped, undelivered
-from .sharding import assign
+from .sharding import assign, reader_seed
 from .stages import shuffled
 from .state import STATE_FORMAT, Position, check_batching, dataset_key, parse_state, reader_state
 from .urls import Shard, Spec, expand_spec
@@ -49,16 +50,18 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options
     (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``timeout``,
     ``retry_deadline``, ``retries``, ``backoff``, ``backoff_cap``, ...) are given flat or as
-    ``fetch_config=`` (:meth:`FetchConfig.resolve`). Skips under ``on_error`` and retries are
-    counted in :attr:`skipped` and :attr:`retried`, over every worker.
+    ``fetch_config=`` (:meth:`FetchConfig.resolve`). ``shuffle``: True (the block shuffle where
+    sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
+    ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
     """
 
     suffixes: tuple[str, ...] = ()
     fetch_defaults: dict[str, Any] = {}  # a format's own defaults (FetchConfig.resolve)
     default_shuffle_buffer = DEFAULT_SHUFFLE_BUFFER
 
-    def __init__(self, spec: Spec, *, storage_options: dict | None = None, shuffle: bool = False,
-                 seed: int = 0, shuffle_buffer: int | None = None, batch_size: int | None = None,
+    def __init__(self, spec: Spec, *, storage_options: dict | None = None, shuffle: bool | str = False,
+                 seed: int = 0, shuffle_buffer: int | None = None, shuffle_window: int | None = None,
+                 batch_size: int | None = None,
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
                  fetch_config: FetchConfig | None = None, **fetch_options: Any) -> None:
@@ -71,7 +74,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE)
         self.shards: list[Shard] = from_rank0(lambda: expand_spec(
             spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config))
-        self.shuffle = shuffle
+        blocks.check_shuffle_option(shuffle, shuffle_window)  # True/"block"/"buffer" (``blocks``)
+        self.shuffle, self.shuffle_mode = bool(shuffle), shuffle if isinstance(shuffle, str) else None
+        self.shuffle_window, self.buffer_given = shuffle_window, shuffle_buffer is not None
         self.seed = seed
         self.shuffle_buffer = ((self.default_shuffle_buffer if shuffle else 0) if shuffle_buffer is None
                                else shuffle_buffer)
@@ -168,6 +173,18 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         finally:
             getattr(records, "close", lambda: None)()
 
+    def ranged_segments(self) -> bool:
+        """Whether a unit's samples ``[start, stop)`` are fetched alone (``fetch_segment``), so a
+        block shuffle's windows may cut units (``blocks``)."""
+        return False
+
+    def block_window(self) -> int | None:
+        """The block shuffle's window in samples (``blocks``), or None: a shuffle buffer, or none."""
+        key = (self.shuffle, self.shuffle_mode, self.shuffle_window)
+        if self.__dict__.get("_window", (None,))[0] != key:
+            self._window = (key, blocks.window_for(self))
+        return self._window[1]
+
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
         handled by the policy, per record."""
@@ -186,8 +203,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         p = self._plan_pass(self.epoch, batch_size, drop_last, stages)
         self._live = Position.of_pass(p.world, p.epoch, "units" if p.span is None else "samples", stages,
                                       [batch_size, bool(drop_last and batch_size is not None)])
-        if self._live.base and p.span is not None and self.shuffle_buffer > 1:
+        if self._live.base and p.span is not None and p.windows is None and self.shuffle_buffer > 1:
             p = self._rewound(p, stages, batch_size, drop_last)
+        elif p.windows is not None and p.windows.skip:  # BLOCK-SHUFFLE: its window read again
+            self._counters.add("resumed.reread", p.windows.skip)
         if torch.utils.data.get_worker_info() is not None:
             self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
         return p
@@ -203,12 +222,24 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             picks = resume_units(len(units), stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
             return ReaderPass(world, epoch, [(units[u], (skip, None, None) if skip else None)
                                              for u, skip in picks])
+        window, split = self.block_window(), not self.records_are_tables and self.ranged_segments()
         buffered = self.shuffle_buffer > 1  # RESUME-ELASTIC behind a buffer: what it left out (``rewind``)
-        runs = undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None
-        span = resume_span(counts, stages or [], world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                           batch_size=batch_size, drop_last=drop_last, undelivered=runs)
-        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in span.segments]
-        return ReaderPass(world, epoch, reads, span)
+        runs = (blocks.block_runs(window, split, self.seed, epoch) if window else
+                undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None)
+        kw = dict(seed=self.seed, epoch=epoch, shuffle=self.shuffle, batch_size=batch_size,
+                  drop_last=drop_last, undelivered=runs)
+        span = resume_span(counts, stages or [], world, **kw)
+        segments, windows = span.segments, None
+        if window:  # BLOCK-SHUFFLE: the whole span's windows, from the one the position is in
+            d, full = 0, span
+            if stages and stages[-1].same_shape(world):
+                d, last = stages[-1].delivered[world.slot], stages[-1]
+                full = resume_span(counts, [*stages[:-1], Stage(last.world_size, last.num_workers, [
+                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])], world, **kw)
+            segments, windows = blocks.block_reads(full, d, window, split, reader_seed(world, seed=self.seed,
+                                            epoch=epoch), self.records_are_tables)
+        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in segments]
+        return ReaderPass(world, epoch, reads, span, windows)
 
     def _rewound(self, p: ReaderPass, stages: list[Stage], batch_size: int | None,
                  drop_last: bool) -> ReaderPass:
@@ -233,12 +264,15 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """Where this reader stands in the epoch (``state``; docs/resume.md): in a worker, what it
         yielded (``StatefulDataLoader`` asks after each batch); else the one loaded, or the start."""
         batching = [self.batch_size, bool(self.drop_last and self.batch_size is not None)]
-        return reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
+        state = reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
+        tag = blocks.mode_tag(self.block_window())
+        return state if tag is None else {**state, "shuffle": tag}
 
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);
         a state of another dataset is refused (SpecError). Call it before iterating."""
         epoch, stages = parse_state(state, *dataset_key(self), buffer=self.shuffle_buffer)
+        blocks.check_mode(state, self.block_window())
         batching = state.get("batching") or [self.batch_size, False]
         self._resume = (epoch, stages, [batching[0], bool(batching[1])])
         self._epoch, self._passes, self._live = epoch, 0, None
@@ -263,7 +297,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             reads, fetcher = self._start(p, policy)
         opened = self._opened(reads, fetcher, lambda: self._start_next(p, batch_size, drop_last))
         records = policy.units(self._read(p, u, part, r) for (u, part), r in opened)
-        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size))
+        batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
+                            p.windows)
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
 
     def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
@@ -340,7 +375,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             samples = placeholder_items(samples, rewind[0])
-        samples = self.shuffled(samples, seed)
+        samples = self.shuffled(samples, seed) if batching.windows is None else blocks.block_shuffled(
+            samples, batching.windows)
         if rewind is not None:
             samples = dropped(samples, rewind[1])
         if self._live is not None:

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
+from .blocks import block_shuffled
 from .config import UNIT_WINDOW
 from .dataset import ShardedDataset
 from .errors import DecodeError, FormatError, SpecError
@@ -138,7 +139,8 @@ class _ArrowTables(ShardedDataset):
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             tables = placeholder_tables(tables, rewind[2], rewind[0])
-        tables = self.shuffled(tables, seed)
+        tables = self.shuffled(tables, seed) if batching.windows is None else block_shuffled(
+            tables, batching.windows)
         if rewind is not None:
             tables = dropped(tables, rewind[1])
         opts = self.tensor_options
@@ -204,6 +206,7 @@ class ParquetDataset(_ArrowTables):
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
                                           self.filter, self.columns)
         self._read_columns = None if self.columns is None else self.columns + self._extra
+        self.block_window()  # shuffle="block" with a filter: SpecError here, not in a worker
 
     def sample_counts(self) -> np.ndarray | None:
         """Rows per row group, from the footers: an exact epoch (``plan``), unless a ``filter``
@@ -305,6 +308,7 @@ class ArrowDataset(_ArrowTables):
             self._rows = from_rank0(lambda: read_batch_rows(  # LIST-ONCE: rank 0 reads them
                 files, self._footers, self.storage_options, self.fetch_config, policy))
             self._units = [u for u in self._units if u.url in self._rows]  # unreadable: skipped
+        self.block_window()  # shuffle="block" without row counts: SpecError here, not in a worker
 
     def sample_counts(self) -> np.ndarray | None:
         """Rows per record batch, from the batches' headers: an exact epoch (``plan``); None

@@ -77,6 +77,7 @@ class ReaderPass:
     epoch: int
     reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
     span: Span | None = None
+    windows: Any = None  # BLOCK-SHUFFLE: how the reads are put out (``blocks.Windows``), else None
 
     @property
     def units(self) -> list[Any]:
@@ -111,3 +112,4 @@ class Batching:
     collate_fn: Callable[[list], Any] | None = None
     in_flight: int | None = None
     sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
+    windows: Any = None  # the block shuffle's windows (``blocks.Windows``), else a buffer's shuffle

@@ -106,7 +106,7 @@ def merge_states(states: Sequence[dict]) -> dict:
         raise SpecError("no state to merge")
     out = json.loads(json.dumps(states[0]))
     for other in states[1:]:
-        keys = ("format", "version", "fingerprint", "split", "epoch")
+        keys = ("format", "version", "fingerprint", "split", "epoch", "shuffle")
         if any(other.get(k) != out.get(k) for k in keys):
             raise SpecError("states of different datasets or epochs cannot be merged: "
                             + ", ".join(f"{k}={out.get(k)!r}/{other.get(k)!r}" for k in keys

@@ -55,6 +55,7 @@ class TarDataset(ShardedDataset):
             lambda: lookup(self.shards, index, self.storage_options, self.fetch_config))
         self._offsets = {} if self._index is None else dict(
             zip((s.url for s in self.shards), self._index.offsets, strict=True))
+        self.block_window()  # shuffle="block" without sample counts: SpecError here, not in a worker
         world = World.current()
         if self._index is None and world.world_size > 1 and world.rank == 0:
             log.warning("%d tar shards and no sample index: each epoch is split by shard, so ranks can "
@@ -73,6 +74,10 @@ class TarDataset(ShardedDataset):
             chunks, redact_url(reader.url), total=None if compressed else unit.size,
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
+
+    def ranged_segments(self) -> bool:
+        """With the index's offsets a span's samples are one ranged GET (the block shuffle's windows)."""
+        return bool(self._offsets) and all(o is not None for o in self._offsets.values())
 
     def fetch_segment(self, unit: Shard, start: int, stop: int, count: int) -> FetchItem:
         """The bytes of samples ``[start, stop)`` from the index's offsets (to the object's end,

@@ -2,7 +2,8 @@
 2 ranks x 2 workers job stops at a seeded step and saves ``sd.loader``'s state (every rank's
 positions); it restarts on (a) the same world, (b) 3 ranks x 1 worker, (c) 1 rank x 0 workers.
 Before + after = the epoch exactly, no duplicate, the same number of steps on every rank (a
-shuffle buffer of 16 on: RESUME-BUFFER and its elastic replay)."""
+shuffle buffer of 16 on: RESUME-BUFFER and its elastic replay; or the block shuffle, window 8:
+BLOCK-SHUFFLE)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _torchrun(tmp_path: Path, nproc: int, cfg: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_torchrun_resume_on_the_same_and_other_worlds(s3_bucket, tmp_path):
+@pytest.mark.parametrize("shuffle", ["buffer", "block"])
+def test_torchrun_resume_on_the_same_and_other_worlds(s3_bucket, tmp_path, shuffle):
     import s3fs
 
     from streamdata.index import build_index
@@ -45,7 +47,7 @@ def test_torchrun_resume_on_the_same_and_other_worlds(s3_bucket, tmp_path):
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
     everything = write_shards(fs, f"{bucket}/rs", counts=COUNTS)
     build_index(f"s3://{bucket}/rs/", storage_options=server.storage_options, progress=False)
-    base = {"spec": f"s3://{bucket}/rs/", "storage_options": server.storage_options}
+    base = {"spec": f"s3://{bucket}/rs/", "storage_options": server.storage_options, "shuffle": shuffle}
     stop = random.Random(13).randint(2, 10)  # of 15 steps per rank
     state = tmp_path / "state.json"
     first = _torchrun(tmp_path, 2, {**base, "workers": 2, "tag": "first", "stop": stop, "save": str(state)})

@@ -28,8 +28,9 @@ def main(out_dir: str, config_json: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    ds = sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"], shuffle=True, seed=3,
-                       shuffle_buffer=16)
+    shuffle = ({"shuffle": "block", "shuffle_window": 8} if cfg.get("shuffle") == "block"
+               else {"shuffle": True, "shuffle_buffer": 16})  # BLOCK-SHUFFLE, or RESUME-BUFFER
+    ds = sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"], seed=3, **shuffle)
     keys, steps = [], 0
     with sd.loader(ds, batch_size=4, num_workers=cfg["workers"]) as loader:
         loader.set_epoch(1)
