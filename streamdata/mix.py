@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from .blocks import mode_tag
 from .dataset import ShardedDataset
 from .errors import SpecError, StreamDataError
 from .incremental import batches
@@ -313,9 +314,10 @@ class _Run:
         epoch = self.epoch + cycle * CYCLE_STRIDE
         if stages:
             fp, split = dataset_key(source)
-            source.load_state_dict({"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": fp,
-                                    "epoch": epoch, "split": split, "stages": _stages_json(stages),
-                                    "batching": [None, False]})
+            state = {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": fp, "epoch": epoch,
+                     "split": split, "stages": _stages_json(stages), "batching": [None, False]}
+            tag = mode_tag(source.block_window())  # a block-shuffled source's (BLOCK-SHUFFLE)
+            source.load_state_dict(state if tag is None else {**state, "shuffle": tag})
         else:
             source.set_epoch(epoch)
         old, self.iters[k] = self.iters[k], source.iter_batches(None)
