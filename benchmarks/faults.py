@@ -236,7 +236,9 @@ class FaultProxy(LoopedServer):
 
     ``url`` is the proxy's base URL (use it as ``endpoint_url``); ``requests`` counts requests
     by kind (:func:`request_kind`), ``faults_injected`` faults by kind (outages as
-    ``"outage"``); ``history`` keeps the last requests as ``(kind, method, target, outcome)``.
+    ``"outage"``); ``history`` keeps the last requests as ``(kind, method, target, outcome)``;
+    ``transfers`` the last forwarded answers as ``(kind, path, range, body_bytes)``: the
+    request's Range header (None without one) and the body bytes the client was sent.
     """
 
     thread_name = "fault-proxy"
@@ -254,6 +256,7 @@ class FaultProxy(LoopedServer):
         self._requests: collections.Counter[str] = collections.Counter()
         self._injected: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[tuple[str, str, str, str]] = collections.deque(maxlen=1000)
+        self.transfers: collections.deque[tuple[str, str, str | None, int]] = collections.deque(maxlen=1000)
         self._outage_until = 0.0
         self._outage_mode = ""
         super().__init__()
@@ -297,6 +300,7 @@ class FaultProxy(LoopedServer):
             self._requests.clear()
             self._injected.clear()
             self.history.clear()
+            self.transfers.clear()
 
     def outage(self, seconds: float, mode: str = "refuse") -> None:
         """Fail every request for the next ``seconds`` (see the module docstring); returns at once."""
@@ -461,6 +465,7 @@ class FaultProxy(LoopedServer):
             await client_w.drain()
             await self._fault_after_body(fault, client_r, client_w)
         await client_w.drain()
+        self.transfers.append((kind, path, req.get("range"), sent))
         if resp.get("content-length") is None and "chunked" not in (
                 resp.get("transfer-encoding") or "").lower() and not no_body:
             return False  # a body framed by the connection's end

@@ -11,7 +11,10 @@ import torch.distributed as dist
 def leave() -> None:
     """Destroy the process group and leave without the interpreter's teardown, where torch's
     threads once aborted a 3-rank job under load ("terminate called without an active
-    exception", after every rank had written its results). Not ours to fix here; noted."""
+    exception", after every rank had written its results). Not ours: at that point no thread of
+    ours is alive, but gloo's (gloo_tcp_loop, pt_gloo_runloop) still are: they outlive
+    destroy_process_group (and gc.collect) once torch._dynamo is imported (a torch.optim
+    optimizer's first construction imports it; reproduced without streamdata)."""
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
