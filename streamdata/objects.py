@@ -13,6 +13,7 @@ from .config import OBJECT_MAX_REQUESTS, FetchConfig
 from .decode import DecodeSpec, make_decoder
 from .metrics import COUNTERS, Counters
 from .redact import redact_url
+from .state import fingerprint, parse_state, start_state
 from .urls import Spec, expand_spec, split_url
 
 __all__ = ["ObjectDataset"]
@@ -103,6 +104,21 @@ class ObjectDataset(torch.utils.data.Dataset):
             cfg = self.fetch_config
             self._cache = Cache(cfg.cache_dir, cfg.cache_limit, self._counters) if cfg.cache_dir else None
         return self._client
+
+    # ---- the state (``state``; docs/resume.md) ------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The state protocol's record for a map-style dataset: no position of its own (which
+        indices come next is the sampler's, saved by ``StatefulDataLoader``), only what ties a
+        checkpoint to this dataset (its objects and sizes), so another dataset's is refused."""
+        return start_state(self._fingerprint(), 0, "objects")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check that ``state`` was saved from this dataset (SpecError if not); nothing to seek."""
+        parse_state(state, self._fingerprint(), "objects")
+
+    def _fingerprint(self) -> str:
+        return fingerprint(self.shards, None, seed=0, shuffle=False)
 
     def close(self) -> None:
         """Close this process's connections and I/O thread (workers close theirs at exit)."""
