@@ -16,7 +16,9 @@ Rules, each a test in tests/test_h1.py:
   body does ``IncompleteRead`` (both ``ConnectionError``: ``retry.classify`` retries them);
 - a connection is reused only after its answer was read to the end, with nothing extra, from a
   server that keeps it alive; one that failed, was cut or left half read is closed;
-- nothing is ever re-sent here: retries are the caller's (by deadline, counted);
+- nothing is ever re-sent here: retries are the caller's (by deadline, counted); a redirect
+  with a ``Location`` is followed (at most ``MAX_REDIRECTS``), with the same headers, as
+  aiohttp did;
 - after fork the child drops an inherited pool without touching its sockets (``forget``).
 """
 
@@ -33,6 +35,8 @@ __all__ = ["Disconnected", "IncompleteRead", "Pool", "ProtocolError", "Response"
 MAX_HEAD = 64 * 1024  # bytes of status line and headers
 MAX_HEADERS = 128  # header lines
 MAX_LINE = 8 * 1024  # a chunk-size line
+MAX_REDIRECTS = 5
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _HIGH_WATER = 1 << 20  # bytes buffered per connection before reading pauses
 _LOW_WATER = 256 * 1024
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([1-5]\d\d)(?: [^\r\n]*)?")
@@ -254,8 +258,23 @@ class _Get:
         self.resp: Response | None = None
 
     async def __aenter__(self) -> Response:
-        self.resp = await self.pool._send(self.url, self.headers or {})
-        return self.resp
+        url = self.url
+        for hop in range(MAX_REDIRECTS + 1):  # followed as aiohttp did: a new GET, not a re-send
+            resp = await self.pool._send(url, self.headers or {})
+            location = resp.headers.get("location")
+            if resp.status not in _REDIRECTS or not location or hop == MAX_REDIRECTS:
+                self.resp = resp
+                return resp
+            try:
+                seen = 0
+                async for piece in resp.iter_chunks():  # a redirect's small body, read to reuse
+                    seen += len(piece)
+                    if seen > MAX_HEAD:
+                        break
+            finally:
+                resp.release()  # reused only if read to the end
+            url = urllib.parse.urljoin(url, location)
+        raise AssertionError("unreachable")
 
     async def __aexit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if self.resp is not None:

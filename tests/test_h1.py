@@ -328,6 +328,28 @@ def test_no_hidden_resend_when_a_kept_alive_connection_drops(script) -> None:
     assert len(server.requests) == 2 and server.connections == 1  # never re-sent
 
 
+def test_redirects_are_followed_with_the_same_headers(script) -> None:
+    def answer(c, i, head):
+        if i == 0:
+            c.sendall(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /moved?x=1\r\n"
+                      b"Content-Length: 4\r\n\r\nmove")
+        else:
+            c.sendall(ok(b"here"))
+        return True
+
+    server = script(answer)
+
+    async def go():
+        pool = h1.Pool(2, timeout=10)
+        got = await fetch(pool, server.url(), {"Range": "bytes=0-3"})
+        await pool.close()
+        return got, pool.opened
+
+    assert run(go()) == ((200, b"here"), 1)  # the redirect's body read: its connection reused
+    moved = server.requests[1]
+    assert moved.startswith(b"GET /moved?x=1 HTTP/1.1") and b"Range: bytes=0-3" in moved
+
+
 def test_limit_bounds_connections_in_use(script) -> None:
     gate = threading.Event()
 
