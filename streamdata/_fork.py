@@ -7,8 +7,8 @@ stage in ``STAGES`` order (within a stage, in registration order):
 
   loops     ``_aio``: every inherited ``LoopThread`` is marked inherited and closed; its thread
             did not survive the fork, so it refuses work instead of hanging (LOOP-AFTER-FORK).
-  sessions  ``client``: every inherited aiohttp session is dropped without closing its
-            connections; closing them in the child would close the parent's keep-alive
+  sessions  ``client``: every inherited aiohttp session (and LITE-HTTP pool, ``h1``) is dropped
+            without closing its connections; closing them in the child would close the parent's keep-alive
             sockets under it (seen: the parent's next request hung until its time-out).
   pools     ``recycle``: a worker's buffer pool lends slots of its own board; a process forked
             from the worker starts with none (RECYCLE-HANDOFF).

@@ -209,13 +209,24 @@ def lite_s3(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
 _WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",)}
 
 
-def warm_imports(protocol: str) -> None:
+def warm_imports(protocol: str, storage_options: Mapping[str, Any] | None = None) -> None:
     """Import what this protocol's readers will need (aiohttp for S3's presigned GETs and
     HTTP) now, in the process that builds the dataset: forked DataLoader workers inherit the
     modules instead of each importing them before its first request (0.3 s of CPU each on
-    a 2-core machine). Called while the listing's request is in flight, it costs nothing."""
+    a 2-core machine). Called while the listing's request is in flight, it costs nothing.
+    Under LITE-S3 with LITE-HTTP (``h1``) S3's readers need no aiohttp: only an ``https``
+    endpoint's SSL context is made (its CA bundle loaded once, inherited by workers)."""
     import importlib
 
+    from .config import lite_http
+
+    lite = lite_s3(protocol, storage_options) if lite_http() else None
+    if lite is not None:
+        if lite.scheme == "https":
+            from .h1 import default_ssl_context
+
+            default_ssl_context()
+        return
     for name in _WARM.get(protocol, ()):
         try:
             importlib.import_module(name)

@@ -22,7 +22,7 @@ from .backends import close_sessions, filesystem, inherited_signer, lite_s3, tra
 from .config import FetchConfig
 from .errors import ShardFetchError
 from .metrics import Counters
-from .presigned import Body, PresignedS3, http_probe, no_hidden_retry
+from .presigned import Body, PresignedS3, forget_session, http_probe, no_hidden_retry
 from .retry import Throttle, backoff_s, classify
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
@@ -71,17 +71,6 @@ class ClientStats:
 _S3_SLOW_OPTIONS = ("requester_pays", "version_aware", "s3_additional_kwargs")
 
 
-def _forget_session(session: Any) -> None:
-    """Drop an aiohttp session inherited through fork without touching its connections:
-    finalising it in the child closes the parent's keep-alive sockets under the parent
-    (seen: the parent's next request hung until its time-out)."""
-    connector = getattr(session, "_connector", None)
-    if connector is not None:
-        session._connector = None
-        connector._closed = True
-        connector._conns.clear()
-
-
 class _LitePaths:
     """What the client asks of a filesystem for S3 URLs under LITE-S3 (none is built)."""
 
@@ -94,12 +83,12 @@ _live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 
 
 def _forget_inherited() -> None:
-    """FORK-RESET, stage "sessions": drop every inherited client's aiohttp sessions."""
+    """FORK-RESET, stage "sessions": drop every inherited client's sessions and pools."""
     for client in list(_live_clients):
         if client._presigned is not None:
-            _forget_session(client._presigned.session)
-        _forget_session(getattr(client._fs, "_session", None))
-        _forget_session(getattr(client._fallback_fs, "_session", None))
+            client._presigned.forget()
+        forget_session(getattr(client._fs, "_session", None))
+        forget_session(getattr(client._fallback_fs, "_session", None))
     _live_clients.clear()
 
 
@@ -146,7 +135,7 @@ class AsyncClient:
         lite = lite_s3(self.protocol, self._options) if fast else None
         if lite is not None:  # LITE-S3: signed here; s3fs is imported only if a GET needs re-signing
             self._presigned = PresignedS3(None, self.config.max_requests, lite, lite=True,
-                                           make_fs=self._full_fs)
+                                           make_fs=self._full_fs, timeout=self.config.timeout)
             self._fs = _LitePaths()
             return self._fs
         return await self._full_fs()

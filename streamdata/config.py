@@ -11,7 +11,7 @@ from typing import Any
 from .errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
-           "env_str"]
+           "env_str", "lite_http"]
 
 MiB = 1 << 20
 
@@ -37,6 +37,13 @@ def env_setdefault(name: str, value: str) -> str:
 def env_snapshot(names: Iterable[str]) -> dict[str, str | None]:
     """The raw values of ``names`` (``None`` where unset, ``""`` kept): what a client built now would see."""
     return {name: os.environ.get(name) for name in names}
+
+
+def lite_http() -> bool:
+    """LITE-HTTP (``h1``): LITE-S3's GETs go over streamdata's own HTTP/1.1 client, so no process
+    imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts them back on aiohttp (the A/B of
+    benchmarks/startup.py; a way out if a server needs what only aiohttp does)."""
+    return env_str("STREAMDATA_LITE_HTTP", "1") != "0"
 
 
 def env_int(name: str, default: int | None = None) -> int | None:

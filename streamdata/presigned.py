@@ -1,4 +1,5 @@
-"""Requests on a plain aiohttp session: S3 GETs as presigned URLs, and HTTP size probes.
+"""S3 GETs as presigned URLs (on LITE-HTTP's pool, ``h1``, or a plain aiohttp session), and
+HTTP size probes.
 
 What one ranged GET has received is kept in a ``Body`` across its tries (RESUME, see
 ``client.AsyncClient.get``); a size probe's answer carries the object's size in its
@@ -11,7 +12,7 @@ import asyncio
 import re
 from typing import Any
 
-__all__ = ["Body", "PresignedS3", "content_total", "http_probe", "no_hidden_retry"]
+__all__ = ["Body", "PresignedS3", "content_total", "forget_session", "http_probe", "no_hidden_retry"]
 
 
 class Body:
@@ -33,27 +34,38 @@ class Body:
 
 
 class PresignedS3:
-    """S3 ranged GETs as presigned URLs on a plain aiohttp session.
+    """S3 ranged GETs as presigned URLs on a plain HTTP client.
 
     botocore's response pipeline costs about 1.6 ms of CPU per MB read on this project's
     2-core test machine (0.27 vs 0.11 ms per 96 KiB sample against local files); a presigned
     GET is the same signed request with none of that. One URL per object, signed by the
     filesystem's own botocore client (same credentials, endpoint and addressing), reused
     until half its lifetime has passed.
+
+    LITE-HTTP: with LITE-S3's signer (``lite``) the GETs go over ``h1.Pool`` (standard library
+    only: no aiohttp import, 0.3 s), unless ``config.lite_http()`` says otherwise; with a
+    botocore signer aiohttp is imported already (aiobotocore needs it) and is used.
     """
 
     LIFETIME = 3600
 
     def __init__(self, fs: Any, max_requests: int, signer: Any = None, *, make_fs: Any = None,
-                 lite: bool = False) -> None:
-        import aiohttp
+                 lite: bool = False, timeout: float = 60.0) -> None:
+        from .config import lite_http
 
         self.fs = fs  # None with a LITE-S3 signer: ``make_fs()`` builds it if ever needed
         self._make_fs = make_fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.lite = lite  # signer is LITE-S3's (s3lite): a 404 or 416 is the object's, not the signature's
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
-        no_hidden_retry(self.session)
+        if lite and lite_http():
+            from .h1 import Pool
+
+            self.session: Any = Pool(max_requests, timeout)
+        else:
+            import aiohttp
+
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
+            no_hidden_retry(self.session)
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
@@ -102,7 +114,7 @@ class PresignedS3:
                 status = resp.status
                 total = content_total(resp.headers.get("Content-Range"))
                 if status == 206 or (status == 200 and not headers):
-                    async for piece, _ in resp.content.iter_chunks():
+                    async for piece in _pieces(resp):
                         body.keep(piece)
                     return total if status == 206 else body.size
                 data = await resp.read()
@@ -135,6 +147,34 @@ class PresignedS3:
 
     async def close(self) -> None:
         await self.session.close()
+
+    def forget(self) -> None:
+        """FORK-RESET in a child: drop the inherited connections without closing them."""
+        if hasattr(self.session, "forget"):
+            self.session.forget()
+        else:
+            forget_session(self.session)
+
+
+async def _pieces(resp: Any) -> Any:
+    """A response body's pieces as they arrived, from either client."""
+    if hasattr(resp, "content"):  # aiohttp
+        async for piece, _ in resp.content.iter_chunks():
+            yield piece
+    else:
+        async for piece in resp.iter_chunks():
+            yield piece
+
+
+def forget_session(session: Any) -> None:
+    """Drop an aiohttp session inherited through fork without touching its connections:
+    finalising it in the child closes the parent's keep-alive sockets under the parent
+    (seen: the parent's next request hung until its time-out)."""
+    connector = getattr(session, "_connector", None)
+    if connector is not None:
+        session._connector = None
+        connector._closed = True
+        connector._conns.clear()
 
 
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(?:\d+-\d+|\*)/(\d+)\s*$")

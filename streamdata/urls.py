@@ -121,7 +121,7 @@ class _Backends:
     def warm(self, protocol: str) -> None:
         if protocol not in self.warmed:
             self.warmed.add(protocol)
-            warm_imports(protocol)
+            warm_imports(protocol, self.options)
 
     def close(self) -> None:
         for fs in self.filesystems.values():
@@ -314,7 +314,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     if not items:
         raise SpecError("the shard spec is an empty list: name at least one URL")
     if not listing:
-        return _unlisted(items)
+        return _unlisted(items, storage_options)
     suffixes = tuple(suffixes)
     b = _Backends(storage_options, config)
     try:
@@ -339,7 +339,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     return shards
 
 
-def _unlisted(items: list[Any]) -> list[Shard]:
+def _unlisted(items: list[Any], storage_options: Mapping[str, Any] | None) -> list[Shard]:
     """NO-LISTING (``expand_spec(listing=False)``): the named objects, sizes unknown."""
     from fsspec.registry import known_implementations, registry
 
@@ -365,7 +365,7 @@ def _unlisted(items: list[Any]) -> list[Shard]:
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
     for protocol in {split_url(s.url)[0] for s in shards}:  # inherited by forked workers
-        warm_imports(protocol)
+        warm_imports(protocol, storage_options)
     return shards
 
 

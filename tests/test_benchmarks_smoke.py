@@ -92,3 +92,13 @@ def test_compressed_benchmark_runs(what):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert ("x plain" if what == "decode" else "ShardWriter / serial put") in done.stdout
+
+
+def test_lite_http_benchmark_compares_both_clients():
+    """benchmarks/lite_http.py: both children read every byte; the h1 one without aiohttp
+    (the script asserts it per round)."""
+    cmd = [sys.executable, "-m", "benchmarks.lite_http", "--rounds", "1", "--shards", "2",
+           "--shard-mib", "2", "--part-mib", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| CPU per MB |" in done.stdout and "[1/1] h1:" in done.stdout
