@@ -61,16 +61,19 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                  seed: int = 0, shuffle_buffer: int | None = None, batch_size: int | None = None,
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
-                 fetch_config: FetchConfig | None = None, **fetch_options: Any) -> None:
+                 fetch_config: FetchConfig | None = None, listing: bool = True,
+                 **fetch_options: Any) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
-        # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE)
+        self.before_listing(spec)
+        # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE); listing=False:
+        # none, sizes from the readers' first GETs (NO-LISTING, ``urls.expand_spec``)
         self.shards: list[Shard] = from_rank0(lambda: expand_spec(
-            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config))
+            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config, listing=listing))
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = ((self.default_shuffle_buffer if shuffle else 0) if shuffle_buffer is None
@@ -129,6 +132,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         (a tar index, Parquet footers): the pass is then an exact epoch (``plan``); None: units
         are split whole (``sharding``)."""
         return None
+
+    def before_listing(self, spec: Spec) -> None:
+        """Requests a format can send while the spec is listed (a tar index, ``indexahead``)."""
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""
