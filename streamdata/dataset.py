@@ -50,7 +50,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``timeout``,
     ``retry_deadline``, ``retries``, ``backoff``, ``backoff_cap``, ...) are given flat or as
     ``fetch_config=`` (:meth:`FetchConfig.resolve`). Skips under ``on_error`` and retries are
-    counted in :attr:`skipped` and :attr:`retried`, over every worker.
+    counted in :attr:`skipped` and :attr:`retried`, over every worker. ``listing=False``:
+    the spec is not listed (``expand_spec``'s NO-LISTING; docs/startup.md).
     """
 
     suffixes: tuple[str, ...] = ()
