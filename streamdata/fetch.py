@@ -198,8 +198,11 @@ class Prefetcher:
 
     def _size_ahead(self, index: int, sizing: dict[int, asyncio.Future]) -> asyncio.Future:
         """Item ``index``'s size; the window's other unsized items are asked for theirs now too,
-        in order (one request each, concurrent: not one round trip after another)."""
-        for i in range(index, min(len(self.items), self._consumer + self.config.window)):
+        in order (one request each, concurrent: not one round trip after another). The reader's
+        first item is probed alone: its probe brings its first bytes (HEAD-START), and the
+        window's requests follow its parts (FIRST_SHARD_HEAD_START_S)."""
+        end = index + 1 if index == 0 else self._consumer + self.config.window
+        for i in range(index, min(len(self.items), end)):
             item = self.items[i]
             if i not in sizing and item.ranges is None and item.size is None:
                 sizing[i] = asyncio.ensure_future(self.client.size(item.url))
