@@ -53,6 +53,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     ``fetch_config=`` (:meth:`FetchConfig.resolve`). ``shuffle``: True (the block shuffle where
     sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
     ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
+    ``listing=False``: the spec is not listed (``expand_spec``'s NO-LISTING; docs/startup.md).
     """
 
     suffixes: tuple[str, ...] = ()
@@ -64,16 +65,19 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                  batch_size: int | None = None,
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
-                 fetch_config: FetchConfig | None = None, **fetch_options: Any) -> None:
+                 fetch_config: FetchConfig | None = None, listing: bool = True,
+                 **fetch_options: Any) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
-        # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE)
+        self.before_listing(spec)
+        # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE); listing=False:
+        # none, sizes from the readers' first GETs (NO-LISTING, ``urls.expand_spec``)
         self.shards: list[Shard] = from_rank0(lambda: expand_spec(
-            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config))
+            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config, listing=listing))
         blocks.check_shuffle_option(shuffle, shuffle_window)  # True/"block"/"buffer" (``blocks``)
         self.shuffle, self.shuffle_mode = bool(shuffle), shuffle if isinstance(shuffle, str) else None
         self.shuffle_window, self.buffer_given = shuffle_window, shuffle_buffer is not None
@@ -134,6 +138,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         (a tar index, Parquet footers): the pass is then an exact epoch (``plan``); None: units
         are split whole (``sharding``)."""
         return None
+
+    def before_listing(self, spec: Spec) -> None:
+        """Requests a format can send while the spec is listed (a tar index, ``indexahead``)."""
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""

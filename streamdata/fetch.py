@@ -196,14 +196,28 @@ class Prefetcher:
             self._wake.clear()
             await self._wake.wait()
 
+    def _size_ahead(self, index: int, sizing: dict[int, asyncio.Future]) -> asyncio.Future:
+        """Item ``index``'s size; the window's other unsized items are asked for theirs now too,
+        in order (one request each, concurrent: not one round trip after another). The reader's
+        first item is probed alone: its probe brings its first bytes (HEAD-START), and the
+        window's requests follow its parts (FIRST_SHARD_HEAD_START_S)."""
+        end = index + 1 if index == 0 else self._consumer + self.config.window
+        for i in range(index, min(len(self.items), end)):
+            item = self.items[i]
+            if i not in sizing and item.ranges is None and item.size is None:
+                sizing[i] = asyncio.ensure_future(self.client.size(item.url))
+                sizing[i].add_done_callback(lambda f: f.cancelled() or f.exception())  # read later
+        return sizing.pop(index)
+
     async def _schedule(self) -> None:
         cfg = self.config
+        sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index, item in enumerate(self.items):
             await self._until(lambda index=index: index < self._consumer + cfg.window)
             try:
                 ranges = item.ranges
                 if ranges is None:
-                    size = item.size if item.size is not None else await self.client.size(item.url)
+                    size = item.size if item.size is not None else await self._size_ahead(index, sizing)
                     ranges = ((0, size),)
                 # only the reader's first shard starts with a small part: it is what the first
                 # batch waits for; later shards are fetched ahead, where fewer, bigger GETs

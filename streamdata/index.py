@@ -37,8 +37,8 @@ from .redact import redact_url
 from .urls import Shard, Spec, expand_spec, listing_deadline, split_url
 
 __all__ = ["INDEX_NAME", "IndexedShards", "ShardEntry", "build_index", "decode_index", "default_index_url",
-           "encode_index", "entry_name", "index_status", "lookup", "read_index", "tar_sample_offsets",
-           "write_index"]
+           "encode_index", "entry_name", "index_entries", "index_status", "lookup", "open_index",
+           "read_index", "tar_sample_offsets", "write_index"]
 
 INDEX_NAME = "streamdata.sdx"
 
@@ -111,21 +111,33 @@ def _fs(url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig
     return fs, fs._strip_protocol(url)
 
 
-def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
-               config: FetchConfig | None = None) -> list[ShardEntry] | None:
-    """The entries of the index at ``url`` (one GET, through the prefetcher's client: no HEAD
-    first), or ``None`` when there is no such object. Retried like the constructor's listing
-    (within ``urls.listing_deadline``)."""
+def open_index(url: str, storage_options: Mapping[str, Any] | None = None,
+               config: FetchConfig | None = None) -> Prefetcher:
+    """The index's GET, sent now (one request through the prefetcher's client: no HEAD first);
+    :func:`index_entries` reads its answer. Retried like the constructor's listing."""
     config = config or FetchConfig()
     # never from the local cache: an index rebuilt in place must be read anew
     config = config.replace(retry_deadline=listing_deadline(config), cache_dir=None)
+    return Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options or {}), config)
+
+
+def index_entries(fetcher: Prefetcher, url: str) -> list[ShardEntry] | None:
+    """The entries :func:`open_index`'s GET brought (``None``: no object there); closes it."""
     try:
-        with Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options or {}), config) as fetcher:
+        with fetcher:
             data = next(iter(fetcher)).read()
     except ShardNotFoundError as exc:
         exc.with_traceback(None)  # it is kept by the fetcher's future: keep no frames of ours
         return None
     return decode_index(data, url)
+
+
+def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
+               config: FetchConfig | None = None) -> list[ShardEntry] | None:
+    """The entries of the index at ``url`` (one GET, through the prefetcher's client: no HEAD
+    first), or ``None`` when there is no such object. Retried like the constructor's listing
+    (within ``urls.listing_deadline``)."""
+    return index_entries(open_index(url, storage_options, config), url)
 
 
 def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mapping[str, Any] | None = None,
@@ -180,13 +192,15 @@ def _stale(shard: Shard, entry: ShardEntry) -> str | None:
 
 def lookup(shards: Sequence[Shard], index: str | None = "auto",
            storage_options: Mapping[str, Any] | None = None,
-           config: FetchConfig | None = None) -> IndexedShards | None:
+           config: FetchConfig | None = None, *,
+           read: Callable[..., list[ShardEntry] | None] | None = None) -> IndexedShards | None:
     """The sample counts (and offsets) of ``shards`` from an index, read with one GET.
 
     ``index=None``: ``None``. ``"auto"``: the index at :func:`default_index_url`; ``None`` when
     there is no object there, and, with one warning, when it lacks entries for some shards.
     A URL: that index (binary, or a wids shard-list JSON); missing, or lacking entries, is
-    ``SpecError``. Either way an entry whose shard changed is ``StaleIndexError``.
+    ``SpecError``. Either way an entry whose shard changed is ``StaleIndexError``. ``read``
+    (``read_index``'s signature) reads the index: an answer fetched ahead (``indexahead``).
     """
     if index is None or not shards:
         return None
@@ -200,7 +214,7 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
         url = index
     shown = redact_url(url)
     try:
-        entries = read_index(url, storage_options, config)
+        entries = (read or read_index)(url, storage_options, config)
     except AccessDeniedError as exc:
         if not auto:
             raise

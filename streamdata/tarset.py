@@ -19,6 +19,7 @@ from .fetch import FetchItem, ItemReader
 from .formats.compress import TAR_SUFFIXES, decompressed
 from .formats.tar import samples_from_chunks
 from .index import IndexedShards, lookup
+from .indexahead import IndexAhead, start_index_ahead
 from .passes import stale_count
 from .ranks import from_rank0
 from .redact import redact_url
@@ -48,11 +49,19 @@ class TarDataset(ShardedDataset):
         self.decode = decode
         self.accept_unterminated = accept_unterminated  # read shards without the end marker
         self._decoder = make_decoder(decode)
-        super().__init__(spec, **options)
         self.index = index
-        # LIST-ONCE: rank 0 reads the index (one GET) and hands it to every rank
-        self._index: IndexedShards | None = None if index is None else from_rank0(
-            lambda: lookup(self.shards, index, self.storage_options, self.fetch_config))
+        self._ahead: IndexAhead | None = None
+        try:
+            super().__init__(spec, **options)
+            ahead = self._ahead  # INDEX-AHEAD: its GET went out while the spec was listed
+            # LIST-ONCE: rank 0 reads the index (one GET) and hands it to every rank
+            self._index: IndexedShards | None = None if index is None else from_rank0(
+                lambda: lookup(self.shards, index, self.storage_options, self.fetch_config,
+                               read=None if ahead is None else ahead.read))
+        finally:
+            if self._ahead is not None:
+                self._ahead.close()
+                self._ahead = None
         self._offsets = {} if self._index is None else dict(
             zip((s.url for s in self.shards), self._index.offsets, strict=True))
         self.block_window()  # shuffle="block" without sample counts: SpecError here, not in a worker
@@ -62,6 +71,10 @@ class TarDataset(ShardedDataset):
                         "get unequal numbers of batches (sd.loader ends the epoch on every rank together; "
                         "a plain DataLoader needs torch.distributed.algorithms.join.Join). For exact "
                         "epochs, build the index once: streamdata index SPEC", len(self.shards))
+
+    def before_listing(self, spec: Spec) -> None:
+        self._ahead = start_index_ahead(spec, self.index, self.storage_options, self.fetch_config,
+                                        self.suffixes)
 
     def sample_counts(self) -> np.ndarray | None:
         return None if self._index is None else self._index.counts

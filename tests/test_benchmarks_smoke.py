@@ -62,7 +62,7 @@ def test_startup_benchmark_times_every_stage(tmp_path):
     rows = {r["method"]: r for r in json.loads(result.read_text())["rows"]}
     assert set(rows) == {"wire", "streamdata", "webdataset"} and not any("error" in r for r in rows.values())
     sd_row = rows["streamdata"]
-    # the one listing, then the index="auto" lookup (one GET, a 404 here: no index)
+    # the one listing and the index="auto" lookup (one GET, sent with the listing: INDEX-AHEAD; a 404 here)
     assert sd_row["samples"] == 128 and sd_row["ctor_request_kinds"] == "GET GET"
     stages = ("import", "ctor_imports", "listing", "worker_start", "worker_setup", "first_byte",
               "first_batch")

@@ -1,0 +1,126 @@
+"""INDEX-AHEAD: the constructor's sample-index GET sent while the listing is in flight.
+
+``TarDataset(index="auto")`` reads ``streamdata.sdx`` from the shards' longest common
+directory (``index.default_index_url``). For the common spec forms that directory is known
+before the listing (a brace pattern or a list of names: exactly; a directory prefix ending
+in ``/`` or a glob in the last path component: that directory), so the index's GET starts on
+a thread of its own before the listing's request and the two round trips overlap. The answer
+is used only if the URL worked out from the listed shards is the one fetched ahead; else the
+lookup reads the right URL after the listing, as without this module. A spec whose index
+location cannot be told before listing (``s3://bkt/name`` without ``/``: a directory or the
+start of names) sends nothing ahead.
+
+Invariant (LIST-ONCE holds): only the process that will make the lookup (rank 0, or the only
+process) sends the early GET; ``from_rank0`` hands the result to the other ranks as before.
+The early read has ``read_index``'s bounds (its own retries and deadline); its prefetcher is
+closed (its loop thread joined, FORK-AFTER-CLOSE) before the constructor returns or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from .config import FetchConfig
+from .errors import SpecError, StreamDataError
+from .fetch import Prefetcher
+from .formats.sdx import ShardEntry
+from .index import default_index_url, index_entries, open_index, read_index
+from .urls import Shard, Spec, brace_expand, split_url
+
+__all__ = ["IndexAhead", "early_index_url", "start_index_ahead"]
+
+
+def _item_urls(item: Any, suffixes: tuple[str, ...]) -> list[str] | None:
+    """URLs standing for where ``item``'s shards will be (their directories are what counts);
+    ``None`` when that cannot be told without listing."""
+    if isinstance(item, Shard):
+        return [item.url]
+    item = os.fspath(item)
+    if not isinstance(item, str) or not item:
+        return None
+    protocol, path = split_url(item)
+    join = (lambda p: p) if protocol == "file" else (lambda p: f"{protocol}://{p}")
+    if "{" in path or "}" in path:
+        try:
+            return [join(p.rstrip("/")) for p in brace_expand(path)]
+        except SpecError:
+            return None
+    if protocol in ("http", "https"):
+        return [item]
+    head, last = posixpath.split(path)
+    if any(c in head for c in "*?["):  # a glob over directories: shards anywhere below
+        return None
+    if any(c in last for c in "*?[") or path.endswith("/"):  # the directory's objects (or deeper)
+        return [join(posixpath.join(head, "x"))]
+    if suffixes and last.endswith(suffixes):  # one object
+        return [join(path)]
+    return None  # a directory or the start of names: the listing tells
+
+
+def early_index_url(spec: Spec, index: str | None, suffixes: tuple[str, ...] = ()) -> str | None:
+    """The index URL the lookup will read, as far as the spec tells before listing; ``None``
+    where it does not (or ``index`` is None)."""
+    if index is None:
+        return None
+    if index != "auto":
+        return index
+    items = [spec] if isinstance(spec, (str, os.PathLike, Shard)) else list(spec)
+    urls: list[str] = []
+    for item in items:
+        found = _item_urls(item, suffixes)
+        if not found:
+            return None
+        urls.extend(found)
+    try:
+        return default_index_url(urls)
+    except SpecError:
+        return None
+
+
+class IndexAhead:
+    """The index at ``url``, its GET sent now (on the prefetcher's own loop thread);
+    :meth:`read` is ``read_index`` for the lookup. Always :meth:`close` (idempotent)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
+        self.url = url
+        self._fetcher: Prefetcher | None = open_index(url, storage_options, config)
+
+    def close(self) -> None:
+        """Cancel the early GET if its answer was not taken; its loop thread is joined."""
+        fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            fetcher.close()
+
+    def read(self, url: str, storage_options: Mapping[str, Any] | None = None,
+             config: FetchConfig | None = None) -> list[ShardEntry] | None:
+        """``read_index(url, ...)``: the early answer when ``url`` is the one fetched ahead,
+        else a read of ``url`` now (the spec's guess was not where the listing's shards are)."""
+        fetcher, self._fetcher = self._fetcher, None
+        if url != self.url or fetcher is None:
+            if fetcher is not None:
+                fetcher.close()
+            return read_index(url, storage_options, config)
+        return index_entries(fetcher, url)  # bounded as read_index is; closes the fetcher
+
+
+def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[str, Any] | None,
+                      config: FetchConfig, suffixes: tuple[str, ...] = ()) -> IndexAhead | None:
+    """An early read of the index the lookup will want, on the process that will look it up
+    (rank 0 of a multi-rank job, LIST-ONCE); ``None`` where the spec does not tell where."""
+    from .ranks import multi_rank
+
+    if multi_rank():
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return None
+    url = early_index_url(spec, index, suffixes)
+    if url is None:
+        return None
+    try:
+        return IndexAhead(url, storage_options, config)
+    except StreamDataError:  # e.g. an unknown protocol: the listing reports it
+        return None
