@@ -13,7 +13,10 @@ Invariant (CACHE-PUBLISH): readers open only published names (``<key>.sdc``). A 
 ``<key>.tmp`` while it holds an exclusive ``flock`` on it, and renames it into place once every
 byte and the table are written (``rename`` replaces atomically). A second process fetching
 the same item at once finds the file locked and only streams; no lock is ever waited for,
-except the directory's eviction lock, polled for at most ``LOCK_WAIT_S``. A reader keeps the
+except the directory's eviction lock, polled for at most ``LOCK_WAIT_S``. Within one process,
+a second pass over an item this process is writing (the next pass, started before the current
+one ends: NEXT-EPOCH-EARLY) waits for that writer instead (``being_written``; the prefetcher
+bounds the wait), then reads the entry: one download, one miss. A reader keeps the
 entry it opened: an entry evicted or replaced meanwhile stays readable through its descriptor.
 
 Invariant (CACHE-VERIFY): an entry whose footer, table or size does not match is deleted and
@@ -39,11 +42,11 @@ import json
 import os
 import struct
 import threading
-import time
 import warnings
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
+from ._cachefiles import SUFFIX, TMP, flock_within, same_file, scan, unlink_if_same
 from .metrics import CACHE_EVENTS, Counters
 from .redact import redact
 
@@ -56,13 +59,15 @@ __all__ = ["SEGMENT", "Cache", "CorruptEntry", "Entry", "Writer", "cache_key", "
 
 SEGMENT = 1 << 20  # bytes per checksummed segment: what a reader verifies before handing on
 LOCK_WAIT_S = 2.0  # the longest wait for the directory's eviction lock; then eviction waits a turn
-SUFFIX, TMP = ".sdc", ".tmp"
 _MAGIC = b"SDCACHE1"
 _FOOTER = struct.Struct("<8sQQII")
 _SEG = struct.Struct("<II")
 _LOCK_NAME = ".streamdata-cache.lock"
 
 _stopped: dict[str, int] = {}  # directory: pid that stopped writing there (a fork decides anew)
+# entry path: (pid, set once its writer published or dropped it); a fork's copies are not its own
+_writing: dict[str, tuple[int, threading.Event]] = {}
+_writing_lock = threading.Lock()
 
 Range = tuple[int, int]
 
@@ -156,7 +161,7 @@ class Cache:
         try:
             entry = Entry(path, fd, length)
         except (CorruptEntry, OSError) as exc:
-            _unlink_if_same(path, fd)
+            unlink_if_same(path, fd)
             os.close(fd)
             self.count("corrupt" if isinstance(exc, CorruptEntry) else "errors")
             self.count("misses")
@@ -190,7 +195,7 @@ class Cache:
             return None
         # the name may have moved on between open and lock: published (renamed), or deleted
         # as abandoned and made again by another writer; then this file is not ours to fill
-        if not _same_file(tmp, fd) or os.path.exists(final):
+        if not same_file(tmp, fd) or os.path.exists(final):
             os.close(fd)
             return None
         try:
@@ -200,6 +205,12 @@ class Cache:
             self.fail(exc, "write a cache file")
             return None
         return Writer(self, final, tmp, fd, length)
+
+    def being_written(self, key: str) -> threading.Event | None:
+        """If this process is writing entry ``key`` now: an event set once it is published or dropped."""
+        with _writing_lock:
+            pid, done = _writing.get(self.path(key), (None, None))
+        return done if pid == os.getpid() else None
 
     def evict(self, keep: str | None = None) -> None:
         """Delete least recently used entries while the directory holds more than the limit
@@ -214,10 +225,10 @@ class Cache:
             self.fail(exc, "open the cache's lock file")
             return
         try:
-            if not _flock_within(lock, LOCK_WAIT_S):
+            if not flock_within(lock, LOCK_WAIT_S):
                 return  # the next publish evicts
             try:
-                entries, total = _scan(self.directory)
+                entries, total = scan(self.directory)
             except OSError as exc:
                 self.fail(exc, "list the cache directory")
                 return
@@ -280,7 +291,7 @@ class Entry:
     def discard(self) -> None:
         """Delete the entry (if its name still holds this file): it is corrupt."""
         if self._fd is not None:
-            _unlink_if_same(self.path, self._fd)
+            unlink_if_same(self.path, self._fd)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -298,6 +309,9 @@ class Writer:
         self.written = 0
         self._fd: int | None = fd
         self._segments: dict[int, list[tuple[int, int]]] = {}  # part offset: its segments
+        self._done = threading.Event()  # set once published or dropped (``Cache.being_written``)
+        with _writing_lock:
+            _writing[final] = (os.getpid(), self._done)
 
     @property
     def active(self) -> bool:
@@ -343,14 +357,23 @@ class Writer:
         os.rename(self.tmp, self.final)
         self._fd = None
         os.close(fd)  # releases the flock
+        self._finish()
         self.cache.evict(keep=self.final)
 
     def abort(self) -> None:
         """Delete the unfinished file (if the name is still ours) and release it."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            _unlink_if_same(self.tmp, fd)
+            unlink_if_same(self.tmp, fd)
             os.close(fd)
+        self._finish()
+
+    def _finish(self) -> None:
+        """Published or dropped: a pass waiting for this entry (``being_written``) goes on."""
+        with _writing_lock:
+            if _writing.get(self.final, (None, None))[1] is self._done:
+                del _writing[self.final]
+        self._done.set()
 
 
 async def cached_object(cache: Cache | None, url: str, size: int | None, etag: str | None,
@@ -374,73 +397,3 @@ async def cached_object(cache: Cache | None, url: str, size: int | None, etag: s
         writer.write(0, data)
         writer.abort()  # published by now, unless it failed
     return data
-
-
-# ---- file helpers ---------------------------------------------------------------------------
-
-
-def _scan(directory: str) -> tuple[list[tuple[int, str, int]], int]:
-    """The published entries as ``(mtime_ns, path, size)``, oldest first, and the bytes the
-    directory holds (entries and files being written; abandoned ones are deleted)."""
-    entries, total = [], 0
-    with os.scandir(directory) as it:
-        for de in it:
-            try:
-                st = de.stat(follow_symlinks=False)
-            except OSError:
-                continue  # deleted meanwhile
-            if de.name.endswith(SUFFIX):
-                entries.append((st.st_mtime_ns, de.path, st.st_size))
-            elif not de.name.endswith(TMP) or _abandoned(de.path):
-                continue
-            total += st.st_size
-    entries.sort()
-    return entries, total
-
-
-def _same_file(path: str, fd: int) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev)
-
-
-def _unlink_if_same(path: str, fd: int) -> None:
-    if _same_file(path, fd):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _abandoned(path: str) -> bool:
-    """Delete ``path`` (a ``.tmp``) if no writer holds it (its writer died); True if deleted."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return False  # being written
-    try:
-        _unlink_if_same(path, fd)
-    finally:
-        os.close(fd)
-    return True
-
-
-def _flock_within(fd: int, seconds: float) -> bool:
-    """Take an exclusive ``flock`` on ``fd``, polling for at most ``seconds`` (never unbounded)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)

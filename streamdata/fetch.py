@@ -25,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -67,6 +68,7 @@ _Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
 _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
+_WRITTEN_POLL_S = 0.01  # how often a pass looks whether the entry it waits for is written
 
 
 def _split(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
@@ -228,6 +230,7 @@ class Prefetcher:
                 if self.cache is not None and all(end is not None for _, end in ranges):
                     length = sum(end - start for start, end in ranges)
                     key = cache_key(item.url, ranges, item.size, item.etag)
+                    await self._written(key)
                     entry = self.cache.lookup(key, length)
                     if entry is not None:  # from disk: no request, no budget
                         entry.ranges = ranges
@@ -264,6 +267,15 @@ class Prefetcher:
                 del fut
             if small is not None:  # the reader's first shard: see FIRST_SHARD_HEAD_START_S
                 await asyncio.sleep(FIRST_SHARD_HEAD_START_S)
+
+    async def _written(self, key: str) -> None:
+        """While another pass of this process writes cache entry ``key`` (the pass this one
+        follows, NEXT-EPOCH-EARLY), wait for it, at most half the reader's wait for a plan:
+        then the lookup finds the entry (one download), or the item streams as before."""
+        done = self.cache.being_written(key)
+        deadline = time.monotonic() + self._wait_timeout() / 2
+        while done is not None and not done.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(_WRITTEN_POLL_S)
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future, index: int, offset: int) -> None:
