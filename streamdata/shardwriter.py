@@ -32,6 +32,7 @@ from typing import Any
 
 from .config import FetchConfig
 from .errors import SpecError, StreamDataError
+from .formats.compress import codec_from_suffix
 from .upload import DEFAULT_PART_SIZE, Uploaded, Uploader
 from .urls import split_url
 
@@ -61,11 +62,8 @@ def _shard_url(pattern: str, shard: int) -> str:
 
 
 def _codec(pattern: str, compress: str | bool | None) -> str | None:
-    if compress is None:
-        lower = pattern.lower()
-        if lower.endswith((".gz", ".tgz")):
-            return "gz"
-        return "zst" if lower.endswith((".zst", ".zstd")) else None
+    if compress is None:  # by the pattern's suffix, as the reader guesses it
+        return _CODECS.get(codec_from_suffix(pattern) or "")
     if compress is False:
         return None
     if compress is True:
@@ -173,7 +171,7 @@ class ShardWriter:
         self._next = start_shard
         self._shard: _OpenShard | None = None
         self._count = 0
-        self._written: dict[str, tuple[int, list[int]]] = {}  # url -> (samples, offsets)
+        self._offsets: dict[str, list[int]] = {}  # url -> offsets of its samples and of its end
         self.total = 0  # samples written
         self.urls: list[str] = []  # shards finished, in order
         self._closed = False
@@ -236,7 +234,7 @@ class ShardWriter:
         if shard is None:
             return
         shard.close()
-        self._written[shard.url] = (self._count, shard.offsets)
+        self._offsets[shard.url] = shard.offsets
         self.urls.append(shard.url)
         self._uploader.submit(shard.spool, shard.url)
 
@@ -265,10 +263,13 @@ class ShardWriter:
             self._uploader.close()
         return list(self.urls)
 
-    def _abandon(self) -> None:
+    def _discard_open_shard(self) -> None:
         if self._shard is not None:
             self._shard.discard()
             self._shard = None
+
+    def _abandon(self) -> None:
+        self._discard_open_shard()
         self._uploader.close(cancel=True)
 
     def _write_index(self, uploaded: list[Uploaded]) -> None:
@@ -280,8 +281,8 @@ class ShardWriter:
 
         by_url = {u.url: u for u in uploaded}
         urls = [u for u in self.urls if u in by_url]
-        entries = [ShardEntry(url, by_url[url].size, by_url[url].etag, self._written[url][0],
-                              np.asarray(self._written[url][1], dtype=np.uint64)) for url in urls]
+        entries = [ShardEntry(url, by_url[url].size, by_url[url].etag, len(self._offsets[url]) - 1,
+                              np.asarray(self._offsets[url], dtype=np.uint64)) for url in urls]
         write_index(default_index_url(urls), entries, storage_options=self.storage_options,
                     config=self._uploader.config)
 
@@ -292,10 +293,7 @@ class ShardWriter:
         if exc_type is None:
             self.close()
             return
-        # the block failed: the shard being written is dropped, finished ones still go up
-        if self._shard is not None:
-            self._shard.discard()
-            self._shard = None
+        self._discard_open_shard()  # the block failed: finished shards still go up
         try:
             self.close()
         except StreamDataError as err:

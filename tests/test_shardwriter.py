@@ -31,6 +31,14 @@ def make_sample(n: int) -> dict:
             "bin": bytes([n % 256]) * n}
 
 
+def write_samples(pattern: str, count: int, **options) -> sd.ShardWriter:
+    """``make_sample(0 .. count-1)`` through a ShardWriter; returns it, closed."""
+    with sd.ShardWriter(pattern, **options) as writer:
+        for n in range(count):
+            writer.write(make_sample(n))
+    return writer
+
+
 def check_sample(s: dict) -> None:
     n = s["json"]["n"]
     assert s["__key__"] == f"k{n:05d}"
@@ -59,10 +67,8 @@ def objects(fs, bucket: str) -> dict[str, int]:
 def test_round_trip_over_s3(s3_bucket, publish):
     server, bucket = s3_bucket
     options = server.storage_options
-    with sd.ShardWriter(f"s3://{bucket}/train/shard-%04d.tar", maxcount=9, storage_options=options,
-                        index=False, publish=publish) as writer:
-        for n in range(40):
-            writer.write(make_sample(n))
+    writer = write_samples(f"s3://{bucket}/train/shard-%04d.tar", 40, maxcount=9, storage_options=options,
+                           index=False, publish=publish)
     assert writer.urls == [f"s3://{bucket}/train/shard-{i:04d}.tar" for i in range(5)]
     fs = fsspec.filesystem("s3", **options)
     assert set(objects(fs, bucket)) == {f"shard-{i:04d}.tar" for i in range(5)}  # no temporary key left
@@ -106,10 +112,8 @@ def test_maxsize_starts_a_new_shard_before_it_would_be_exceeded(tmp_path):
 def test_compressed_writing_round_trips(s3_bucket, compress, pattern):
     server, bucket = s3_bucket
     options = server.storage_options
-    with sd.ShardWriter(f"s3://{bucket}/{pattern}", maxcount=8, compress=compress,
-                        storage_options=options) as writer:
-        for n in range(20):
-            writer.write(make_sample(n))
+    writer = write_samples(f"s3://{bucket}/{pattern}", 20, maxcount=8, compress=compress,
+                           storage_options=options)
     fs = fsspec.filesystem("s3", **options)
     first = fs.cat_file(writer.urls[0])
     _, packed = decompressed([first], "u")
@@ -200,9 +204,7 @@ def test_a_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path, request, s3
 
 
 def test_read_keys_helper_sees_written_local_shards(tmp_path):
-    with sd.ShardWriter(str(tmp_path / "w-%02d.tar"), maxcount=3, index=False) as writer:
-        for n in range(10):
-            writer.write(make_sample(n))
+    write_samples(str(tmp_path / "w-%02d.tar"), 10, maxcount=3, index=False)
     assert sorted(read_keys(sd.TarDataset(str(tmp_path) + "/"), num_workers=2)) == [
         f"k{n:05d}" for n in range(10)]
 
@@ -277,10 +279,7 @@ def test_table_writers_upload_in_the_background_and_name_a_missing_bucket(s3_ser
 def test_round_trip_over_gcs_with_the_index(gcs_bucket, publish):
     server, bucket = gcs_bucket
     options = server.storage_options
-    with sd.ShardWriter(f"gs://{bucket}/g/part-%03d.tar", maxcount=4, storage_options=options,
-                        publish=publish) as writer:
-        for n in range(10):
-            writer.write(make_sample(n))
+    write_samples(f"gs://{bucket}/g/part-%03d.tar", 10, maxcount=4, storage_options=options, publish=publish)
     import gcsfs
 
     fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)

@@ -104,14 +104,9 @@ def _count(batch: Any) -> tuple[int, int]:
 def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window: int) -> dict:
     from ..presets import loader
 
-    options = storage_options(args)
-    if fmt == "tar":
-        ds = dataset_class(fmt)(shards, storage_options=options, decode=False, map=_Measure(args.decode),
-                                batch_size=args.batch_size, collate_fn=_sizes, window=window,
-                                shuffle=True, **fetch_options(args))
-    else:
-        ds = dataset_class(fmt)(shards, storage_options=options, batch_size=args.batch_size,
-                                window=window, shuffle=True, **fetch_options(args))
+    measure = {"decode": False, "map": _Measure(args.decode), "collate_fn": _sizes} if fmt == "tar" else {}
+    ds = dataset_class(fmt)(shards, storage_options=storage_options(args), batch_size=args.batch_size,
+                            window=window, shuffle=True, **measure, **fetch_options(args))
     samples = nbytes = 0
     first = None
     start = time.perf_counter()

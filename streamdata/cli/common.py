@@ -142,10 +142,15 @@ def dataset_class(fmt: str) -> type:
     return ParquetDataset if fmt == "parquet" else ArrowDataset
 
 
-def format_of(url: str) -> str | None:
-    """The format whose dataset would read ``url`` from a listing (by its suffixes), if any."""
-    for fmt in FORMATS:
-        if url.endswith(tuple(dataset_class(fmt).suffixes)):
+def _suffixes() -> dict[str, tuple[str, ...]]:
+    """Each format's listing suffixes (its dataset class's)."""
+    return {fmt: tuple(dataset_class(fmt).suffixes) for fmt in FORMATS}
+
+
+def format_of(url: str, suffixes: dict[str, tuple[str, ...]] | None = None) -> str | None:
+    """The format whose dataset would read ``url`` from a listing (by its ``suffixes``), if any."""
+    for fmt, ends in (suffixes or _suffixes()).items():
+        if url.endswith(ends):
             return fmt
     return None
 
@@ -160,8 +165,8 @@ def list_shards(args: argparse.Namespace, spec: Sequence[str] | str, fmt: str = 
 
     options = storage_options(args)
     config = FetchConfig.resolve(None, **fetch_options(args))
-    suffixes = (tuple(dataset_class(fmt).suffixes) if fmt != "auto"
-                else tuple(s for f in FORMATS for s in dataset_class(f).suffixes))
+    by_format = _suffixes()  # once, not per shard listed
+    suffixes = by_format[fmt] if fmt != "auto" else tuple(s for ends in by_format.values() for s in ends)
     with busy(args, "listing") as pbar:
         shards = expand_spec(list(spec) if not isinstance(spec, str) else spec, options, suffixes=suffixes,
                              config=config)
@@ -170,7 +175,7 @@ def list_shards(args: argparse.Namespace, spec: Sequence[str] | str, fmt: str = 
         return fmt, shards
     found: dict[str, int] = {}
     for shard in shards:
-        kind = format_of(shard.url) or "tar"
+        kind = format_of(shard.url, by_format) or "tar"
         found[kind] = found.get(kind, 0) + 1
     if len(found) > 1:
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(found.items()))

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -114,31 +116,20 @@ def _nbytes(value: Any) -> int:
 # ---- reading samples in order ----------------------------------------------------------------
 
 
-def _tar_samples(args: argparse.Namespace, shards: list, pbar: Any = None,
-                 window: int = 1) -> Iterator[dict]:
+def _tar_samples(args: argparse.Namespace, shards: list, window: int = 1) -> Iterator[dict]:
     """Raw tar samples in order: one shard at a time with ``window`` 1 (nothing fetched beyond
     need), else one pass over all of them with that many shards in flight (a search). Whole
     shards, without the sample index (``index=None``: no GET for it per dataset)."""
     from ..tarset import TarDataset
 
     options = storage_options(args)
-    if window > 1:
-        it = iter(TarDataset(shards, storage_options=options, decode=False, window=window, index=None,
+    for group in [shards] if window > 1 else [[shard] for shard in shards]:
+        it = iter(TarDataset(group, storage_options=options, decode=False, window=window, index=None,
                              **fetch_options(args)))
         try:
             yield from it
         finally:
             it.close()
-        return
-    for shard in shards:
-        it = iter(TarDataset([shard], storage_options=options, decode=False, window=1, index=None,
-                             **fetch_options(args)))
-        try:
-            yield from it
-        finally:
-            it.close()
-        if pbar is not None:
-            pbar.update(1)
 
 
 def _table_samples(args: argparse.Namespace, fmt: str, shards: list) -> tuple[Any, Iterator[dict]]:
@@ -220,7 +211,7 @@ def _field_table(first: list[dict], raw_bytes: dict[str, int], counted: int, wha
 
 
 def _inspect_tar(args: argparse.Namespace, shards: list, total: int) -> None:
-    status, counts = _index_status(args, shards)
+    status, indexed = _index_status(args, shards)
     first: list[dict] = []
     raw_bytes: dict[str, int] = {}
     counted = scanned = 0
@@ -228,17 +219,18 @@ def _inspect_tar(args: argparse.Namespace, shards: list, total: int) -> None:
         for shard in shards:  # the first --scan shards, and more while too few samples were seen
             if scanned >= max(args.scan, 1) and len(first) >= args.samples:
                 break
-            for sample in _tar_samples(args, [shard], pbar):
+            for sample in _tar_samples(args, [shard]):
                 counted += 1
                 if len(first) < args.samples:
                     first.append(sample)
                 for name, value in sample.items():
                     if _is_field(name):
                         raw_bytes[name] = raw_bytes.get(name, 0) + len(value)
+            pbar.update(1)
             scanned += 1
     scanned_bytes = sum(s.size or 0 for s in shards[:scanned])
-    if counts is not None:
-        write_out(f"samples   {int(sum(counts))} (from the index)")
+    if indexed is not None:
+        write_out(f"samples   {indexed} (from the index)")
     elif scanned == len(shards):
         write_out(f"samples   {counted} (counted)")
     elif scanned_bytes:
@@ -268,8 +260,8 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
     units = ds.units()
     if fmt == "parquet":
         write_out(f"samples   {ds.num_rows} rows in {len(units)} row groups (from the footers)")
-    elif ds.sample_counts() is not None:
-        write_out(f"samples   {int(ds.sample_counts().sum())} rows in {len(units)} record batches "
+    elif (counts := ds.sample_counts()) is not None:
+        write_out(f"samples   {int(counts.sum())} rows in {len(units)} record batches "
                   "(from their headers)")
     else:
         streams = sum(1 for u in units if u.index < 0)
@@ -280,8 +272,15 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
     _field_table(first, sizes, len(first), fmt)
 
 
-def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
-    """``(status line, per-shard counts or None)`` from the sample index, when one exists."""
+# index_status's line when the index covers every shard and none is stale (as lookup needs);
+# with some missing, lookup warns of them on stderr, as the datasets do
+_COVERED = re.compile(r"\d+/\d+ shards, (\d+) samples"
+                      r"(?:, \d+ stale, (\d+) missing: run `streamdata index SPEC`)?$")
+
+
+def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, int | None]:
+    """``(status line, samples or None)`` from the sample index, when one exists: one GET of
+    it (the samples are those of the status line when every shard is indexed and none stale)."""
     from .. import index as sdindex
     from ..config import FetchConfig
     from ..errors import StreamDataError
@@ -290,13 +289,15 @@ def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, Any]:
     config = FetchConfig.resolve(None, **fetch_options(args))
     status = sdindex.index_status(shards, storage_options=options, config=config)
     status = status[len("index: "):] if status.startswith("index: ") else status
-    if status.startswith(("none", "unavailable")):
-        return status, None  # no second GET
-    try:  # the counts, if the index covers every shard and none is stale
-        found = sdindex.lookup(shards, "auto", options, config)
-    except StreamDataError:
+    covered = _COVERED.search(status)
+    if covered is None:  # none, unavailable
         return status, None
-    return status, None if found is None else found.counts
+    if covered.group(2) is None:  # every shard, none stale
+        return status, int(covered.group(1))
+    if int(covered.group(2)):  # lookup's warning naming the first missing shard (a second GET)
+        with contextlib.suppress(StreamDataError):
+            sdindex.lookup(shards, "auto", options, config)
+    return status, None
 
 
 # ---- cat ------------------------------------------------------------------------------------
