@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import proxied_shards  # noqa: E402
 
 SETTINGS = ("stream", "cache")
 
@@ -72,33 +72,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the cache directories go (default: a temp dir)")
     args = parser.parse_args(argv)
 
-    from benchmarks.latency import _upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.testing import S3Server
-
     root = tempfile.mkdtemp(prefix="sd-cache-bench-", dir=args.cache_root)
     runs: dict[str, list[list[dict]]] = {name: [] for name in SETTINGS}
     try:
-        with S3Server() as server:
-            client = server.boto3_client()
-            server.create_bucket("bench")
-            upload_shards(client, "bench", "tar/train", args.samples, args.shards,
-                          args.sample_kib * 1024 + 128)
-            spec = shard_pattern("bench", "tar/train", args.shards)
-            with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
-                options = replace_in_options(server.storage_options, server.endpoint_url,
-                                             proxy.url_for(server.endpoint_url))
-                for k in range(args.rounds):
-                    order = SETTINGS if k % 2 == 0 else SETTINGS[::-1]
-                    for name in order:
-                        cache_dir = os.path.join(root, f"round{k}") if name == "cache" else None
-                        rows = two_epochs(spec, options, proxy, cache_dir)
-                        runs[name].append(rows)
-                        print(f"  round {k + 1}/{args.rounds} {name:6s}: epoch 1 {rows[0]['s']:.2f} s "
-                              f"(CPU {rows[0]['cpu']:.2f} s, {rows[0]['bytes'] / 2**20:.0f} MiB), epoch 2 "
-                              f"{rows[1]['s']:.2f} s (CPU {rows[1]['cpu']:.2f} s, "
-                              f"{rows[1]['bytes'] / 2**20:.1f} MiB) {rows[1]['counts']}", flush=True)
-                        assert rows[0]["samples"] == rows[1]["samples"] == args.samples
+        with proxied_shards(args.delay_ms, args.samples, args.shards, args.sample_kib) as bench:
+            for k in range(args.rounds):
+                order = SETTINGS if k % 2 == 0 else SETTINGS[::-1]
+                for name in order:
+                    cache_dir = os.path.join(root, f"round{k}") if name == "cache" else None
+                    rows = two_epochs(bench.spec, bench.options, bench.proxy, cache_dir)
+                    runs[name].append(rows)
+                    print(f"  round {k + 1}/{args.rounds} {name:6s}: epoch 1 {rows[0]['s']:.2f} s "
+                          f"(CPU {rows[0]['cpu']:.2f} s, {rows[0]['bytes'] / 2**20:.0f} MiB), epoch 2 "
+                          f"{rows[1]['s']:.2f} s (CPU {rows[1]['cpu']:.2f} s, "
+                          f"{rows[1]['bytes'] / 2**20:.1f} MiB) {rows[1]['counts']}", flush=True)
+                    assert rows[0]["samples"] == rows[1]["samples"] == args.samples
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,14 +18,18 @@ import numpy as np
 
 __all__ = [
     "Layout",
+    "ProxiedShards",
     "RssSampler",
     "mean_std",
+    "proxied_shards",
     "replace_in_options",
     "sample_array",
     "shard_pattern",
     "upload_objects",
-    "upload_shards",
+    "tar_bytes",
     "tar_shard",
+    "upload_shards",
+    "upstream",
 ]
 
 KiB = 1024
@@ -65,21 +70,24 @@ def label_of(index: int) -> int:
     return index % 10
 
 
-def tar_shard(indices: Iterable[int], sample_bytes: int, extra: Mapping[str, bytes] = ()) -> bytes:
-    """One WebDataset tar (written with webdataset's TarWriter): ``.npy`` + ``.cls`` per sample."""
+def tar_bytes(samples: Iterable[Mapping[str, Any]]) -> bytes:
+    """One WebDataset tar of ``samples`` (dicts with ``__key__``), written with webdataset's TarWriter."""
     import webdataset as wds
 
     buf = io.BytesIO()
     with wds.TarWriter(buf) as sink:
-        for i in indices:
-            sample = {
-                "__key__": f"{i:08d}",
-                "npy": _npy_bytes(sample_array(i, sample_bytes)),
-                "cls": str(label_of(i)).encode(),
-            }
-            sample.update(extra)
+        for sample in samples:
             sink.write(sample)
     return buf.getvalue()
+
+
+def tar_shard(indices: Iterable[int], sample_bytes: int, extra: Mapping[str, bytes] = ()) -> bytes:
+    """One WebDataset tar: ``.npy`` + ``.cls`` per sample (plus ``extra`` members)."""
+    return tar_bytes(
+        {"__key__": f"{i:08d}", "npy": _npy_bytes(sample_array(i, sample_bytes)),
+         "cls": str(label_of(i)).encode(), **dict(extra)}
+        for i in indices
+    )
 
 
 def _put_all(client: Any, bucket: str, items: list[tuple[str, Callable[[], bytes]]]) -> None:
@@ -126,6 +134,49 @@ def upload_objects(
         labels.append(label_of(i))
     _put_all(client, bucket, items)
     return [f"s3://{bucket}/{key}" for key, _ in items], labels
+
+
+def upstream(endpoint_url: str) -> tuple[str, int]:
+    """``(host, port)`` of a server's endpoint URL: where a ``LatencyProxy`` forwards to."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint_url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+@dataclass(frozen=True)
+class ProxiedShards:
+    """What ``proxied_shards`` yields: the server, the shards' spec, the proxy and the options to read
+    through it (``server.storage_options`` reads direct)."""
+
+    server: Any
+    spec: str
+    proxy: Any
+    options: dict
+
+
+@contextmanager
+def proxied_shards(
+    delay_ms: float, samples: int, shards: int, sample_kib: int, *, index: bool = False
+) -> Iterator[ProxiedShards]:
+    """The embedded S3 server holding ``samples`` in ``shards`` tar shards at ``s3://bench/tar/train-*``
+    (each sample ``sample_kib`` KiB + 128 bytes; indexed when ``index``), behind a ``LatencyProxy``
+    with ``delay_ms`` one way."""
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.testing import S3Server
+
+    with S3Server() as server:
+        server.create_bucket("bench")
+        upload_shards(server.boto3_client(), "bench", "tar/train", samples, shards, sample_kib * 1024 + 128)
+        spec = shard_pattern("bench", "tar/train", shards)
+        if index:
+            from streamdata.index import build_index
+
+            build_index(spec, server.storage_options, progress=False)
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=delay_ms / 1000) as proxy:
+            options = replace_in_options(server.storage_options, server.endpoint_url,
+                                         proxy.url_for(server.endpoint_url))
+            yield ProxiedShards(server, spec, proxy, options)
 
 
 def replace_in_options(options: Any, old: str, new: str) -> Any:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import tar_bytes, upstream
+
 
 def _samples(n: int, size: int) -> list[dict]:
     rng = np.random.default_rng(0)
@@ -39,14 +41,12 @@ def _samples(n: int, size: int) -> list[dict]:
     return out
 
 
-def _tar(samples: list[dict]) -> bytes:
-    import webdataset as wds
-
-    buf = io.BytesIO()
-    with wds.TarWriter(buf) as w:
-        for s in samples:
-            w.write(s)
-    return buf.getvalue()
+def _shards(args: argparse.Namespace) -> tuple[list[dict], int, list[bytes], int]:
+    """The samples, samples per shard, the tar shards (bytes) and their total size."""
+    samples = _samples(args.samples, args.sample_kb * 1024)
+    per = args.samples // args.shards
+    tars = [tar_bytes(samples[i * per:(i + 1) * per]) for i in range(args.shards)]
+    return samples, per, tars, sum(len(t) for t in tars)
 
 
 def _rate(fn, nbytes: int) -> float:
@@ -61,10 +61,7 @@ def decode(args: argparse.Namespace) -> None:
 
     import streamdata as sd
 
-    samples = _samples(args.samples, args.sample_kb * 1024)
-    per = args.samples // args.shards
-    tars = [_tar(samples[i * per:(i + 1) * per]) for i in range(args.shards)]
-    total = sum(len(t) for t in tars)
+    _, per, tars, total = _shards(args)
     packed = {"tar": tars, "tar.gz": [gzip.compress(t, 6) for t in tars],
               "tar.zst": [zstandard.ZstdCompressor(level=3).compress(t) for t in tars]}
     print(f"{args.samples} samples of {args.sample_kb} KiB in {args.shards} shards: "
@@ -125,16 +122,10 @@ def upload(args: argparse.Namespace) -> None:
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
 
-    samples = _samples(args.samples, args.sample_kb * 1024)
-    per = args.samples // args.shards
-    tars = [_tar(samples[i * per:(i + 1) * per]) for i in range(args.shards)]
-    total = sum(len(t) for t in tars)
+    samples, per, tars, total = _shards(args)
     server = S3Server().start()
     try:
-        from urllib.parse import urlsplit
-
-        up = urlsplit(server.endpoint_url)
-        with LatencyProxy(up.hostname, up.port, delay_s=args.delay / 1000) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=args.delay / 1000) as proxy:
             options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
             times: dict[str, list[float]] = {"ShardWriter": [], "ShardWriter copy": [], "serial put": []}
             for r in range(args.rounds):

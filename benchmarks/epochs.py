@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import psutil  # noqa: E402
 
-from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import proxied_shards  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -101,26 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = {**SETTINGS, **(FILE_SYSTEM if args.file_system else {})}
 
-    from benchmarks.latency import _upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.testing import S3Server
-
     rows: dict[str, list[dict]] = {name: [] for name in settings}
-    with S3Server() as server:
-        client = server.boto3_client()
-        server.create_bucket("bench")
-        upload_shards(client, "bench", "tar/train", args.samples, args.shards, args.sample_kib * 1024 + 128)
-        spec = shard_pattern("bench", "tar/train", args.shards)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
-            options = replace_in_options(server.storage_options, server.endpoint_url,
-                                         proxy.url_for(server.endpoint_url))
-            for k in range(args.rounds):
-                for name, loader_options in settings.items():
-                    got = run_setting(spec, options, loader_options, args.epochs)
-                    rows[name] += got
-                    print(f"  round {k + 1}/{args.rounds} {name:15s}: faults/epoch "
-                          f"{statistics.median(r['faults'] for r in got):8.0f}, workers' CPU s/epoch "
-                          f"{statistics.median(r['user_s'] + r['system_s'] for r in got):.2f}", flush=True)
+    with proxied_shards(args.delay_ms, args.samples, args.shards, args.sample_kib) as bench:
+        for k in range(args.rounds):
+            for name, loader_options in settings.items():
+                got = run_setting(bench.spec, bench.options, loader_options, args.epochs)
+                rows[name] += got
+                print(f"  round {k + 1}/{args.rounds} {name:15s}: faults/epoch "
+                      f"{statistics.median(r['faults'] for r in got):8.0f}, workers' CPU s/epoch "
+                      f"{statistics.median(r['user_s'] + r['system_s'] for r in got):.2f}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)  # the data first: nothing below may lose it
     out = args.out / f"epochs-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"

@@ -30,7 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import MiB, replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import MiB, replace_in_options, shard_pattern, upload_shards, upstream  # noqa: E402
 
 
 def _index(spec: str, options: dict, output: str) -> float:
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
         total = sum(s.size or 0 for s in sd.expand_spec(spec, server.storage_options))
         print(f"{args.shards} shards, {total / MiB:.1f} MiB, {samples} samples of {args.sample_bytes} B, "
               f"written in {time.perf_counter() - t:.1f} s; one-way delay {args.delay_ms:g} ms", flush=True)
-        host, port = server.endpoint_url.split("//", 1)[1].split(":")
-        with LatencyProxy(host, int(port), delay_s=args.delay_ms / 1000) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
             options = replace_in_options(server.storage_options, server.endpoint_url,
                                          proxy.url_for(server.endpoint_url))
             sd.expand_spec(spec, options)  # botocore's models load once per process: not in round 1

@@ -58,6 +58,7 @@ from benchmarks.common import (  # noqa: E402
     shard_pattern,
     upload_objects,
     upload_shards,
+    upstream,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -517,13 +518,6 @@ def format_paired(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _upstream(endpoint_url: str) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(endpoint_url)
-    return parts.hostname or "127.0.0.1", parts.port or 80
-
-
 def _prepare(server: Any, args: argparse.Namespace) -> Layout:
     client = server.boto3_client()
     bucket = "bench"
@@ -668,7 +662,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     with S3Server() as server:
         layout = _prepare(server, args)
         link = args.link_mbps * 1e6 if args.link_mbps else None
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=0.0, link_bandwidth=link) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=0.0, link_bandwidth=link) as proxy:
             if link:
                 print(f"one link of {args.link_mbps:g} MB/s per direction, shared by all connections",
                       flush=True)
@@ -762,7 +756,7 @@ def run_rss(args: argparse.Namespace) -> dict[str, Any]:
             client.put_object(Bucket="rss", Key=key, Body=buf.getvalue())
             urls[size_mb] = f"s3://rss/{key}"
             del buf
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.rss_delay / 1000) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=args.rss_delay / 1000) as proxy:
             proxied = proxy.url_for(server.endpoint_url)
             opts = replace_in_options(server.storage_options, server.endpoint_url, proxied)
             budget = args.rss_budget_mb * MiB

@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import proxied_shards  # noqa: E402
 
 
 def run(spec: str, options: dict, early: bool, epochs: int) -> list[tuple[float, float]]:
@@ -53,25 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-kib", type=int, default=96)
     args = parser.parse_args(argv)
 
-    from benchmarks.latency import _upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.testing import S3Server
-
     rows: dict[str, list[tuple[float, float]]] = {"early": [], "late": []}
-    with S3Server() as server:
-        client = server.boto3_client()
-        server.create_bucket("bench")
-        upload_shards(client, "bench", "tar/train", args.samples, args.shards, args.sample_kib * 1024 + 128)
-        spec = shard_pattern("bench", "tar/train", args.shards)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
-            options = replace_in_options(server.storage_options, server.endpoint_url,
-                                         proxy.url_for(server.endpoint_url))
-            for k in range(args.rounds):
-                for name in rows:
-                    got = run(spec, options, name == "early", args.epochs)
-                    rows[name] += got
-                    print(f"  round {k + 1}/{args.rounds} {name}: first batch "
-                          f"{', '.join(f'{f:.3f}' for f, _ in got)} s", flush=True)
+    with proxied_shards(args.delay_ms, args.samples, args.shards, args.sample_kib) as bench:
+        for k in range(args.rounds):
+            for name in rows:
+                got = run(bench.spec, bench.options, name == "early", args.epochs)
+                rows[name] += got
+                print(f"  round {k + 1}/{args.rounds} {name}: first batch "
+                      f"{', '.join(f'{f:.3f}' for f, _ in got)} s", flush=True)
     med = {name: (statistics.median(f for f, _ in r), statistics.median(w for _, w in r))
            for name, r in rows.items()}
     print(f"\n{args.delay_ms:g} ms one-way, {args.samples} samples in {args.shards} shards, 2 persistent "

@@ -27,7 +27,6 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +35,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import mean_std  # noqa: E402
+from benchmarks.common import mean_std, upstream  # noqa: E402
 from benchmarks.proxy import LatencyProxy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,8 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     with S3Server() as server:
         urls = _prepare(server, args)
-        up = urlsplit(server.endpoint_url)
-        with LatencyProxy(up.hostname, up.port, delay_s=0.0) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=0.0) as proxy:
             options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
             for delay_ms in args.delays:
                 proxy.set_delay(delay_ms / 1000)

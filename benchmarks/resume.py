@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch  # noqa: E402
 
-from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import proxied_shards  # noqa: E402
 
 
 class Plain(torch.utils.data.IterableDataset):
@@ -81,28 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-kib", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from benchmarks.latency import _upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.index import build_index
-    from streamdata.testing import S3Server
-
     rows: dict[str, list[tuple[float, int]]] = {"seek": [], "naive": []}
     half = args.samples // 32 // 2
-    with S3Server() as server:
-        client = server.boto3_client()
-        server.create_bucket("bench")
-        upload_shards(client, "bench", "tar/train", args.samples, args.shards, args.sample_kib * 1024 + 128)
-        spec = shard_pattern("bench", "tar/train", args.shards)
-        build_index(spec, server.storage_options, progress=False)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
-            proxied = replace_in_options(server.storage_options, server.endpoint_url,
-                                         proxy.url_for(server.endpoint_url))
-            for k in range(args.rounds):
-                for name in rows:
-                    took, fetched = run(spec, server.storage_options, proxied, proxy, name == "naive", half)
-                    rows[name].append((took, fetched))
-                    print(f"  round {k + 1}/{args.rounds} {name}: first batch {took:.3f} s, "
-                          f"{fetched / 2**20:.1f} MiB fetched to the end", flush=True)
+    with proxied_shards(args.delay_ms, args.samples, args.shards, args.sample_kib, index=True) as bench:
+        for k in range(args.rounds):
+            for name in rows:
+                took, fetched = run(bench.spec, bench.server.storage_options, bench.options, bench.proxy,
+                                    name == "naive", half)
+                rows[name].append((took, fetched))
+                print(f"  round {k + 1}/{args.rounds} {name}: first batch {took:.3f} s, "
+                      f"{fetched / 2**20:.1f} MiB fetched to the end", flush=True)
     med = {name: (statistics.median(t for t, _ in r), statistics.median(b for _, b in r))
            for name, r in rows.items()}
     print(f"\n{args.delay_ms:g} ms one-way, {args.samples} samples of {args.sample_kib} KiB in {args.shards} "

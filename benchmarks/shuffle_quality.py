@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
           f"same-label {1 / args.classes:.3f})")
     print(f"{'layout':<10} {'memory':>7} {'shuffle':<9} {'displ.':>7} {'autocorr':>9} {'same':>6} "
           f"{'reread mean':>12} {'reread max':>11}")
+    spans = [span_positions(counts, 0, epoch) for epoch in range(max(args.epochs, 1))]  # one per epoch
     for layout in ("sorted", "clustered"):
         labels = labels_for(layout, n, args.classes, args.run, rng)
         for memory in args.memory:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             rows: dict[str, list] = {name: [] for name in names}
             rereads: dict[str, list] = {name: [] for name in names}
             for epoch in range(args.epochs):  # interleaved: each shuffle in turn, per epoch
-                reading, span = span_positions(counts, 0, epoch)
+                reading, span = spans[epoch]
                 points = random.Random(epoch).sample(range(1, n), args.resumes)
                 for k in args.pieces:
                     out, _ = block_order(span, counts, memory, 0, epoch, pieces=k)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = rereads[name]
                 print(f"{layout:<10} {memory:>7} {name:<9} {q[0]:>7.3f} {q[1]:>9.3f} {q[2]:>6.3f} "
                       f"{np.mean(r):>12.0f} {max(r):>11}")
-        reading, _ = span_positions(counts, 0, 0)
+        reading, _ = spans[0]
         uniform = quality(np.random.default_rng(1).permutation(reading).tolist(), reading, labels)
         print(f"{layout:<10} {'all':>7} {'uniform':<9} {uniform[0]:>7.3f} {uniform[1]:>9.3f} "
               f"{uniform[2]:>6.3f} {'':>12} {'':>11}")

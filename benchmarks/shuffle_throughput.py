@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch  # noqa: E402
 
-from benchmarks.common import replace_in_options, shard_pattern, upload_shards  # noqa: E402
+from benchmarks.common import proxied_shards  # noqa: E402
 
 
 def epoch_seconds(spec: str, options: dict, mode: str, epoch: int) -> tuple[float, int]:
@@ -45,29 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-kib", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from benchmarks.latency import _upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.index import build_index
-    from streamdata.testing import S3Server
-
     rows: dict[str, list[float]] = {"block": [], "buffer": []}
-    with S3Server() as server:
-        client = server.boto3_client()
-        server.create_bucket("bench")
-        upload_shards(client, "bench", "tar/train", args.samples, args.shards, args.sample_kib * 1024 + 128)
-        spec = shard_pattern("bench", "tar/train", args.shards)
-        build_index(spec, server.storage_options, progress=False)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=args.delay_ms / 1000) as proxy:
-            proxied = replace_in_options(server.storage_options, server.endpoint_url,
-                                         proxy.url_for(server.endpoint_url))
-            for k in range(args.rounds):
-                for mode in rows:
-                    proxy.reset_counters()
-                    took, n = epoch_seconds(spec, proxied, mode, k)
-                    assert n == args.samples
-                    rows[mode].append(took)
-                    print(f"  round {k + 1}/{args.rounds} {mode}: {took:.2f} s, "
-                          f"{proxy.bytes_down / 2**20:.1f} MiB, {proxy.connections} connections", flush=True)
+    with proxied_shards(args.delay_ms, args.samples, args.shards, args.sample_kib, index=True) as bench:
+        proxy = bench.proxy
+        for k in range(args.rounds):
+            for mode in rows:
+                proxy.reset_counters()
+                took, n = epoch_seconds(bench.spec, bench.options, mode, k)
+                assert n == args.samples
+                rows[mode].append(took)
+                print(f"  round {k + 1}/{args.rounds} {mode}: {took:.2f} s, "
+                      f"{proxy.bytes_down / 2**20:.1f} MiB, {proxy.connections} connections", flush=True)
     med = {mode: statistics.median(r) for mode, r in rows.items()}
     print(f"\n{args.delay_ms:g} ms one-way, {args.samples} samples of {args.sample_kib} KiB in {args.shards} "
           f"indexed shards, 2 workers, batch 32; medians of {args.rounds}:")

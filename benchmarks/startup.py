@@ -46,7 +46,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import replace_in_options  # noqa: E402
+from benchmarks.common import replace_in_options, upstream  # noqa: E402
 from benchmarks.latency import (  # noqa: E402
     _batch_size_of,
     _boto3_client,
@@ -54,7 +54,6 @@ from benchmarks.latency import (  # noqa: E402
     _import_streamdata,
     _prepare,
     _sd_trees,
-    _upstream,
     _wds_collate,
 )
 
@@ -305,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[tuple[float, str], list[dict[str, Any]]] = {}
     with S3Server() as server:
         layout = _prepare(server, args)
-        with LatencyProxy(*_upstream(server.endpoint_url), delay_s=0.0) as proxy:
+        with LatencyProxy(*upstream(server.endpoint_url), delay_s=0.0) as proxy:
             proxied = proxy.url_for(server.endpoint_url)
             options = replace_in_options(server.storage_options, server.endpoint_url, proxied)
             base = {"storage_options": options, "shard_spec": args.spec or layout.shard_spec,
@@ -320,7 +319,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         cfg = dict(base, method=method.split("@")[0], delay_ms=delay)
                         if "@" in method:
                             cfg["sd_path"] = args.sd_trees[method.split("@", 1)[1]]["path"]
-                        proxy.reset_counters()
                         proxy.record_events(True)
                         r = _child(cfg)
                         events = list(proxy.events or [])
