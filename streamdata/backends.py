@@ -28,7 +28,7 @@ from .errors import (
 )
 
 __all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
-           "lite_s3", "signer_key", "translate_error", "warm_imports"]
+           "lite_path", "lite_s3", "signer_key", "translate_error", "warm_imports"]
 
 T = TypeVar("T")
 
@@ -193,20 +193,21 @@ def inherited_signer(protocol: str, storage_options: Mapping[str, Any] | None) -
     return _SIGNERS.get(key) if key is not None else None
 
 
-# what a botocore client would read from the environment to pick a region (LITE-S3, s3lite)
-_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_PROFILE")
-
-
 def lite_s3(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
     """A botocore-free S3 signer for these options (LITE-S3, ``s3lite``), or ``None``."""
     if protocol not in ("s3", "s3a"):
         return None
-    from .s3lite import LiteS3
+    from .s3lite import ENV_NAMES, LiteS3
 
-    return LiteS3.from_options(storage_options, env_snapshot(_REGION_ENV))
+    return LiteS3.from_options(storage_options, env_snapshot(ENV_NAMES))
 
 
 _WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",)}
+
+
+def lite_path(url: str) -> str:
+    """``bucket/key`` of an S3 URL under LITE-S3, as s3fs's ``_strip_protocol`` gives it."""
+    return url.split("://", 1)[-1].rstrip("/")
 
 
 def warm_imports(protocol: str, storage_options: Mapping[str, Any] | None = None) -> None:

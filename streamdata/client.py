@@ -18,7 +18,7 @@ from typing import Any
 
 from ._aio import LoopThread, wait_threads_gone
 from ._fork import at_fork_in_child
-from .backends import close_sessions, filesystem, inherited_signer, lite_s3, translate_error
+from .backends import close_sessions, filesystem, inherited_signer, lite_path, lite_s3, translate_error
 from .config import FetchConfig
 from .errors import ShardFetchError
 from .metrics import Counters
@@ -74,9 +74,7 @@ _S3_SLOW_OPTIONS = ("requester_pays", "version_aware", "s3_additional_kwargs")
 class _LitePaths:
     """What the client asks of a filesystem for S3 URLs under LITE-S3 (none is built)."""
 
-    @staticmethod
-    def _strip_protocol(url: str) -> str:
-        return url.split("://", 1)[-1].rstrip("/")
+    _strip_protocol = staticmethod(lite_path)
 
 
 _live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()

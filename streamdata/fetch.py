@@ -273,8 +273,10 @@ class Prefetcher:
         follows, NEXT-EPOCH-EARLY), wait for it, at most half the reader's wait for a plan:
         then the lookup finds the entry (one download), or the item streams as before."""
         done = self.cache.being_written(key)
+        if done is None:  # the common case: no pass of this process writes it
+            return
         deadline = time.monotonic() + self._wait_timeout() / 2
-        while done is not None and not done.is_set() and time.monotonic() < deadline:
+        while not done.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(_WRITTEN_POLL_S)
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,

@@ -32,8 +32,10 @@ def with_sizes(shards: list[Shard], storage_options: dict, config: FetchConfig) 
         return shards
     from .client import AsyncClient
 
-    # the constructor's bound, not a part's (urls.listing_deadline)
-    config = config.replace(retry_deadline=listing_deadline(config))
+    # the constructor's bound, not a part's (urls.listing_deadline); sizes only: each probe asks
+    # for one byte, as the first would otherwise bring first_part bytes (HEAD-START) for a
+    # reader that is not here (this client closes below)
+    config = config.replace(retry_deadline=listing_deadline(config), first_part=1)
     client = AsyncClient(split_url(missing[0].url)[0], storage_options, config, name="sizes")
     try:
         async def sizes() -> list[int | None]:

@@ -110,13 +110,10 @@ def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[st
                       config: FetchConfig, suffixes: tuple[str, ...] = ()) -> IndexAhead | None:
     """An early read of the index the lookup will want, on the process that will look it up
     (rank 0 of a multi-rank job, LIST-ONCE); ``None`` where the spec does not tell where."""
-    from .ranks import multi_rank
+    from .ranks import is_rank0
 
-    if multi_rank():
-        import torch.distributed as dist
-
-        if dist.get_rank() != 0:
-            return None
+    if not is_rank0():
+        return None
     url = early_index_url(spec, index, suffixes)
     if url is None:
         return None

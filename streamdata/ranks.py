@@ -13,7 +13,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["GROUP_TIMEOUT", "from_rank0", "gloo_group", "multi_rank"]
+__all__ = ["GROUP_TIMEOUT", "from_rank0", "gloo_group", "is_rank0", "multi_rank"]
 
 T = TypeVar("T")
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as torch.distributed's default group
@@ -25,6 +25,15 @@ def multi_rank() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_rank0() -> bool:
+    """True on rank 0 of a multi-rank job, and in a single process: where LIST-ONCE work runs."""
+    if not multi_rank():
+        return True
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
 
 
 def gloo_group() -> Any:
@@ -47,7 +56,7 @@ def from_rank0(fn: Callable[[], T]) -> T:
     import torch.distributed as dist
 
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if is_rank0():
         try:
             box[0] = ("ok", fn())
         except Exception as exc:  # every rank raises it, so none waits for the others

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["LiteS3", "LiteUnsupported"]
+__all__ = ["ENV_NAMES", "LiteS3", "LiteUnsupported"]
 
 _TOP = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
         "skip_instance_cache", "use_listings_cache"}
@@ -30,6 +30,7 @@ _CLIENT = {"endpoint_url", "region_name"}
 _CONFIG = {"connect_timeout", "read_timeout", "retries", "max_pool_connections", "s3"}
 _REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
 _PROFILE_ENV = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_PROFILE")  # a region may hide there
+ENV_NAMES = _REGION_ENV + _PROFILE_ENV  # what ``from_options``'s ``env`` holds: a botocore client's reads
 _UNSIGNED = "UNSIGNED-PAYLOAD"
 
 

@@ -82,9 +82,10 @@ class TarDataset(ShardedDataset):
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
         # samples' __url__ (and the parser's errors) name the shard without its secrets,
         # redacted once per shard; the real URL is in self.shards
-        chunks, compressed = decompressed(reader.chunks(), redact_url(reader.url))
+        shown = redact_url(reader.url)
+        chunks, compressed = decompressed(reader.chunks(), shown)
         yield from samples_from_chunks(
-            chunks, redact_url(reader.url), total=None if compressed else unit.size,
+            chunks, shown, total=None if compressed else unit.size,
             accept_unterminated=self.accept_unterminated,
             on_unterminated=lambda: self._counters.add("accepted.unterminated"))
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .backends import call_with_deadline, close_filesystem, filesystem, lite_s3, warm_imports
+from .backends import call_with_deadline, close_filesystem, filesystem, lite_path, lite_s3, warm_imports
 from .config import FetchConfig
 from .errors import AccessDeniedError, ShardNotFoundError, SpecError
 
@@ -115,7 +115,7 @@ class _Backends:
 
     def strip(self, protocol: str, path: str) -> str:
         if self.lite(protocol) is not None:
-            return path.split("://", 1)[-1].rstrip("/")
+            return lite_path(path)
         return self.fs(protocol)._strip_protocol(path)
 
     def warm(self, protocol: str) -> None:
@@ -320,9 +320,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     try:
         protocols = set()
         for raw in items:
-            item = raw if isinstance(raw, Shard) else os.fspath(raw)
-            if not isinstance(item, (str, Shard)) or not item:
-                raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+            item = _spec_item(raw)
             url = item if isinstance(item, str) else item.url
             protocol = split_url(url)[0]
             protocols.add(protocol)
@@ -333,6 +331,19 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
             b.warm(protocol)
     finally:
         b.close()
+    return _unique(shards)
+
+
+def _spec_item(raw: Any) -> str | Shard:
+    """One item of a spec list: a Shard, or its URL string (a path-like made one)."""
+    item = raw if isinstance(raw, Shard) else os.fspath(raw)
+    if not isinstance(item, (str, Shard)) or not item:
+        raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
+    return item
+
+
+def _unique(shards: list[Shard]) -> list[Shard]:
+    """``shards``, after checking that none is named twice."""
     dupes = len(shards) - len({s.url for s in shards})
     if dupes:
         raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
@@ -345,12 +356,10 @@ def _unlisted(items: list[Any], storage_options: Mapping[str, Any] | None) -> li
 
     shards: list[Shard] = []
     for raw in items:
-        if isinstance(raw, Shard):
-            shards.append(raw)
+        item = _spec_item(raw)
+        if isinstance(item, Shard):
+            shards.append(item)
             continue
-        item = os.fspath(raw)
-        if not isinstance(item, str) or not item:
-            raise SpecError(f"shard spec items must be non-empty URL strings, got {raw!r}")
         protocol, path = split_url(item)
         if protocol not in known_implementations and protocol not in registry:
             raise SpecError(f"unknown protocol {protocol!r} in {item!r}: use s3://, gs://, hdfs://, "
@@ -361,9 +370,7 @@ def _unlisted(items: list[Any], storage_options: Mapping[str, Any] | None) -> li
                             "or leave listing on")
         names = brace_expand(path) if "{" in path or "}" in path else [path]
         shards.extend(Shard(_join(protocol, p), None) for p in names)
-    dupes = len(shards) - len({s.url for s in shards})
-    if dupes:
-        raise SpecError(f"the spec names {dupes} shard(s) more than once; each must appear once")
+    _unique(shards)
     for protocol in {split_url(s.url)[0] for s in shards}:  # inherited by forked workers
         warm_imports(protocol, storage_options)
     return shards

@@ -125,6 +125,20 @@ async def fetch(pool: h1.Pool, url: str, headers: dict | None = None) -> tuple[i
         return resp.status, await resp.read()
 
 
+def fetch_once(server: Script, timeout: float = 10, pools: list | None = None) -> tuple[int, bytes]:
+    """One GET of ``server.url()`` through a fresh pool (appended to ``pools``), closed after."""
+    async def go():
+        pool = h1.Pool(4, timeout=timeout)
+        if pools is not None:
+            pools.append(pool)
+        try:
+            return await fetch(pool, server.url())
+        finally:
+            await pool.close()
+
+    return run(go())
+
+
 def test_keep_alive_reuses_one_connection(script) -> None:
     server = script(lambda c, i, head: c.sendall(ok(b"x" * (1000 + i))) or True)
 
@@ -190,20 +204,11 @@ def test_a_reset_mid_body_is_a_connection_error(script) -> None:
         return False
 
     server = script(answer)
-    pool_box = []
-
-    async def go():
-        pool = h1.Pool(4, timeout=10)
-        pool_box.append(pool)
-        try:
-            await fetch(pool, server.url())
-        finally:
-            await pool.close()
-
+    pools: list[h1.Pool] = []
     with pytest.raises((ConnectionResetError, h1.IncompleteRead)) as info:
-        run(go())
+        fetch_once(server, pools=pools)
     assert classify(info.value) in ("connection", "short")
-    assert pool_box[0].idle == 0
+    assert pools[0].idle == 0
 
 
 @pytest.mark.parametrize("head", [b"HTTP/1.1 2OO OK", b"ICY 200 OK", b"HTTP/2 200", b"garbage",
@@ -213,15 +218,8 @@ def test_a_reset_mid_body_is_a_connection_error(script) -> None:
 def test_a_bad_answer_is_a_protocol_error(script, head: bytes) -> None:
     server = script(lambda c, i, _: c.sendall(head + b"\r\n\r\nhello") or True)
 
-    async def go():
-        pool = h1.Pool(4, timeout=10)
-        try:
-            await fetch(pool, server.url())
-        finally:
-            await pool.close()
-
     with pytest.raises(h1.ProtocolError) as info:
-        run(go())
+        fetch_once(server)
     assert classify(info.value) == "connection"
 
 
@@ -230,15 +228,8 @@ def test_a_bad_answer_is_a_protocol_error(script, head: bytes) -> None:
 def test_oversized_heads_are_refused(script, head: bytes) -> None:
     server = script(lambda c, i, _: c.sendall(head + b"\r\nContent-Length: 0\r\n\r\n") or True)
 
-    async def go():
-        pool = h1.Pool(4, timeout=10)
-        try:
-            await fetch(pool, server.url())
-        finally:
-            await pool.close()
-
     with pytest.raises(h1.ProtocolError, match="over"):
-        run(go())
+        fetch_once(server)
 
 
 @pytest.mark.parametrize("sent", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"])
@@ -251,17 +242,9 @@ def test_a_silent_server_hits_the_timeout(script, sent: bytes) -> None:
         return False
 
     server = script(answer)
-
-    async def go():
-        pool = h1.Pool(4, timeout=0.5)
-        try:
-            await fetch(pool, server.url())
-        finally:
-            await pool.close()
-
     try:
         with pytest.raises(TimeoutError, match="no data") as info:
-            run(go())
+            fetch_once(server, timeout=0.5)
     finally:
         release.set()
     assert classify(info.value) == "timeout"
@@ -292,15 +275,8 @@ def test_a_bad_chunk_is_a_protocol_error(script) -> None:
     server = script(lambda c, i, _: c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                                               b"zz\r\nhello\r\n0\r\n\r\n") or True)
 
-    async def go():
-        pool = h1.Pool(4, timeout=10)
-        try:
-            await fetch(pool, server.url())
-        finally:
-            await pool.close()
-
     with pytest.raises(h1.ProtocolError, match="chunk size"):
-        run(go())
+        fetch_once(server)
 
 
 def test_no_hidden_resend_when_a_kept_alive_connection_drops(script) -> None:

@@ -3,7 +3,9 @@ small first shard, against the real HTTP and S3 test servers."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,17 @@ COUNTS = [4, 3, 5]
 
 def _keys(counts: list[int]) -> list[str]:
     return [s["__key__"] for shard in make_samples(counts) for s in shard]
+
+
+@contextlib.contextmanager
+def _shards_behind_a_proxy(server, bucket: str) -> Iterator[tuple[FaultProxy, dict]]:
+    """COUNTS shards at ``d/s-{i}.tar``; a counting proxy in front of the S3 server, and the
+    storage options that go through it."""
+    s3 = server.boto3_client()
+    for i, shard in enumerate(make_samples(COUNTS)):
+        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
+    with FaultProxy(server.endpoint_url) as proxy:
+        yield proxy, dict(server.storage_options, endpoint_url=proxy.url)
 
 
 def test_content_total() -> None:
@@ -59,11 +72,7 @@ def test_http_sizes_from_the_first_ranged_get(tmp_path: Path, http_server) -> No
 
 def test_s3_sizes_from_the_first_ranged_get(s3_bucket) -> None:
     server, bucket = s3_bucket
-    s3 = server.boto3_client()
-    for i, shard in enumerate(make_samples(COUNTS)):
-        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
-    with FaultProxy(server.endpoint_url) as proxy:
-        options = dict(server.storage_options, endpoint_url=proxy.url)
+    with _shards_behind_a_proxy(server, bucket) as (proxy, options):
         shards = [sd.Shard(f"s3://{bucket}/d/s-{i}.tar") for i in range(len(COUNTS))]
         ds = sd.TarDataset(shards, storage_options=options, decode=False, index=None)
         assert proxy.requests == {}  # Shard items are taken as given: no listing
@@ -130,11 +139,7 @@ def test_lite_s3_lists_once_and_imports_no_botocore(s3_bucket) -> None:
     import subprocess
 
     server, bucket = s3_bucket
-    s3 = server.boto3_client()
-    for i, shard in enumerate(make_samples(COUNTS)):
-        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
-    with FaultProxy(server.endpoint_url) as proxy:
-        options = dict(server.storage_options, endpoint_url=proxy.url)
+    with _shards_behind_a_proxy(server, bucket) as (proxy, options):
         spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
         ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None)
         assert proxy.requests == {"list": 1}  # no HEAD, no region probe: one ListObjectsV2
@@ -195,11 +200,7 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
     """expand_spec(listing=False): no request at construction, sizes from the readers' first
     GETs; a missing shard fails when read, naming it; the default still fails at once."""
     server, bucket = s3_bucket
-    s3 = server.boto3_client()
-    for i, shard in enumerate(make_samples(COUNTS)):
-        s3.put_object(Bucket=bucket, Key=f"d/s-{i}.tar", Body=tar_bytes(shard))
-    with FaultProxy(server.endpoint_url) as proxy:
-        options = dict(server.storage_options, endpoint_url=proxy.url)
+    with _shards_behind_a_proxy(server, bucket) as (proxy, options):
         spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
         shards = sd.expand_spec(spec, options, listing=False)
         assert shards == [sd.Shard(f"s3://{bucket}/d/s-{i}.tar") for i in range(len(COUNTS))]
