@@ -247,11 +247,13 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
 
 
 def index_status(shards: Sequence[Shard], storage_options: Mapping[str, Any] | None = None,
-                 config: FetchConfig | None = None) -> str:
-    """One line on the default index of ``shards``, for ``streamdata inspect``."""
+                 config: FetchConfig | None = None, *,
+                 read: Callable[..., list[ShardEntry] | None] | None = None) -> str:
+    """One line on the default index of ``shards``, for ``streamdata inspect``; ``read`` as for
+    :func:`lookup` (one reader for both: one GET)."""
     try:
         url = default_index_url([s.url for s in shards])
-        entries = read_index(url, storage_options, config)
+        entries = (read or read_index)(url, storage_options, config)
     except StreamDataError as exc:
         return f"index: unavailable ({exc})"
     shown = redact_url(url)

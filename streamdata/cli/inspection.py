@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -272,32 +270,31 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
     _field_table(first, sizes, len(first), fmt)
 
 
-# index_status's line when the index covers every shard and none is stale (as lookup needs);
-# with some missing, lookup warns of them on stderr, as the datasets do
-_COVERED = re.compile(r"\d+/\d+ shards, (\d+) samples"
-                      r"(?:, \d+ stale, (\d+) missing: run `streamdata index SPEC`)?$")
-
-
 def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, int | None]:
-    """``(status line, samples or None)`` from the sample index, when one exists: one GET of
-    it (the samples are those of the status line when every shard is indexed and none stale)."""
+    """``(status line, samples or None)`` from the sample index, when one exists, read once for
+    both the line and the counts (the counts: when it covers every shard and none is stale)."""
     from .. import index as sdindex
     from ..config import FetchConfig
     from ..errors import StreamDataError
 
     options = storage_options(args)
     config = FetchConfig.resolve(None, **fetch_options(args))
-    status = sdindex.index_status(shards, storage_options=options, config=config)
+    read: dict[str, Any] = {}
+
+    def read_once(url: str, *rest: Any) -> Any:
+        if url not in read:
+            read[url] = sdindex.read_index(url, *rest)
+        return read[url]
+
+    status = sdindex.index_status(shards, storage_options=options, config=config, read=read_once)
     status = status[len("index: "):] if status.startswith("index: ") else status
-    covered = _COVERED.search(status)
-    if covered is None:  # none, unavailable
+    if status.startswith(("none", "unavailable")):
         return status, None
-    if covered.group(2) is None:  # every shard, none stale
-        return status, int(covered.group(1))
-    if int(covered.group(2)):  # lookup's warning naming the first missing shard (a second GET)
-        with contextlib.suppress(StreamDataError):
-            sdindex.lookup(shards, "auto", options, config)
-    return status, None
+    try:  # the counts, if the index covers every shard and none is stale
+        found = sdindex.lookup(shards, "auto", options, config, read=read_once)
+    except StreamDataError:
+        return status, None
+    return status, None if found is None else int(found.counts.sum())
 
 
 # ---- cat ------------------------------------------------------------------------------------
