@@ -142,8 +142,7 @@ class Mix(torch.utils.data.IterableDataset):
 
     def _head(self, epoch: int, stages: list) -> dict:
         describe = self.describe()
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": mix_fingerprint(describe),
-                "epoch": epoch, "split": "mix", "mix": describe,
+        return {**start_state(mix_fingerprint(describe), epoch, "mix"), "mix": describe,
                 "batching": [self.batch_size, bool(self.drop_last and self.batch_size is not None)],
                 "stages": stages}
 
