@@ -42,7 +42,7 @@ from .world import World
 
 __all__ = ["MAX_WINDOW", "MIN_WINDOW", "PIECES", "Windows", "block_reads", "block_runs", "block_shuffled",
            "check_mode", "check_shuffle_option", "delivered_mask", "mode_tag", "window_for", "window_spans",
-           "windows_of"]
+           "windows_of", "with_mode"]
 
 MIN_WINDOW, MAX_WINDOW = 64, 65536  # samples, the default window's bounds
 PIECES = 16  # a window gathers this many pieces of the span, from seeded places
@@ -97,6 +97,12 @@ def check_shuffle_option(shuffle: Any, window: int | None) -> None:
 
 def mode_tag(window: int | None) -> str | None:
     return None if window is None else f"block:{window}"
+
+
+def with_mode(state: dict, window: int | None) -> dict:
+    """``state`` tagged with a block-shuffled pass's shuffle (``"shuffle": "block:<window>"``)."""
+    tag = mode_tag(window)
+    return state if tag is None else {**state, "shuffle": tag}
 
 
 def check_mode(state: Any, window: int | None) -> None:

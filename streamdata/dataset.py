@@ -253,9 +253,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """RESUME-BUFFER (``rewind``): a continued pass behind a shuffle buffer reads from the first
         sample not delivered, and its shuffle replays the original order from there."""
         def at(position: int) -> ReaderPass:
-            last = Stage(stages[-1].world_size, stages[-1].num_workers, [None] * p.world.slots)
-            last.delivered[p.world.slot] = position
-            return self._plan_pass(self.epoch, batch_size, drop_last, [*stages[:-1], last])
+            return self._plan_pass(self.epoch, batch_size, drop_last,
+                                   [*stages[:-1], Stage.own(p.world, position)])
 
         full, d = at(0).span, self._live.base
         sizes = [len(s) for s in full.segments] if self.records_are_tables else [1] * full.samples
@@ -272,8 +271,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         yielded (``StatefulDataLoader`` asks after each batch); else the one loaded, or the start."""
         batching = [self.batch_size, bool(self.drop_last and self.batch_size is not None)]
         state = reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
-        tag = blocks.mode_tag(self.block_window())
-        return state if tag is None else {**state, "shuffle": tag}
+        return blocks.with_mode(state, self.block_window())
 
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from .blocks import mode_tag
+from .blocks import with_mode
 from .dataset import ShardedDataset
 from .errors import SpecError, StreamDataError
 from .incremental import batches
@@ -44,7 +44,7 @@ from .mixplan import (
 )
 from .passes import EpochIterator
 from .resume import Stage
-from .state import STATE_FORMAT, STATE_VERSION, dataset_key
+from .state import STATE_FORMAT, STATE_VERSION, dataset_key, stages_json, start_state
 from .world import World
 
 __all__ = ["Mix"]
@@ -142,8 +142,7 @@ class Mix(torch.utils.data.IterableDataset):
 
     def _head(self, epoch: int, stages: list) -> dict:
         describe = self.describe()
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": mix_fingerprint(describe),
-                "epoch": epoch, "split": "mix", "mix": describe,
+        return {**start_state(mix_fingerprint(describe), epoch, "mix"), "mix": describe,
                 "batching": [self.batch_size, bool(self.drop_last and self.batch_size is not None)],
                 "stages": stages}
 
@@ -152,11 +151,9 @@ class Mix(torch.utils.data.IterableDataset):
         epoch's start. Every source's position and the choices taken (docs/mix.md)."""
         if self._live is not None:
             run = self._live
-            stage = Stage(run.world.world_size, run.world.num_workers, [None] * run.world.slots)
-            stage.delivered[run.world.slot] = run.entry()
-            return self._head(run.epoch, _stages_json([*run.before, stage]))
+            return self._head(run.epoch, stages_json([*run.before, Stage.own(run.world, run.entry())]))
         if self._resume is not None and self._resume[0] == self.epoch:
-            return self._head(self._resume[0], _stages_json(self._resume[1]))
+            return self._head(self._resume[0], stages_json(self._resume[1]))
         return self._head(self.epoch, [])
 
     def load_state_dict(self, state: dict) -> None:
@@ -222,7 +219,7 @@ class Mix(torch.utils.data.IterableDataset):
             for k in range(len(self.sources) if not run.ended else 0):  # (an ended reader reads nothing)
                 cycle, position = entry["sources"][k]
                 run.open(k, cycle, source_stages(stages, k, splits[k]) if cycle == 0 else
-                         [_own_stage(world, position)])
+                         [Stage.own(world, position)])
         except BaseException:
             run.close()
             raise
@@ -314,10 +311,9 @@ class _Run:
         epoch = self.epoch + cycle * CYCLE_STRIDE
         if stages:
             fp, split = dataset_key(source)
-            state = {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": fp, "epoch": epoch,
-                     "split": split, "stages": _stages_json(stages), "batching": [None, False]}
-            tag = mode_tag(source.block_window())  # a block-shuffled source's (BLOCK-SHUFFLE)
-            source.load_state_dict(state if tag is None else {**state, "shuffle": tag})
+            state = {**start_state(fp, epoch, split), "stages": stages_json(stages),
+                     "batching": [None, False]}
+            source.load_state_dict(with_mode(state, source.block_window()))  # BLOCK-SHUFFLE's tag
         else:
             source.set_epoch(epoch)
         old, self.iters[k] = self.iters[k], source.iter_batches(None)
@@ -376,16 +372,6 @@ def _tail_counted(samples: Iterator[Any], batch_size: int, drop_last: bool,
         yield sample
     if drop_last and n % batch_size:
         counters.add("mix.left_out", n % batch_size)
-
-
-def _own_stage(world: World, position: Any) -> Stage:
-    stage = Stage(world.world_size, world.num_workers, [None] * world.slots)
-    stage.delivered[world.slot] = position
-    return stage
-
-
-def _stages_json(stages: Sequence[Stage]) -> list[dict]:
-    return [{"world": [s.world_size, s.num_workers], "delivered": list(s.delivered)} for s in stages]
 
 
 def _total(source: ShardedDataset) -> int | None:

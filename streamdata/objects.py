@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,13 +112,16 @@ class ObjectDataset(torch.utils.data.Dataset):
         """The state protocol's record for a map-style dataset: no position of its own (which
         indices come next is the sampler's, saved by ``StatefulDataLoader``), only what ties a
         checkpoint to this dataset (its objects and sizes), so another dataset's is refused."""
-        return start_state(self._fingerprint(), 0, "objects")
+        return start_state(self._fingerprint, 0, "objects")
 
     def load_state_dict(self, state: dict) -> None:
         """Check that ``state`` was saved from this dataset (SpecError if not); nothing to seek."""
-        parse_state(state, self._fingerprint(), "objects")
+        parse_state(state, self._fingerprint, "objects")
 
+    @functools.cached_property
     def _fingerprint(self) -> str:
+        """Worked out once (the objects are fixed): StatefulDataLoader's workers ask for the
+        state after every batch, and the digest reads every object's URL and size."""
         return fingerprint(self.shards, None, seed=0, shuffle=False)
 
     def close(self) -> None:

@@ -47,6 +47,13 @@ class Stage:
             raise SpecError(f"a resume stage of {world_size} ranks x {num_workers} workers needs "
                             f"{world_size * num_workers} positions, got {len(self.delivered)}")
 
+    @classmethod
+    def own(cls, world: World, position: int | None) -> Stage:
+        """A stage of ``world``'s shape where only ``world``'s own reader's position is known."""
+        stage = cls(world.world_size, world.num_workers, [None] * world.slots)
+        stage.delivered[world.slot] = position
+        return stage
+
     def same_shape(self, world: World) -> bool:
         return (self.world_size, self.num_workers) == (world.world_size, world.num_workers)
 

@@ -29,7 +29,8 @@ from .rewind import record_size
 from .world import World
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "dataset_key", "fingerprint",
-           "merge_states", "parse_state", "reader_state", "start_state"]
+           "merge_states", "parse_state", "reader_state", "stages_json",
+           "start_state"]
 
 log = logging.getLogger("streamdata")
 
@@ -58,7 +59,7 @@ def dataset_key(dataset: Any) -> tuple[str, str]:
     return cached[1], cached[2]
 
 
-def _stages_json(stages: Sequence[Stage]) -> list[dict]:
+def stages_json(stages: Sequence[Stage]) -> list[dict]:
     return [{"world": [s.world_size, s.num_workers], "delivered": list(s.delivered)} for s in stages]
 
 
@@ -200,10 +201,8 @@ class Position:
         return [done, into + left]
 
     def state(self, fp: str) -> dict:
-        stage = Stage(self.world.world_size, self.world.num_workers, [None] * self.world.slots)
-        stage.delivered[self.world.slot] = self.mine()
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": fp, "epoch": self.epoch,
-                "split": self.split, "stages": _stages_json([*self.before, stage])}
+        return {**start_state(fp, self.epoch, self.split),
+                "stages": stages_json([*self.before, Stage.own(self.world, self.mine())])}
 
 
 def start_state(fp: str, epoch: int, split: str) -> dict:
@@ -220,7 +219,7 @@ def reader_state(fp: str, split: str, live: Position | None, resume: tuple | Non
         return {**live.state(fp), "batching": live.batching}
     if resume is not None and resume[0] == epoch:  # (another epoch's is never read)
         epoch, stages, batching = resume
-        return {**start_state(fp, epoch, split), "stages": _stages_json(stages), "batching": batching}
+        return {**start_state(fp, epoch, split), "stages": stages_json(stages), "batching": batching}
     return {**start_state(fp, epoch, split), "batching": batching}
 
 

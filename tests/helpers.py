@@ -124,3 +124,74 @@ def check_exact_epochs(ds, total: int, world_size: int, num_workers: int, drop_l
             left_out_sets.append(frozenset(range(total)) - frozenset(ids))
     if drop_last and left_out_sets[0]:
         assert left_out_sets[0] != left_out_sets[1], "the same samples left out every epoch"
+
+
+def take(it, n: int) -> list:
+    """Up to ``n`` items of the iterator ``it`` (fewer where it ends)."""
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def write_tables(fs, prefix: str, groups: list[list[int]], suffix: str = "parquet") -> list[int]:
+    """``prefix/part-{i}.{suffix}``: Parquet files (one row group per entry) or Arrow IPC files
+    (one record batch per entry) of a column ``id`` numbering the rows; returns the ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema, n = pa.schema([("id", pa.int64())]), 0
+    for i, sizes in enumerate(groups):
+        with fs.open(f"{prefix}/part-{i}.{suffix}", "wb") as f, \
+                (pq.ParquetWriter(f, schema) if suffix == "parquet" else pa.ipc.new_file(f, schema)) as w:
+            for size in sizes:
+                w.write_table(pa.table({"id": np.arange(n, n + size)}))
+                n += size
+    return list(range(n))
+
+
+def torchrun(job, tmp_path, nproc: int, cfg: dict, time_limit_s: float = 240) -> list[dict]:
+    """Run ``job`` (tests/jobs/*.py) under ``torchrun`` on ``nproc`` ranks with ``cfg``; each rank's
+    ``{tag}-rank{R}.json``. A hang fails the test after ``time_limit_s``."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(job), str(tmp_path), json.dumps(cfg)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=time_limit_s)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the torchrun job hung (no end within {time_limit_s} s): {exc.stderr!s:.2000}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((Path(tmp_path) / f"{cfg['tag']}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def ddp_steps(loader, model, optimizer, features, cfg: dict, rank: int):
+    """The batches of ``loader`` (resumed from the state file ``cfg["load"]`` if set), each after
+    one DDP training step on ``features(batch)``; after ``cfg["stop"]`` steps every rank takes
+    ``loader.state_dict()`` (a collective), rank 0 writes it to ``cfg["save"]``, and it ends."""
+    import json
+
+    if cfg.get("load"):
+        with open(cfg["load"]) as f:
+            loader.load_state_dict(json.load(f))
+    for steps, batch in enumerate(loader, 1):
+        loss = model(features(batch)).square().mean()  # DDP all-reduces the grads
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        yield batch
+        if steps == cfg.get("stop"):
+            state = loader.state_dict()  # every rank's positions (a collective)
+            if rank == 0:
+                with open(cfg["save"], "w") as f:
+                    json.dump(state, f)
+            return

@@ -16,9 +16,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import pytest
 
 import streamdata as sd
@@ -34,7 +32,7 @@ from streamdata.errors import SpecError
 from streamdata.plan import Segment, Span, reader_span
 from streamdata.state import merge_states
 from streamdata.world import World
-from tests.helpers import rank_batches, rank_env, write_shards
+from tests.helpers import rank_batches, rank_env, take, write_shards, write_tables
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11, 14]  # 72 samples, uneven on purpose
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -50,13 +48,7 @@ def tar_dir(tmp_path):
 
 @pytest.fixture
 def parquet_dir(tmp_path):
-    ids = 0
-    for i, groups in enumerate(ROW_GROUPS):
-        with pq.ParquetWriter(tmp_path / f"part-{i}.parquet", pa.schema([("id", pa.int64())])) as w:
-            for n in groups:
-                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
-                ids += n
-    return str(tmp_path) + "/", list(range(ids))
+    return str(tmp_path) + "/", write_tables(fsspec.filesystem("file"), str(tmp_path), ROW_GROUPS)
 
 
 def _make(kind, path, **kw):
@@ -68,16 +60,6 @@ def _make(kind, path, **kw):
 
 def _ids(batch):
     return [int(k[1:]) for k in batch["__key__"]] if "__key__" in batch else batch["id"].tolist()
-
-
-def _take(it, n):
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
-            break
-    return out
 
 
 # ---- the arithmetic, on positions ----------------------------------------------------------------
@@ -212,7 +194,7 @@ def test_the_same_world_resumes_exactly_and_reads_one_window_again(tar_dir, parq
             for stop in rng.sample(range(1, len(full) // 2), 4):
                 ds = _make(kind, path, batch_size=2)
                 it = iter(ds)
-                before = [i for b in _take(it, stop) for i in _ids(b)]
+                before = [i for b in take(it, stop) for i in _ids(b)]
                 state = json.loads(json.dumps(ds.state_dict()))
                 it.close()
                 assert state["shuffle"] == f"block:{W}"
@@ -234,7 +216,7 @@ def test_another_world_gets_exactly_what_is_left(tar_dir, parquet_dir, kind, old
         with rank_env(rank, old):
             ds = _make(kind, path, batch_size=4)
             it = iter(ds)
-            before += [i for b in _take(it, 3) for i in _ids(b)]  # DDP ranks stop at one step
+            before += [i for b in take(it, 3) for i in _ids(b)]  # DDP ranks stop at one step
             states.append(ds.state_dict())
             it.close()
     state = json.loads(json.dumps(merge_states(states)))
@@ -258,7 +240,7 @@ def test_a_state_of_the_other_shuffle_is_refused(tar_dir):
     buffer = _make("indexed", path, batch_size=2, shuffle="buffer")
     assert block.block_window() == W and buffer.block_window() is None
     it = iter(block)
-    _take(it, 3)
+    take(it, 3)
     state = block.state_dict()
     it.close()
     with pytest.raises(SpecError, match="block shuffle, window 6"):
@@ -332,7 +314,7 @@ def test_a_resume_fetches_the_rest_and_one_window_measured_at_a_proxy(proxied):
     for stop in (5, 23, 40):
         ds = _s3(spec, options)
         it = iter(ds)
-        before = [int(s["__key__"][1:]) for s in _take(it, stop)]
+        before = [int(s["__key__"][1:]) for s in take(it, stop)]
         state = ds.state_dict()
         it.close()
         resumed = _s3(spec, options)

@@ -22,7 +22,7 @@ import streamdata as sd
 from streamdata import index as sdx
 from streamdata.mixplan import choices, counts_before
 from streamdata.state import merge_states
-from tests.helpers import rank_env, write_shards
+from tests.helpers import rank_env, take, write_shards, write_tables
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11]  # 58 tar samples
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -44,12 +44,7 @@ def data(tmp_path_factory):
     (root / "pq").mkdir()
     write_shards(fsspec.filesystem("file"), str(root / "tar"), counts=COUNTS)
     sdx.build_index(str(root / "tar") + "/", progress=False)
-    ids = 0
-    for i, groups in enumerate(ROW_GROUPS):
-        with pq.ParquetWriter(root / "pq" / f"part-{i}.parquet", pa.schema([("id", pa.int64())])) as w:
-            for n in groups:
-                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
-                ids += n
+    write_tables(fsspec.filesystem("file"), str(root / "pq"), ROW_GROUPS)
     return str(root)
 
 
@@ -163,16 +158,6 @@ def _stateful(ds, workers):
                                         multiprocessing_context="fork" if workers else None)
 
 
-def _take(it, n):
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
-            break
-    return out
-
-
 @pytest.mark.parametrize("stop,at", [("first", 9), ("all", 9), ("all", 25)])  # 25: a source cycled
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers, caplog):
@@ -180,7 +165,7 @@ def test_stateful_dataloader_resumes_in_the_same_order(data, stop, at, workers, 
     full = [p for b in _stateful(make(data, **kw), workers) for p in pairs(b)]
     loader = _stateful(make(data, **kw), workers)
     it = iter(loader)
-    before = [p for b in _take(it, at) for p in pairs(b)]
+    before = [p for b in take(it, at) for p in pairs(b)]
     state = json.loads(json.dumps(loader.state_dict()))
     del it
     mix = make(data, **kw)
@@ -206,7 +191,7 @@ def legs(data, kw, worlds, at):
                 if state is not None:
                     mixes[-1].load_state_dict(state)
                 it = iter(mixes[-1])
-                batches = [pairs(b) for b in (_take(it, at) if leg < len(worlds) - 1 else it)]
+                batches = [pairs(b) for b in (take(it, at) if leg < len(worlds) - 1 else it)]
                 steps.append(len(batches))
                 got += [p for b in batches for p in b]
                 states.append(mixes[-1].state_dict())
@@ -268,7 +253,7 @@ def test_stateful_dataloader_states_merged_restart_another_world(data, stop):
             olds.append(make(data, **kw))
             loader = _stateful(olds[-1], 2)
             it = iter(loader)
-            before += [p for b in _take(it, 7) for p in pairs(b)]
+            before += [p for b in take(it, 7) for p in pairs(b)]
             states += _dataset_states(loader.state_dict())
             del it
     state = json.loads(json.dumps(merge_states(states)))
@@ -386,7 +371,7 @@ def test_a_source_without_counts_ends_when_it_runs_out_and_resumes(data, stop):
             assert sum(ids.values()) == total + mix.counts[f"mix.cycled.{k}"]
     loader = _stateful(make(data, **kw), 2)
     it = iter(loader)
-    before = [p for b in _take(it, 8) for p in pairs(b)]
+    before = [p for b in take(it, 8) for p in pairs(b)]
     state = json.loads(json.dumps(loader.state_dict()))
     del it
     resumed = _stateful(make(data, **kw), 2)

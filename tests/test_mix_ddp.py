@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import write_shards
+from tests.helpers import torchrun, write_shards, write_tables
 
 JOB = Path(__file__).parent / "jobs" / "mix_job.py"
 TIME_LIMIT_S = 240
@@ -30,15 +24,7 @@ TOTAL = [113, 82]
 
 
 def _torchrun(tmp_path: Path, nproc: int, cfg: dict) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(JOB), str(tmp_path), json.dumps(cfg)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the torchrun job hung (no end within {TIME_LIMIT_S} s): {exc.stderr!s:.2000}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"{cfg['tag']}-rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun(JOB, tmp_path, nproc, cfg, TIME_LIMIT_S)
 
 
 @pytest.mark.slow
@@ -52,13 +38,7 @@ def test_torchrun_mix_resumes_on_the_same_and_other_worlds(s3_bucket, tmp_path, 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
     write_shards(fs, f"{bucket}/tar", counts=COUNTS)
     build_index(f"s3://{bucket}/tar/", storage_options=server.storage_options, progress=False)
-    ids = 0
-    for i, groups in enumerate(ROW_GROUPS):
-        with fs.open(f"{bucket}/pq/part-{i}.parquet", "wb") as f, \
-                pq.ParquetWriter(f, pa.schema([("id", pa.int64())])) as w:
-            for n in groups:
-                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
-                ids += n
+    write_tables(fs, f"{bucket}/pq", ROW_GROUPS)
     base = {"tar": f"s3://{bucket}/tar/", "parquet": f"s3://{bucket}/pq/",
             "storage_options": server.storage_options, "mode": mode}
     stop = random.Random(17).randint(3, 15)  # of about 24 steps per rank

@@ -12,14 +12,13 @@ import json
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 import streamdata as sd
 from streamdata import index as sdx
 from streamdata.errors import SpecError
 from streamdata.state import merge_states
-from tests.helpers import rank_env, write_shards
+from tests.helpers import rank_env, take, write_shards, write_tables
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11]  # 58 samples, uneven on purpose
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -33,13 +32,7 @@ def tar_dir(tmp_path):
 
 @pytest.fixture
 def parquet_dir(tmp_path):
-    ids = 0
-    for i, groups in enumerate(ROW_GROUPS):
-        with pq.ParquetWriter(tmp_path / f"part-{i}.parquet", pa.schema([("id", pa.int64())])) as w:
-            for n in groups:
-                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
-                ids += n
-    return str(tmp_path) + "/", [int(i) for i in range(ids)]
+    return str(tmp_path) + "/", write_tables(fsspec.filesystem("file"), str(tmp_path), ROW_GROUPS)
 
 
 def _ids(batch):
@@ -66,7 +59,7 @@ def test_the_same_world_continues_in_the_same_order(tar_dir, parquet_dir, kind, 
     for stop in (0, 1, 4, 9, 30):
         ds = _make(kind, path, **kw)
         it = iter(ds)
-        before = [i for b in _take(it, stop) for i in _ids(b)]
+        before = [i for b in take(it, stop) for i in _ids(b)]
         state = json.loads(json.dumps(ds.state_dict()))  # plain data
         it.close()
         assert state["format"] == "streamdata-state" and state["version"] == 1
@@ -74,16 +67,6 @@ def test_the_same_world_continues_in_the_same_order(tar_dir, parquet_dir, kind, 
         resumed.load_state_dict(state)
         after = [i for b in resumed for i in _ids(b)]
         assert before + after == full, f"stop {stop}: not the uninterrupted pass"
-
-
-def _take(it, n):
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
-            break
-    return out
 
 
 def test_a_state_saved_twice_resumes_again(tar_dir):
@@ -97,7 +80,7 @@ def test_a_state_saved_twice_resumes_again(tar_dir):
         if state is not None:
             ds.load_state_dict(state)
         it = iter(ds)
-        got += [i for b in _take(it, leg) for i in _ids(b)]
+        got += [i for b in take(it, leg) for i in _ids(b)]
         state = ds.state_dict()
         it.close()
     assert got == full
@@ -116,7 +99,7 @@ def test_another_world_gets_what_is_left_in_equal_steps(tar_dir, parquet_dir, ki
         with rank_env(rank, old):
             ds = _make(kind, path, **kw)
             it = iter(ds)
-            before += [i for b in _take(it, 2) for i in _ids(b)]  # DDP ranks stop at one step
+            before += [i for b in take(it, 2) for i in _ids(b)]  # DDP ranks stop at one step
             states.append(ds.state_dict())
             it.close()
     state = json.loads(json.dumps(merge_states(states)))
@@ -179,7 +162,7 @@ def test_resume_seeks_and_counts_what_it_reads_again(tar_dir):
     path, _ = tar_dir
     ds = _make("unindexed", path, batch_size=4)
     it = iter(ds)
-    before = [i for b in _take(it, 4) for i in _ids(b)]  # 16 samples: shards 0-2 (15), 1 of shard 3
+    before = [i for b in take(it, 4) for i in _ids(b)]  # 16 samples: shards 0-2 (15), 1 of shard 3
     state = ds.state_dict()
     it.close()
     assert state["stages"][0]["delivered"] == [[3, 1]]
@@ -196,7 +179,7 @@ def test_the_epoch_after_a_resumed_one_is_whole(tar_dir):
     ds = _make("indexed", path, batch_size=4, shuffle=True)
     ds.set_epoch(2)
     it = iter(ds)
-    _take(it, 2)
+    take(it, 2)
     state = ds.state_dict()
     it.close()
     assert state["epoch"] == 2
@@ -226,7 +209,7 @@ def test_arrow_record_batches_resume(tmp_path, stream):
     for stop in (1, 5, 9):
         ds = sd.ArrowDataset(str(tmp_path) + "/", **kw)
         it = iter(ds)
-        before = [i for b in _take(it, stop) for i in _ids(b)]
+        before = [i for b in take(it, stop) for i in _ids(b)]
         state = json.loads(json.dumps(ds.state_dict()))
         it.close()
         assert state["split"] == ("units" if stream else "samples")
@@ -240,7 +223,7 @@ def test_an_inexact_resume_says_so(tar_dir, caplog):
     path, _ = tar_dir
     ds = _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=8)
     it = iter(ds)
-    _take(it, 3)
+    take(it, 3)
     state = ds.state_dict()
     it.close()
     with caplog.at_level("WARNING", logger="streamdata"):

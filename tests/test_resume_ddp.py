@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import write_shards
+from tests.helpers import torchrun, write_shards, write_tables
 
 JOB = Path(__file__).parent / "jobs" / "resume_job.py"
 TIME_LIMIT_S = 240
@@ -36,28 +30,7 @@ WORLDS = (("same", 2, 2), ("three", 3, 1), ("one", 1, 0))  # tag, ranks, workers
 
 
 def _torchrun(tmp_path: Path, nproc: int, cfg: dict) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(JOB), str(tmp_path), json.dumps(cfg)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the torchrun job hung (no end within {TIME_LIMIT_S} s): {exc.stderr!s:.2000}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"{cfg['tag']}-rank{r}.json").read_text()) for r in range(nproc)]
-
-
-def _write_tables(fs, prefix: str, groups: list[list[int]], suffix: str) -> list[int]:
-    """Parquet files (one row group per entry) or Arrow IPC files (one record batch per entry)
-    of a column ``id`` numbering the rows; returns the ids."""
-    schema, n = pa.schema([("id", pa.int64())]), 0
-    for i, sizes in enumerate(groups):
-        with fs.open(f"{prefix}/part-{i}.{suffix}", "wb") as f, \
-                (pq.ParquetWriter(f, schema) if suffix == "parquet" else pa.ipc.new_file(f, schema)) as w:
-            for size in sizes:
-                w.write_table(pa.table({"id": np.arange(n, n + size)}))
-                n += size
-    return list(range(n))
+    return torchrun(JOB, tmp_path, nproc, cfg, TIME_LIMIT_S)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +47,8 @@ def runs(s3_server, tmp_path_factory):
     try:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
         everything = {"tar": write_shards(fs, f"{bucket}/tar", counts=COUNTS),
-                      "parquet": _write_tables(fs, f"{bucket}/parquet", ROW_GROUPS, "parquet"),
-                      "arrow": _write_tables(fs, f"{bucket}/arrow", BATCHES, "arrow")}
+                      "parquet": write_tables(fs, f"{bucket}/parquet", ROW_GROUPS, "parquet"),
+                      "arrow": write_tables(fs, f"{bucket}/arrow", BATCHES, "arrow")}
         everything["tar-block"] = everything["tar"]
         build_index(f"s3://{bucket}/tar/", storage_options=s3_server.storage_options, progress=False)
         options = s3_server.storage_options

@@ -12,14 +12,13 @@ import logging
 import time
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import streamdata as sd
 from benchmarks.faults import FaultProxy
 from streamdata import index as sdx
-from tests.helpers import write_shards
+from tests.helpers import write_shards, write_tables
 
 pytestmark = pytest.mark.s3
 
@@ -38,13 +37,7 @@ def proxied(s3_bucket):
     write_shards(fs, f"{bucket}/tar", counts=COUNTS)
     sdx.build_index(f"s3://{bucket}/tar/", server.storage_options, progress=False)
     write_shards(fs, f"{bucket}/plain", counts=COUNTS)
-    ids = 0
-    for i, groups in enumerate(ROWS):
-        with fs.open(f"{bucket}/pq/part-{i}.parquet", "wb") as f, \
-                pq.ParquetWriter(f, pa.schema([("id", pa.int64())])) as w:
-            for n in groups:
-                w.write_table(pa.table({"id": np.arange(ids, ids + n)}))
-                ids += n
+    write_tables(fs, f"{bucket}/pq", ROWS)
     with FaultProxy(server.endpoint_url) as proxy:
         yield f"s3://{bucket}/", {**server.storage_options, "endpoint_url": proxy.url}, proxy
 

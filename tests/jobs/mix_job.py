@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import streamdata as sd
+from tests.helpers import ddp_steps
 from tests.jobs._leave import leave
 
 
@@ -46,22 +47,9 @@ def main(out_dir: str, config_json: str) -> None:
     pairs, steps = [], 0
     with sd.loader(mix, batch_size=4, num_workers=cfg["workers"]) as loader:
         loader.set_epoch(1)
-        if cfg.get("load"):
-            with open(cfg["load"]) as f:
-                loader.load_state_dict(json.load(f))
-        for batch in loader:
-            loss = model(batch["x"].float()).square().mean()  # DDP all-reduces the grads
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        for batch in ddp_steps(loader, model, optimizer, lambda b: b["x"].float(), cfg, rank):
             steps += 1
             pairs += list(zip(batch["src"].tolist(), batch["id"].tolist(), strict=True))
-            if steps == cfg.get("stop"):
-                state = loader.state_dict()  # every rank's positions (a collective)
-                if rank == 0:
-                    with open(cfg["save"], "w") as f:
-                        json.dump(state, f)
-                break
     all_steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_steps, steps)
     with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:

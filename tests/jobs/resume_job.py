@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import streamdata as sd
+from tests.helpers import ddp_steps
 from tests.jobs._leave import leave
 
 DATASETS = {"tar": sd.TarDataset, "parquet": sd.ParquetDataset, "arrow": sd.ArrowDataset}
@@ -45,22 +46,9 @@ def run_case(case: dict, workers: int, rank: int) -> dict:
     keys, steps = [], 0
     with sd.loader(ds, batch_size=4, num_workers=workers) as loader:
         loader.set_epoch(1)
-        if case.get("load"):
-            with open(case["load"]) as f:
-                loader.load_state_dict(json.load(f))
-        for batch in loader:
-            loss = model(_features(batch)).square().mean()  # DDP all-reduces the grads
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        for batch in ddp_steps(loader, model, optimizer, _features, case, rank):
             steps += 1
             keys += _keys(batch)
-            if steps == case.get("stop"):
-                state = loader.state_dict()  # every rank's positions (a collective)
-                if rank == 0:
-                    with open(case["save"], "w") as f:
-                        json.dump(state, f)
-                break
     all_steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_steps, steps)
     return {"steps": steps, "all_steps": all_steps, "keys": keys}
