@@ -37,11 +37,10 @@ from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
 from .metrics import Counters
+from .parts import FIRST_HOLD_MAX_S, Range, first_parts, split_parts
 from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
-
-Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
 
 
 class FetchItem(NamedTuple):
@@ -54,13 +53,6 @@ class FetchItem(NamedTuple):
     etag: str | None = None
 
 
-# The reader's first shard gets its requests out this long before the rest of the window,
-# so the server starts sending its first parts (what the first batch needs) before it
-# shares its bandwidth with every other shard in flight. Measured (benchmarks/README.md):
-# first batch 0.42 -> 0.20 s at 0 ms and 0.73 -> 0.56 s at 100 ms one-way delay, whole-pass
-# throughput unchanged.
-FIRST_SHARD_HEAD_START_S = 0.03
-
 # an item's plan: its parts in order, each with the future that will hold its bytes
 _Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
 
@@ -69,22 +61,6 @@ _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for 
 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
 _WRITTEN_POLL_S = 0.01  # how often a pass looks whether the entry it waits for is written
-
-
-def _split(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
-    """Cut ranges into parts of at most ``part_size``; with ``first_part``, the parts start at
-    that size and double up to ``part_size`` (the first batch needs only the first bytes)."""
-    parts: list[Range] = []
-    size = min(first_part or part_size, part_size)
-    for start, end in ranges:
-        if end is None:
-            parts.append((start, None))
-            continue
-        while start < end:
-            parts.append((start, min(start + size, end)))
-            start += size
-            size = min(size * 2, part_size)
-    return parts
 
 
 class Prefetcher:
@@ -202,7 +178,7 @@ class Prefetcher:
         """Item ``index``'s size; the window's other unsized items are asked for theirs now too,
         in order (one request each, concurrent: not one round trip after another). The reader's
         first item is probed alone: its probe brings its first bytes (HEAD-START), and the
-        window's requests follow its parts (FIRST_SHARD_HEAD_START_S)."""
+        window's requests follow its first parts (FIRST-BYTES-FIRST)."""
         end = index + 1 if index == 0 else self._consumer + self.config.window
         for i in range(index, min(len(self.items), end)):
             item = self.items[i]
@@ -225,7 +201,7 @@ class Prefetcher:
                 # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
                 # cost the client and the server less CPU per byte
                 small = cfg.first_part if index == 0 and item.ranges is None else None
-                parts = _split(ranges, cfg.part_size, small)
+                parts = split_parts(ranges, cfg.part_size, small)
                 writer = None
                 if self.cache is not None and all(end is not None for _, end in ranges):
                     length = sum(end - start for start, end in ranges)
@@ -248,6 +224,7 @@ class Prefetcher:
             # the reader gets its own queue of the same futures: each side drops a future
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
+            first = first_parts(todo) if small is not None else 0
             while todo:
                 (start, end), fut = todo.popleft()
                 offset = next(offsets)
@@ -265,8 +242,12 @@ class Prefetcher:
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
                 del fut
-            if small is not None:  # the reader's first shard: see FIRST_SHARD_HEAD_START_S
-                await asyncio.sleep(FIRST_SHARD_HEAD_START_S)
+            if first:  # the reader's first shard: FIRST-BYTES-FIRST
+                try:
+                    async with asyncio.timeout(FIRST_HOLD_MAX_S):
+                        await self._until(lambda first=first: first.done)
+                except TimeoutError:
+                    pass
 
     async def _written(self, key: str) -> None:
         """While another pass of this process writes cache entry ``key`` (the pass this one
@@ -407,7 +388,7 @@ class ItemReader:
             if skip >= length:
                 skip -= length
                 continue
-            for s, e in _split(((start + skip, end),), f.config.part_size):
+            for s, e in split_parts(((start + skip, end),), f.config.part_size):
                 data = wait_future(f._io.submit(f.client.get(self.url, s, e, chunks=True)),
                                    f._wait_timeout(), what=f"bytes {s}..{e}", url=self.url, check=f._check)
                 yield from (data if type(data) is Chunks else (data,))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import gc
 import os
 import threading
@@ -51,6 +53,42 @@ def test_bytes_exact_and_in_order_through_a_splitting_delaying_proxy(s3fs_fs):
     assert got == blobs
     assert fetcher.peak_reserved <= config.byte_budget + config.part_size
     assert not _streamdata_threads()
+
+
+def test_the_window_waits_for_the_first_shards_first_parts(s3_bucket):
+    """FIRST-BYTES-FIRST: the first shard's parts that start in its first FIRST_HOLD_BYTES are
+    answered before any other shard is asked for (by the proxy's log: request and response
+    heads, in order), so they do not share the bandwidth with the window; the bytes are exact."""
+    from urllib.parse import urlsplit
+
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.parts import first_parts, split_parts
+
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    blobs = [os.urandom(n) for n in (10 * MiB, MiB, MiB)]
+    for i, blob in enumerate(blobs):
+        s3.put_object(Bucket=bucket, Key=f"blob-{i}", Body=blob)
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.05) as proxy:
+        shards = sd.expand_spec(f"s3://{bucket}/blob-{{0..2}}", server.storage_options)
+        proxy.record_events(True)
+        with Prefetcher(shards, _proxied_options(server, proxy), FetchConfig(part_size=4 * MiB)) as fetcher:
+            got = [b"".join(reader.chunks()) for reader in fetcher]
+        events = list(proxy.events)
+    assert got == blobs
+    requests = [(when, conn, line.split()[1].split("?")[0].rsplit("/", 1)[1])
+                for kind, when, conn, line in events if kind == "request"]
+    first = [r for r in requests if r[2] == "blob-0"]
+    # parts 256 KiB, 512 KiB, 1 MiB, 2 MiB start in the first 2 MiB (3.75 MiB); then 4 MiB, the rest
+    parts = split_parts([(0, len(blobs[0]))], 4 * MiB, FetchConfig().first_part)
+    held = first_parts(collections.deque((part, concurrent.futures.Future()) for part in parts))._left
+    assert held == 4 and len(first) == len(parts) == 6
+    answered = []
+    for when, conn, _ in first[:held]:  # each one's answer: the next response on its connection
+        answered.append(min(t for kind, t, c, _ in events if kind == "response" and c == conn and t > when))
+    later = min(when for when, _, name in requests if name != "blob-0")
+    assert later > max(answered), (later, answered)
 
 
 def test_tar_parsed_from_partial_arrivals_equals_whole_parse(s3fs_fs):
