@@ -14,21 +14,28 @@ Invariant (LIST-ONCE holds): only the process that will make the lookup (rank 0,
 process) sends the early GET; ``from_rank0`` hands the result to the other ranks as before.
 The early read has ``read_index``'s bounds (its own retries and deadline); its prefetcher is
 closed (its loop thread joined, FORK-AFTER-CLOSE) before the constructor returns or raises.
+Under LITE-S3 it is one GET on a plain thread (``LiteS3.get``: no event loop, little CPU
+beside the listing's), waited for at most the listing's deadline; anything but a 200 or a
+404 is read again by ``read_index``, which retries and reports it. That thread holds no lock
+or loop a forked worker could need: if a constructor raises before the lookup, it may run on
+until its request's ``timeout``.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .config import FetchConfig
+from .backends import lite_path, lite_s3
+from .config import FetchConfig, lite_http
 from .errors import SpecError, StreamDataError
 from .fetch import Prefetcher
-from .formats.sdx import ShardEntry
+from .formats.sdx import ShardEntry, decode_index
 from .index import default_index_url, index_entries, open_index, read_index
-from .urls import Shard, Spec, brace_expand, split_url
+from .urls import Shard, Spec, brace_expand, listing_deadline, split_url
 
 __all__ = ["IndexAhead", "early_index_url", "start_index_ahead"]
 
@@ -81,29 +88,69 @@ def early_index_url(spec: Spec, index: str | None, suffixes: tuple[str, ...] = (
 
 
 class IndexAhead:
-    """The index at ``url``, its GET sent now (on the prefetcher's own loop thread);
-    :meth:`read` is ``read_index`` for the lookup. Always :meth:`close` (idempotent)."""
+    """The index at ``url``, its GET sent now; :meth:`read` is ``read_index`` for the lookup.
+    Under LITE-S3 the GET is one request of ``LiteS3.get`` on a thread of its own (no event
+    loop to start: its CPU would compete with the listing's); else the prefetcher's, on its
+    loop thread. Always :meth:`close` (idempotent)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
-        self.url = url
-        self._fetcher: Prefetcher | None = open_index(url, storage_options, config)
+        self.url, self._config = url, config
+        self._fetcher: Prefetcher | None = None
+        self._lite: _LiteGet | None = None
+        protocol, path = split_url(url)
+        lite = lite_s3(protocol, storage_options) if lite_http() else None
+        if lite is not None:
+            self._lite = _LiteGet(lite, lite_path(path), config.timeout)
+        else:
+            self._fetcher = open_index(url, storage_options, config)
 
     def close(self) -> None:
-        """Cancel the early GET if its answer was not taken; its loop thread is joined."""
-        fetcher, self._fetcher = self._fetcher, None
+        """Cancel the early GET if its answer was not taken (the prefetcher's loop thread is
+        joined; a LITE-S3 GET's thread ends within its timeout, holding nothing shared)."""
+        fetcher, self._fetcher, self._lite = self._fetcher, None, None
         if fetcher is not None:
             fetcher.close()
 
     def read(self, url: str, storage_options: Mapping[str, Any] | None = None,
              config: FetchConfig | None = None) -> list[ShardEntry] | None:
         """``read_index(url, ...)``: the early answer when ``url`` is the one fetched ahead,
-        else a read of ``url`` now (the spec's guess was not where the listing's shards are)."""
-        fetcher, self._fetcher = self._fetcher, None
-        if url != self.url or fetcher is None:
-            if fetcher is not None:
-                fetcher.close()
-            return read_index(url, storage_options, config)
-        return index_entries(fetcher, url)  # bounded as read_index is; closes the fetcher
+        else a read of ``url`` now (the spec's guess was not where the listing's shards are,
+        or the early GET got no plain answer: its errors are reported by that read)."""
+        fetcher, lite = self._fetcher, self._lite
+        self._fetcher = self._lite = None
+        if url == self.url and fetcher is not None:
+            return index_entries(fetcher, url)  # bounded as read_index is; closes the fetcher
+        if fetcher is not None:
+            fetcher.close()
+        if url == self.url and lite is not None:
+            answer = lite.answer(listing_deadline(self._config))
+            if answer is not None and answer[0] in (200, 404):
+                return None if answer[0] == 404 else decode_index(answer[1], url)
+        return read_index(url, storage_options, config)
+
+
+class _LiteGet:
+    """One LITE-S3 GET (``LiteS3.get``) of ``bucket/key`` on a daemon thread of its own."""
+
+    def __init__(self, lite: Any, path: str, timeout: float) -> None:
+        bucket, _, key = path.partition("/")
+        self._answer: tuple[int, bytes] | None = None
+        self._thread = threading.Thread(target=self._get, args=(lite, bucket, key, timeout),
+                                        name="streamdata-index-ahead", daemon=True)
+        self._thread.start()
+
+    def _get(self, lite: Any, bucket: str, key: str, timeout: float) -> None:
+        try:
+            self._answer = lite.get(bucket, key, timeout=timeout)
+        except FileNotFoundError:  # no such object (or bucket: the listing reports that)
+            self._answer = (404, b"")
+        except Exception:  # the lookup reads it again, and reports what is wrong
+            self._answer = None
+
+    def answer(self, limit: float) -> tuple[int, bytes] | None:
+        """(status, body), or ``None`` when it failed or took over ``limit`` seconds."""
+        self._thread.join(limit)
+        return None if self._thread.is_alive() else self._answer
 
 
 def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[str, Any] | None,

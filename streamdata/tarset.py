@@ -8,7 +8,7 @@ spans of samples read with ranged GETs from the index's offsets (an exact epoch,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ class TarDataset(ShardedDataset):
                  index: str | None = "auto", **options: Any) -> None:
         self.decode = decode
         self.accept_unterminated = accept_unterminated  # read shards without the end marker
-        self._decoder = make_decoder(decode)
+        self._decoder: Callable[[dict], dict] | None = None  # made while listing (IDLE-WHILE-LISTING)
         self.index = index
         self._ahead: IndexAhead | None = None
         try:
@@ -75,6 +75,12 @@ class TarDataset(ShardedDataset):
     def before_listing(self, spec: Spec) -> None:
         self._ahead = start_index_ahead(spec, self.index, self.storage_options, self.fetch_config,
                                         self.suffixes)
+
+    def while_listing(self) -> list[Callable[[], None]]:
+        return [self._make_decoder, *super().while_listing()]
+
+    def _make_decoder(self) -> None:
+        self._decoder = make_decoder(self.decode)
 
     def sample_counts(self) -> np.ndarray | None:
         return None if self._index is None else self._index.counts

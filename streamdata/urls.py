@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from .backends import call_with_deadline, close_filesystem, filesystem, lite_path, lite_s3, warm_imports
 from .config import FetchConfig
 from .errors import AccessDeniedError, ShardNotFoundError, SpecError
+from .idle import run_pending
 
 __all__ = ["Shard", "brace_expand", "etag_of", "expand_spec", "listing_deadline", "split_url"]
 
@@ -158,14 +159,18 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
                delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
     """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
-    filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
+    filesystem). The first request overlaps the readers' imports (``warm_imports``) and the
+    constructor's queued work (IDLE-WHILE-LISTING, ``idle``)."""
     lite = b.lite(protocol)
     if lite is None:
         return None
     from .s3lite import LiteUnsupported
 
     bucket, _, prefix = path.partition("/")
-    warm = None if protocol in b.warmed else (lambda: b.warm(protocol))
+
+    def warm() -> None:  # while the listing's first request is in flight
+        b.warm(protocol)
+        run_pending()  # IDLE-WHILE-LISTING
 
     def attempt(limit: float) -> list[tuple[str, int, str | None]] | None:
         try:

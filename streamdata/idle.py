@@ -1,0 +1,65 @@
+"""Work a dataset's constructor has to do anyway, done while its listing's request is in flight.
+
+Invariant (IDLE-WHILE-LISTING): the constructor queues work around its listing
+(``with pending(fn, ...)``); the LITE-S3 listing runs it after its first request is sent and
+before it reads the answer (``run_pending``, from ``s3lite.LiteS3.list``'s ``while_waiting``),
+where the round trip hides it; what no listing ran (another backend, ``listing=False``, rank
+1+ of a job, local files) runs when the block ends. Queued work must not need the listing's
+result, do I/O or take long; an exception it raises is raised when the block ends, never
+inside the listing (where it would look like a listing failure and be retried). Queued by the
+constructors: the decoders' import (webdataset and yaml, ~30 ms on a 2-core machine) and a
+full garbage collection when one is due (``collect_if_due``: 70-90 ms after ``import torch``,
+which otherwise lands in whatever allocates next: measured in the constructor's parse of the
+listing, benchmarks/README.md "Start-up").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
+
+__all__ = ["collect_if_due", "pending", "run_pending"]
+
+_LOCAL = threading.local()  # this thread's queue: (work left, the first exception)
+_COLLECTED = False  # collect_if_due collects once per process at most
+
+
+@contextlib.contextmanager
+def pending(*work: Callable[[], None]) -> Iterator[None]:
+    """Queue ``work`` for the listing inside the block to run while it waits; the rest runs
+    (and the first exception of any of it is raised) when the block ends without an error."""
+    outer = getattr(_LOCAL, "queue", None)
+    queue = _LOCAL.queue = (list(work), [])
+    try:
+        yield
+        run_pending()
+    finally:
+        _LOCAL.queue = outer
+    if queue[1]:
+        raise queue[1][0]
+
+
+def run_pending() -> None:
+    """Run this thread's queued work now (a listing that waits for its answer); never raises."""
+    queue = getattr(_LOCAL, "queue", None)
+    while queue is not None and queue[0]:
+        try:
+            queue[0].pop(0)()
+        except Exception as exc:  # raised by pending() when its block ends
+            queue[1].append(exc)
+
+
+def collect_if_due() -> None:
+    """A full garbage collection if Python would start one at its next young collection (the
+    oldest generation's count has reached its threshold): once per process, with the
+    collector on. It costs what it would cost anyway; run here, a network wait hides it, and
+    forked DataLoader workers start from a collected heap."""
+    global _COLLECTED
+    threshold, count = gc.get_threshold(), gc.get_count()
+    if _COLLECTED or not gc.isenabled() or len(threshold) < 3 or len(count) < 3 or threshold[2] <= 0:
+        return
+    if count[2] >= threshold[2]:
+        _COLLECTED = True
+        gc.collect()
