@@ -152,6 +152,9 @@ def test_offer_and_claim(shards) -> None:
     proxy, opts, _ = shards
     key = _key(opts)
     socks = [socket.create_connection((key[1], key[2])) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while len(proxy._tasks) < 2 and time.monotonic() < deadline:  # both accepted by the proxy
+        time.sleep(0.01)
     assert handover.offer(key, socks[0]) and handover.offer(key, socks[1])
     assert handover.claim(("http", key[1], key[2] + 1)) is None  # another port
     got = handover.claim(key)
