@@ -3,8 +3,10 @@ the reader that sends next, against the embedded S3 server behind a connection-c
 
 from __future__ import annotations
 
+import io
 import socket
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -213,3 +215,25 @@ def test_an_https_listing_offers_nothing(tmp_path: Path, scheme: str) -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_lite_get_answers_and_offers_its_connection(shards) -> None:
+    """``LiteS3.get``: a 2xx's bytes; a 404 is ``FileNotFoundError``; either way its read-whole
+    connection is offered, and the next GET (or listing) goes out on it."""
+    proxy, opts, spec = shards
+    bucket = spec.split("/")[2]
+    lite = LiteS3.from_options(opts, {})
+    assert lite is not None
+    before = handover.stats()
+    status, body = lite.get(bucket, "h/s-1.tar", timeout=10)
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        names = {name.split(".")[0] for name in tar.getnames()}
+    assert status == 200 and names == {s["__key__"] for s in make_samples(COUNTS)[1]}
+    with pytest.raises(FileNotFoundError):
+        lite.get(bucket, "h/missing.tar", timeout=10)
+    listed = lite.list(bucket, "h/", timeout=10)
+    assert [k for k, _, _ in listed] == [f"h/s-{i}.tar" for i in range(len(COUNTS))]
+    assert listed[1][1] == len(body)
+    after = handover.stats()
+    assert (after["offered"] - before["offered"], after["claimed"] - before["claimed"]) == (3, 2)
+    assert proxy.connections == 1 and len(handover._offers) == 1
