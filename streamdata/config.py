@@ -11,7 +11,7 @@ from typing import Any
 from .errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
-           "env_str", "lite_http"]
+           "env_str", "handover", "lite_http"]
 
 MiB = 1 << 20
 
@@ -44,6 +44,12 @@ def lite_http() -> bool:
     imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts them back on aiohttp (the A/B of
     benchmarks/startup.py; a way out if a server needs what only aiohttp does)."""
     return env_str("STREAMDATA_LITE_HTTP", "1") != "0"
+
+
+def handover() -> bool:
+    """WARM-HANDOVER (``handover``): the constructor's idle plain-http keep-alive connections go to
+    the reader that sends next. ``STREAMDATA_HANDOVER=0`` closes them instead (the A/B)."""
+    return env_str("STREAMDATA_HANDOVER", "1") != "0"
 
 
 def env_int(name: str, default: int | None = None) -> int | None:

@@ -19,7 +19,9 @@ Rules, each a test in tests/test_h1.py:
 - nothing is ever re-sent here: retries are the caller's (by deadline, counted); a redirect
   with a ``Location`` is followed (at most ``MAX_REDIRECTS``), with the same headers, as
   aiohttp did;
-- after fork the child drops an inherited pool without touching its sockets (``forget``).
+- after fork the child drops an inherited pool without touching its sockets (``forget``);
+- a new plain-http connection is first claimed from ``handover`` (WARM-HANDOVER): an idle
+  one the constructor left (``adopted``, not ``opened``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import collections
 import re
 import urllib.parse
 from typing import Any
+
+from .handover import claim
 
 __all__ = ["Disconnected", "IncompleteRead", "Pool", "ProtocolError", "Response", "default_ssl_context"]
 
@@ -290,6 +294,7 @@ class Pool:
         self._slots: asyncio.Semaphore | None = None
         self._busy: set[_Conn] = set()
         self.opened = 0  # connections opened (tests count reuse with it)
+        self.adopted = 0  # connections taken over from the constructor (WARM-HANDOVER, ``handover``)
         self.closed = False
 
     def get(self, url: str, headers: dict[str, str] | None = None) -> _Get:
@@ -340,13 +345,18 @@ class Pool:
         scheme, hostname, port = key
         tls = (self._ssl or default_ssl_context()) if scheme == "https" else None
         loop = asyncio.get_running_loop()
+        sock = claim(key) if tls is None else None  # WARM-HANDOVER: the constructor's idle one
+        where = {"sock": sock} if sock is not None else {"host": hostname, "port": port}
         try:
             async with asyncio.timeout(self.timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), hostname, port,
+                _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), **where,
                                                        ssl=tls, server_hostname=hostname if tls else None)
         except TimeoutError:
             raise TimeoutError(f"connecting to {hostname}:{port} took over {self.timeout:g} s") from None
-        self.opened += 1
+        if sock is not None:
+            self.adopted += 1
+        else:
+            self.opened += 1
         return conn
 
     async def _response(self, conn: _Conn) -> Response:

@@ -9,6 +9,11 @@ or sends anything but the one listing request. Any other option (a profile, a se
 requester-pays, virtual addressing, ...) keeps the botocore path, and so does a listing this
 signer cannot make (a 4xx other than 404: a region or signature it got wrong; the botocore
 path then gives its usual answer). Path-style addressing: ``{endpoint}/{bucket}/{key}``.
+
+WARM-HANDOVER (``handover``): on a plain-http endpoint a request starts on an offered idle
+connection when there is one, and a connection whose last answer was read whole and that the
+server keeps alive is offered, not closed, so the next request (a reader's first GET, in this
+process or in the DataLoader worker forked next) skips the TCP handshake.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from .handover import claim, offer
 
 __all__ = ["ENV_NAMES", "LiteS3", "LiteUnsupported"]
 
@@ -64,8 +71,10 @@ class LiteS3:
         self.host = parts.hostname if parts.port in (None, default) else f"{parts.hostname}:{parts.port}"
         if ":" in parts.hostname:  # an IPv6 literal
             self.host = f"[{parts.hostname}]" + self.host[len(parts.hostname):]
+        self.conn_key = (parts.scheme, parts.hostname, parts.port or default)  # as h1.Pool keys it
         self.base_path = parts.path.rstrip("/")
         self.region = region
+        self.ssl_context: Any = None  # https: None, the default verifying context
         self._key, self._secret, self._token = key, secret, token
 
     def __repr__(self) -> str:  # never the secret
@@ -145,8 +154,8 @@ class LiteS3:
         ``while_waiting`` runs once, after the first request is sent, before
         its answer is read (work that overlaps the round trip). Raises ``FileNotFoundError``
         (404: no such bucket), ``LiteUnsupported`` (another 4xx), ``OSError`` (the rest)."""
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, timeout=timeout)
+        conn = self._connection(timeout)
+        resp: http.client.HTTPResponse | None = None
         out: list[tuple[str, int, str | None]] = []
         token: str | None = None
         try:
@@ -158,8 +167,7 @@ class LiteS3:
                     query["max-keys"] = str(page_size)
                 if token:
                     query["continuation-token"] = token
-                url = urllib.parse.urlsplit(self.url(bucket, "", query))
-                conn.request("GET", f"{url.path}?{url.query}")
+                conn.request("GET", self._target(bucket, "", query))
                 if while_waiting is not None:
                     while_waiting, hook = None, while_waiting
                     hook()
@@ -185,4 +193,55 @@ class LiteS3:
         except ET.ParseError as exc:
             raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
         finally:
-            conn.close()
+            self._finish(conn, resp)
+
+    def get(self, bucket: str, key: str, *, timeout: float,
+            while_waiting: Callable[[], None] | None = None) -> tuple[int, bytes]:
+        """One presigned GET of ``bucket/key``: ``(status, body)`` of a 2xx answer. ``while_waiting``
+        as in :meth:`list`. Raises as :meth:`list` does: ``FileNotFoundError`` (404),
+        ``LiteUnsupported`` (another 4xx but 408 and 429), ``OSError`` (the rest)."""
+        conn = self._connection(timeout)
+        resp: http.client.HTTPResponse | None = None
+        try:
+            conn.request("GET", self._target(bucket, key))
+            if while_waiting is not None:
+                while_waiting()
+            resp = conn.getresponse()
+            body = resp.read()
+            what = f"s3://{bucket}/{key}"
+            if resp.status == 404:
+                raise FileNotFoundError(f"{what}: HTTP 404 {body[:200]!r}")
+            if 400 <= resp.status < 500 and resp.status not in (408, 429):
+                raise LiteUnsupported(f"HTTP {resp.status}")
+            if not 200 <= resp.status < 300:
+                raise OSError(f"GET {what}: HTTP {resp.status} {body[:200]!r}")
+            return resp.status, body
+        finally:
+            self._finish(conn, resp)
+
+    # ---- connections (WARM-HANDOVER) ---------------------------------------------------------
+
+    def _target(self, bucket: str, key: str = "", query: Mapping[str, str] | None = None) -> str:
+        url = urllib.parse.urlsplit(self.url(bucket, key, query))
+        return f"{url.path}?{url.query}" if url.query else url.path
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A connection to the endpoint: on plain http an offered idle one where there is one."""
+        if self.scheme == "https":
+            return http.client.HTTPSConnection(self.host, timeout=timeout, context=self.ssl_context)
+        conn = http.client.HTTPConnection(self.host, timeout=timeout)
+        sock = claim(self.conn_key)
+        if sock is not None:
+            sock.settimeout(timeout)
+            conn.sock = sock
+        return conn
+
+    def _finish(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse | None) -> None:
+        """Close ``conn``, or offer its socket where it may be reused: plain http, its last
+        answer read whole, kept alive by the server."""
+        sock = conn.sock
+        if (self.scheme == "http" and sock is not None and resp is not None and resp.isclosed()
+                and not resp.will_close):
+            conn.sock = None  # detached: ``close`` below leaves it open
+            offer(self.conn_key, sock)
+        conn.close()

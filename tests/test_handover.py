@@ -1,0 +1,239 @@
+"""WARM-HANDOVER (streamdata/handover.py): the constructor's idle keep-alive connection goes to
+the reader that sends next, against the embedded S3 server behind a connection-counting proxy."""
+
+from __future__ import annotations
+
+import io
+import socket
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+import streamdata as sd
+from streamdata import handover
+from streamdata.s3lite import LiteS3
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.proxy import LatencyProxy  # noqa: E402
+from tests.helpers import make_samples, tar_bytes  # noqa: E402
+
+COUNTS = [3, 4, 2, 5]
+KEYS = sorted(s["__key__"] for shard in make_samples(COUNTS) for s in shard)
+
+
+@pytest.fixture(autouse=True)
+def _empty_registry():
+    """No offer left by another test (the S3 server, and so the key, is the session's)."""
+    def drop() -> None:
+        with handover._lock:
+            for _, sock, _ in handover._offers:
+                sock.close()
+            handover._offers.clear()
+    drop()
+    yield
+    drop()
+
+
+@pytest.fixture
+def shards(s3_bucket):
+    """COUNTS shards at ``h/s-{i}.tar`` and a connection-counting proxy in front of the server:
+    ``(proxy, storage options through it, spec)``."""
+    server, bucket = s3_bucket
+    s3 = server.boto3_client()
+    for i, shard in enumerate(make_samples(COUNTS)):
+        s3.put_object(Bucket=bucket, Key=f"h/s-{i}.tar", Body=tar_bytes(shard))
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.0) as proxy:
+        opts = dict(server.storage_options, endpoint_url=proxy.url_for(server.endpoint_url))
+        yield proxy, opts, f"s3://{bucket}/h/s-{{0..{len(COUNTS) - 1}}}.tar"
+
+
+def _dataset(opts: dict, spec: str) -> sd.TarDataset:
+    # one request at a time per reader: each reader needs exactly one connection
+    return sd.TarDataset(spec, storage_options=opts, index=None, decode=False, max_requests=1)
+
+
+def _key(opts: dict) -> tuple[str, str, int]:
+    return LiteS3(opts["endpoint_url"], "us-east-1").conn_key
+
+
+def _epoch_with_workers(ds: sd.TarDataset) -> tuple[list[str], dict[int, dict[str, int]]]:
+    """An epoch through two forked workers: the keys, and each worker's ``handover.stats()``."""
+    import torch.utils.data
+
+    def tag(sample: dict) -> dict:
+        info = torch.utils.data.get_worker_info()
+        return dict(sample, worker=info.id, stats=handover.stats())
+
+    ds.map = tag
+    keys, stats = [], {}
+    loader = sd.loader(ds, batch_size=None, num_workers=2, persistent_workers=False, pin_memory=False)
+    for sample in loader:
+        keys.append(sample["__key__"])
+        stats[sample["worker"]] = sample["stats"]  # the last sample's: after every connect
+    return sorted(keys), stats
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_worker_zero_adopts_the_listing_connection(shards, monkeypatch, enabled: str) -> None:
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_HANDOVER", enabled)
+    before = handover.stats()
+    ds = _dataset(opts, spec)
+    assert proxy.connections == 1  # the listing's
+    offered = enabled == "1"
+    assert len(handover._offers) == int(offered)
+    keys, stats = _epoch_with_workers(ds)
+    assert keys == KEYS and not any(ds.retried.values())
+    # worker 0 (forked first) took the listing's connection and nothing else; worker 1 none
+    assert stats[0]["claimed"] == int(offered) and stats[0]["offered"] == int(offered)
+    assert stats[1]["claimed"] == 0 and stats[1]["offered"] == 0
+    # the parent closed its copy at the fork and never holds it again
+    assert handover._offers == []
+    assert handover.stats()["handed"] - before["handed"] == int(offered)
+    # one connection per worker (max_requests=1), the first of worker 0 being the listing's
+    assert proxy.connections == (2 if offered else 3)
+
+
+def test_without_workers_the_reader_adopts_the_listing_connection(shards) -> None:
+    proxy, opts, spec = shards
+    ds = _dataset(opts, spec)
+    before = handover.stats()
+    assert sorted(s["__key__"] for s in ds) == KEYS and not any(ds.retried.values())
+    assert handover.stats()["claimed"] - before["claimed"] == 1
+    assert proxy.connections == 1  # the listing's connection carried the whole epoch
+
+
+def _close_proxied_connections(proxy: LatencyProxy) -> None:
+    """The server side of every open connection through ``proxy`` goes away (a reset)."""
+    done = threading.Event()
+
+    def cancel() -> None:
+        for task in list(proxy._tasks):
+            task.cancel()
+        done.set()
+
+    proxy._loop.call_soon_threadsafe(cancel)
+    assert done.wait(5)
+    deadline = time.monotonic() + 5
+    while proxy._tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_connection_the_server_closed_is_dropped_not_used(shards) -> None:
+    proxy, opts, spec = shards
+    ds = _dataset(opts, spec)
+    assert len(handover._offers) == 1
+    _close_proxied_connections(proxy)
+    before = handover.stats()
+    assert sorted(s["__key__"] for s in ds) == KEYS
+    assert not any(ds.retried.values())  # no request was sent on it: nothing failed, nothing retried
+    after = handover.stats()
+    assert (after["claimed"] - before["claimed"], after["dropped"] - before["dropped"]) == (0, 1)
+    assert proxy.connections == 2
+
+
+def test_an_offer_past_its_age_is_not_used(shards, monkeypatch) -> None:
+    proxy, opts, spec = shards
+    ds = _dataset(opts, spec)
+    monkeypatch.setattr(handover, "MAX_IDLE_S", 0.0)  # as if MAX_IDLE_S had passed
+    before = handover.stats()
+    assert sorted(s["__key__"] for s in ds) == KEYS and not any(ds.retried.values())
+    after = handover.stats()
+    assert (after["claimed"] - before["claimed"], after["dropped"] - before["dropped"]) == (0, 1)
+    assert proxy.connections == 2 and handover._offers == []
+
+
+def test_offer_and_claim(shards) -> None:
+    """The registry alone: by key, taken once, a closed one skipped, https never kept."""
+    proxy, opts, _ = shards
+    key = _key(opts)
+    socks = [socket.create_connection((key[1], key[2])) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while len(proxy._tasks) < 2 and time.monotonic() < deadline:  # both accepted by the proxy
+        time.sleep(0.01)
+    assert handover.offer(key, socks[0]) and handover.offer(key, socks[1])
+    assert handover.claim(("http", key[1], key[2] + 1)) is None  # another port
+    got = handover.claim(key)
+    assert got is socks[0]
+    _close_proxied_connections(proxy)  # the other one: closed by the server while idle
+    before = handover.stats()
+    assert handover.claim(key) is None and socks[1].fileno() == -1
+    assert handover.stats()["dropped"] - before["dropped"] == 1
+    got.close()
+    tls = socket.create_connection((key[1], key[2]))
+    assert not handover.offer(("https", key[1], key[2]), tls) and tls.fileno() == -1
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_an_https_listing_offers_nothing(tmp_path: Path, scheme: str) -> None:
+    """A TLS connection is never offered (LiteS3 closes it as before); the same listing over
+    plain http is."""
+    import http.server
+    import ssl
+
+    from tests.test_h1 import _self_signed
+
+    body = (b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated>'
+            b"<Contents><Key>a.tar</Key><Size>3</Size></Contents></ListBucketResult>")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keeps connections alive
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    lite = LiteS3(f"{scheme}://localhost:{server.server_address[1]}", "us-east-1")
+    if scheme == "https":
+        cert, key = _self_signed(tmp_path)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        lite.ssl_context = ssl.create_default_context(cafile=cert)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        before = handover.stats()
+        assert lite.list("b", "", timeout=10) == [("a.tar", 3, None)]
+        assert lite.get("b", "a.tar", timeout=10) == (200, body)  # on the listing's connection
+        offered = handover.stats()["offered"] - before["offered"]
+        claimed = handover.stats()["claimed"] - before["claimed"]
+        assert (offered, claimed, len(handover._offers)) == ((2, 1, 1) if scheme == "http" else (0, 0, 0))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_lite_get_answers_and_offers_its_connection(shards) -> None:
+    """``LiteS3.get``: a 2xx's bytes; a 404 is ``FileNotFoundError``; either way its read-whole
+    connection is offered, and the next GET (or listing) goes out on it."""
+    proxy, opts, spec = shards
+    bucket = spec.split("/")[2]
+    lite = LiteS3.from_options(opts, {})
+    assert lite is not None
+    before = handover.stats()
+    status, body = lite.get(bucket, "h/s-1.tar", timeout=10)
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        names = {name.split(".")[0] for name in tar.getnames()}
+    assert status == 200 and names == {s["__key__"] for s in make_samples(COUNTS)[1]}
+    with pytest.raises(FileNotFoundError):
+        lite.get(bucket, "h/missing.tar", timeout=10)
+    listed = lite.list(bucket, "h/", timeout=10)
+    assert [k for k, _, _ in listed] == [f"h/s-{i}.tar" for i in range(len(COUNTS))]
+    assert listed[1][1] == len(body)
+    after = handover.stats()
+    assert (after["offered"] - before["offered"], after["claimed"] - before["claimed"]) == (3, 2)
+    assert proxy.connections == 1 and len(handover._offers) == 1
