@@ -69,6 +69,53 @@ def test_index_get_overlaps_the_listing(s3_bucket) -> None:
             s["__key__"] for shard in make_samples(COUNTS) for s in shard)
 
 
+def test_under_lite_s3_the_early_get_needs_no_event_loop(s3_bucket) -> None:
+    """Under LITE-S3 the early GET is one request on a plain thread: while the listing is held
+    at the proxy, that thread runs and no event-loop thread of ours exists (its start-up would
+    compete with the listing's CPU); the index is used."""
+    import threading
+    import time
+
+    server, bucket = s3_bucket
+    spec = _put(server, bucket, "d/")
+    sd.build_index(spec, server.storage_options)
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.update(t.name for t in threading.enumerate() if t.name.startswith("streamdata"))
+            time.sleep(0.005)
+
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        finally:
+            stop.set()
+            watcher.join(5)
+        assert proxy.requests == {"list": 1, "get": 1}
+    assert seen == {"streamdata-index-ahead"}, seen
+    assert list(ds.sample_counts()) == COUNTS
+
+
+def test_an_early_get_that_failed_is_read_again(s3_bucket) -> None:
+    """A 503 to the early GET: the lookup reads the index again (retried as ``read_index``
+    is) and uses it."""
+    server, bucket = s3_bucket
+    spec = _put(server, bucket, "d/")
+    sd.build_index(spec, server.storage_options)
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        proxy.add(Fault("status", status=503, match="get", times=1))
+        ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        assert proxy.requests == {"list": 1, "get": 2}
+    assert list(ds.sample_counts()) == COUNTS
+
+
 def test_no_index_is_one_404_during_the_listing(s3_bucket) -> None:
     server, bucket = s3_bucket
     spec = _put(server, bucket, "d/")
