@@ -19,7 +19,7 @@ from typing import Any
 from ._aio import LoopThread, wait_threads_gone
 from ._fork import at_fork_in_child
 from .backends import close_sessions, filesystem, inherited_signer, lite_path, lite_s3, translate_error
-from .config import FetchConfig
+from .config import FetchConfig, lite_http
 from .errors import ShardFetchError
 from .metrics import Counters
 from .presigned import Body, PresignedS3, forget_session, http_probe, no_hidden_retry
@@ -127,10 +127,21 @@ class AsyncClient:
             self._opened = asyncio.ensure_future(self._create())
         return await asyncio.shield(self._opened)
 
-    async def _create(self) -> Any:
+    def _lite(self) -> Any:
+        """LITE-S3's signer where it serves these options, else ``None``."""
         fast = (self.protocol in ("s3", "s3a") and self.fast_s3
                 and not set(_S3_SLOW_OPTIONS) & set(self._options))
-        lite = lite_s3(self.protocol, self._options) if fast else None
+        return lite_s3(self.protocol, self._options) if fast else None
+
+    @property
+    def endpoint(self) -> tuple[str, str, int] | None:
+        """Where LITE-S3's GETs go on LITE-HTTP's pool, keyed as it keys connections
+        (WARM-HANDOVER); ``None`` on any other path."""
+        lite = self._lite() if lite_http() else None
+        return None if lite is None else lite.conn_key
+
+    async def _create(self) -> Any:
+        lite = self._lite()
         if lite is not None:  # LITE-S3: signed here; s3fs is imported only if a GET needs re-signing
             self._presigned = PresignedS3(None, self.config.max_requests, lite, lite=True,
                                            make_fs=self._full_fs, timeout=self.config.timeout)

@@ -37,7 +37,7 @@ from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
 from .metrics import Counters
-from .parts import FIRST_HOLD_MAX_S, Range, first_parts, split_parts
+from .parts import FIRST_HOLD_MAX_S, Range, first_part_size, first_parts, split_parts
 from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
@@ -87,6 +87,7 @@ class Prefetcher:
                                   self.config, name="fetch",
                                   url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
+        self._endpoint = self.client.endpoint  # LITE-S3's (scheme, host, port): WARM-HANDOVER
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         cfg = self.config
         self.cache = Cache(cfg.cache_dir, cfg.cache_limit, counters) if cfg.cache_dir else None
@@ -199,8 +200,10 @@ class Prefetcher:
                     ranges = ((0, size),)
                 # only the reader's first shard starts with a small part: it is what the first
                 # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
-                # cost the client and the server less CPU per byte
-                small = cfg.first_part if index == 0 and item.ranges is None else None
+                # cost the client and the server less CPU per byte (one bigger first part on a
+                # handed-over connection: ``parts.first_part_size``)
+                opening = index == 0 and item.ranges is None
+                small = first_part_size(cfg.first_part, self._endpoint) if opening else None
                 parts = split_parts(ranges, cfg.part_size, small)
                 writer = None
                 if self.cache is not None and all(end is not None for _, end in ranges):

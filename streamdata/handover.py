@@ -36,7 +36,7 @@ import time
 from ._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
 from .config import handover
 
-__all__ = ["MAX_IDLE_S", "MAX_OFFERS", "claim", "offer", "stats"]
+__all__ = ["MAX_IDLE_S", "MAX_OFFERS", "claim", "offer", "stats", "waiting"]
 
 MAX_IDLE_S = 4.0  # seconds an offered connection may stay idle (servers keep them 5 s or more)
 MAX_OFFERS = 8  # idle connections kept at most (the oldest closed first)
@@ -100,6 +100,14 @@ def offer(key: Key, sock: socket.socket) -> bool:
             _close(_offers.pop(0)[1])
             _stats["dropped"] += 1
     return True
+
+
+def waiting(key: Key | None) -> bool:
+    """Whether a young offered connection to ``key`` waits here (in a forked worker: the one
+    it was handed), for ``parts.first_part_size``."""
+    with _lock:
+        _prune(time.monotonic())
+        return any(entry[0] == key for entry in _offers)
 
 
 def claim(key: Key) -> socket.socket | None:

@@ -7,7 +7,9 @@ waits, at most FIRST_HOLD_MAX_S, until the parts that start in its first FIRST_H
 (by default 256 KiB, 512 KiB, 1 MiB, 2 MiB: 3.75 MiB, a first batch) have arrived. Sent beside
 the window, those parts shared the server's (or the link's) bandwidth with every request in
 flight (measured: benchmarks/README.md, "Start-up"). The wait holds no reference to their
-bytes (BYTE-BUDGET, ``fetch``).
+bytes (BYTE-BUDGET, ``fetch``). With a connection handed over to the reader (WARM-HANDOVER,
+``handover``) those bytes are one GET on it (``first_part_size``): one round trip, where each
+of the small parts but one would open a connection of its own first.
 """
 
 from __future__ import annotations
@@ -16,12 +18,24 @@ import collections
 import concurrent.futures
 from collections.abc import Sequence
 
-__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Range", "first_parts", "split_parts"]
+from .handover import waiting
+
+__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Range", "WARM_FIRST_PART", "first_part_size",
+           "first_parts", "split_parts"]
 
 Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
 
 FIRST_HOLD_BYTES = 2 << 20
 FIRST_HOLD_MAX_S = 0.5
+WARM_FIRST_PART = 4 << 20  # the first part on a handed-over connection: what the hold covers
+
+
+def first_part_size(configured: int, endpoint: tuple[str, str, int] | None) -> int:
+    """The reader's first shard's first part: ``configured`` (the config's ``first_part``), or,
+    with a handed-over connection to its ``endpoint`` waiting (WARM-HANDOVER), the bytes the
+    hold covers as one GET on it: one round trip, where the small parts' others would each
+    open a connection first (two)."""
+    return max(configured, WARM_FIRST_PART) if waiting(endpoint) else configured
 
 
 class _Arrivals:

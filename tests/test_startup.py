@@ -244,3 +244,31 @@ def test_lite_listing_follows_every_page(s3_bucket) -> None:
         assert sorted((k, n) for k, n, _ in found) == sorted((k, len(k)) for k in keys if k.startswith("p/"))
         flat = lite.list(bucket, "p/", timeout=10, delimiter="/")  # one level, as s3fs's ls
         assert sorted(k for k, _, _ in flat) == sorted(k for k in keys[:5])
+
+
+@pytest.mark.parametrize("handed", [True, False])
+def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, monkeypatch, handed) -> None:
+    """WARM-HANDOVER + FIRST-BYTES-FIRST: with the listing's connection waiting for the reader,
+    its first shard's first part is the bytes the hold covers (4 MiB) as one GET on it, not
+    256 KiB doubling (each of those others would open a connection first)."""
+    import os
+
+    from streamdata import handover
+    from streamdata.parts import WARM_FIRST_PART
+    from streamdata.s3lite import LiteS3
+
+    if not handed:
+        monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
+    server, bucket = s3_bucket
+    blob = [{"__key__": f"k{i}", "bin": os.urandom(1 << 20)} for i in range(6)]  # 6 MiB and headers
+    server.boto3_client().put_object(Bucket=bucket, Key="w/s-0.tar", Body=tar_bytes(blob))
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        ds = sd.TarDataset(f"s3://{bucket}/w/s-{{0..0}}.tar", storage_options=options, decode=False,
+                           index=None)
+        assert handover.waiting(LiteS3.from_options(options, {}).conn_key) is handed
+        assert [s["__key__"] for s in ds] == [b["__key__"] for b in blob]
+        gets = [t for kind, _, t, _ in proxy.history if kind == "get" and "/w/s-0.tar" in t]
+    # 6 MiB and the tar headers: one 4 MiB GET and the rest, or 256 KiB, 512 KiB, 1 MiB, 2 MiB, the rest
+    assert len(gets) == (2 if handed else 5), gets
+    assert WARM_FIRST_PART == 4 << 20
