@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import select
 import socket
 import sys
 import tarfile
@@ -110,8 +111,9 @@ def test_without_workers_the_reader_adopts_the_listing_connection(shards) -> Non
     assert proxy.connections == 1  # the listing's connection carried the whole epoch
 
 
-def _close_proxied_connections(proxy: LatencyProxy) -> None:
-    """The server side of every open connection through ``proxy`` goes away (a reset)."""
+def _close_proxied_connections(proxy: LatencyProxy, *clients: socket.socket) -> None:
+    """The server side of every open connection through ``proxy`` goes away (a reset); returns
+    once each of ``clients`` has seen it (readable)."""
     done = threading.Event()
 
     def cancel() -> None:
@@ -124,13 +126,15 @@ def _close_proxied_connections(proxy: LatencyProxy) -> None:
     deadline = time.monotonic() + 5
     while proxy._tasks and time.monotonic() < deadline:
         time.sleep(0.01)
+    for sock in clients:
+        assert select.select([sock], [], [], 5)[0], "the reset did not reach the client"
 
 
 def test_a_connection_the_server_closed_is_dropped_not_used(shards) -> None:
     proxy, opts, spec = shards
     ds = _dataset(opts, spec)
     assert len(handover._offers) == 1
-    _close_proxied_connections(proxy)
+    _close_proxied_connections(proxy, handover._offers[0][1])
     before = handover.stats()
     assert sorted(s["__key__"] for s in ds) == KEYS
     assert not any(ds.retried.values())  # no request was sent on it: nothing failed, nothing retried
@@ -162,7 +166,7 @@ def test_offer_and_claim(shards) -> None:
     assert handover.claim(("http", key[1], key[2] + 1)) is None  # another port
     got = handover.claim(key)
     assert got is socks[0]
-    _close_proxied_connections(proxy)  # the other one: closed by the server while idle
+    _close_proxied_connections(proxy, socks[1])  # the other one: closed by the server while idle
     before = handover.stats()
     assert handover.claim(key) is None and socks[1].fileno() == -1
     assert handover.stats()["dropped"] - before["dropped"] == 1
