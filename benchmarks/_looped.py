@@ -1,18 +1,28 @@
 """A server running on its own asyncio loop in a daemon thread: the lifecycle the latency
-proxy and the fault proxy share (start, bounded close, context manager). Standard library only."""
+proxy and the fault proxy share (start, bounded close, context manager). Standard library only.
+
+A process forked while a server runs (a DataLoader worker in a test) closes its copies of the
+server's sockets (``_close_in_child``): a remote server's sockets are never in the client's
+processes, and a copy left open would keep a connection alive after the server closed or reset
+it (the peer then sees neither: seen with a keep-alive connection open across the fork).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
 __all__ = ["LoopedServer"]
+
+_RUNNING: weakref.WeakSet[LoopedServer] = weakref.WeakSet()
 
 
 class LoopedServer:
@@ -37,6 +47,7 @@ class LoopedServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=self.thread_name, daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         try:
             asyncio.run_coroutine_threadsafe(self._startup(), self._loop).result(timeout)
         except BaseException:
@@ -58,6 +69,7 @@ class LoopedServer:
         if thread.is_alive():
             raise RuntimeError(f"{self.thread_name} thread did not stop within {timeout} s")
         self._loop = self._thread = None
+        _RUNNING.discard(self)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -91,3 +103,22 @@ class LoopedServer:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+
+
+def _close_in_child() -> None:
+    """In a forked child: close this process's copies of every running server's sockets
+    (listening and connected; the descriptors only, the parent's server goes on)."""
+    for server in list(_RUNNING):
+        loop = server._loop
+        socks = [getattr(t, "_sock", None) for t in list(getattr(loop, "_transports", {}).values())]
+        listener = getattr(server, "_server", None)
+        socks += list(getattr(listener, "_sockets", None) or ())
+        for sock in socks:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+    _RUNNING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)

@@ -167,6 +167,7 @@ class LiteS3:
                     query["max-keys"] = str(page_size)
                 if token:
                     query["continuation-token"] = token
+                resp = None  # until this page's answer is read, the connection is in no state to offer
                 conn.request("GET", self._target(bucket, "", query))
                 if while_waiting is not None:
                     while_waiting, hook = None, while_waiting

@@ -3,7 +3,9 @@ the reader that sends next, against the embedded S3 server behind a connection-c
 
 from __future__ import annotations
 
+import contextlib
 import io
+import select
 import socket
 import sys
 import tarfile
@@ -109,8 +111,9 @@ def test_without_workers_the_reader_adopts_the_listing_connection(shards) -> Non
     assert proxy.connections == 1  # the listing's connection carried the whole epoch
 
 
-def _close_proxied_connections(proxy: LatencyProxy) -> None:
-    """The server side of every open connection through ``proxy`` goes away (a reset)."""
+def _close_proxied_connections(proxy: LatencyProxy, *clients: socket.socket) -> None:
+    """The server side of every open connection through ``proxy`` goes away (a reset); returns
+    once each of ``clients`` has seen it (readable)."""
     done = threading.Event()
 
     def cancel() -> None:
@@ -123,13 +126,15 @@ def _close_proxied_connections(proxy: LatencyProxy) -> None:
     deadline = time.monotonic() + 5
     while proxy._tasks and time.monotonic() < deadline:
         time.sleep(0.01)
+    for sock in clients:
+        assert select.select([sock], [], [], 5)[0], "the reset did not reach the client"
 
 
 def test_a_connection_the_server_closed_is_dropped_not_used(shards) -> None:
     proxy, opts, spec = shards
     ds = _dataset(opts, spec)
     assert len(handover._offers) == 1
-    _close_proxied_connections(proxy)
+    _close_proxied_connections(proxy, handover._offers[0][1])
     before = handover.stats()
     assert sorted(s["__key__"] for s in ds) == KEYS
     assert not any(ds.retried.values())  # no request was sent on it: nothing failed, nothing retried
@@ -161,7 +166,7 @@ def test_offer_and_claim(shards) -> None:
     assert handover.claim(("http", key[1], key[2] + 1)) is None  # another port
     got = handover.claim(key)
     assert got is socks[0]
-    _close_proxied_connections(proxy)  # the other one: closed by the server while idle
+    _close_proxied_connections(proxy, socks[1])  # the other one: closed by the server while idle
     before = handover.stats()
     assert handover.claim(key) is None and socks[1].fileno() == -1
     assert handover.stats()["dropped"] - before["dropped"] == 1
@@ -170,22 +175,31 @@ def test_offer_and_claim(shards) -> None:
     assert not handover.offer(("https", key[1], key[2]), tls) and tls.fileno() == -1
 
 
-@pytest.mark.parametrize("scheme", ["http", "https"])
-def test_an_https_listing_offers_nothing(tmp_path: Path, scheme: str) -> None:
-    """A TLS connection is never offered (LiteS3 closes it as before); the same listing over
-    plain http is."""
+_PAGE = ('<?xml version="1.0"?><ListBucketResult><IsTruncated>{more}</IsTruncated>{token}'
+         '<Contents><Key>{key}</Key><Size>3</Size></Contents></ListBucketResult>')
+
+
+@contextlib.contextmanager
+def _listing_server(pages: int = 1, tls=None, advertised: int | None = None, stall: float = 0.0):
+    """A keep-alive HTTP/1.1 server answering every GET with a listing page of one key
+    (``a.tar``, ``b.tar``, ...), ``pages`` pages (``advertised`` said to be there); a request for
+    a page past them is answered by closing the connection (after ``stall`` seconds)."""
+    advertised = advertised or pages
     import http.server
-    import ssl
-
-    from tests.test_h1 import _self_signed
-
-    body = (b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated>'
-            b"<Contents><Key>a.tar</Key><Size>3</Size></Contents></ListBucketResult>")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keeps connections alive
 
         def do_GET(self) -> None:  # noqa: N802
+            page = int(self.path.partition("continuation-token=")[2].partition("&")[0] or 0)
+            if page >= pages:
+                time.sleep(stall)
+                self.close_connection = True
+                return
+            more = page + 1 < advertised
+            body = _PAGE.format(more=str(more).lower(), key=f"{'abcdefgh'[page]}.tar",
+                                token=f"<NextContinuationToken>{page + 1}</NextContinuationToken>"
+                                if more else "").encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -195,26 +209,56 @@ def test_an_https_listing_offers_nothing(tmp_path: Path, scheme: str) -> None:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    lite = LiteS3(f"{scheme}://localhost:{server.server_address[1]}", "us-east-1")
-    if scheme == "https":
-        cert, key = _self_signed(tmp_path)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(cert, key)
-        server.socket = ctx.wrap_socket(server.socket, server_side=True)
-        lite.ssl_context = ssl.create_default_context(cafile=cert)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        before = handover.stats()
-        assert lite.list("b", "", timeout=10) == [("a.tar", 3, None)]
-        assert lite.get("b", "a.tar", timeout=10) == (200, body)  # on the listing's connection
-        offered = handover.stats()["offered"] - before["offered"]
-        claimed = handover.stats()["claimed"] - before["claimed"]
-        assert (offered, claimed, len(handover._offers)) == ((2, 1, 1) if scheme == "http" else (0, 0, 0))
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_an_https_listing_offers_nothing(tmp_path: Path, scheme: str) -> None:
+    """A TLS connection is never offered (LiteS3 closes it as before); the same listing over
+    plain http is, and the next request goes out on it."""
+    import ssl
+
+    from tests.test_h1 import _self_signed
+
+    tls = client = None
+    if scheme == "https":
+        cert, key = _self_signed(tmp_path)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(cert, key)
+        client = ssl.create_default_context(cafile=cert)
+    with _listing_server(tls=tls) as port:
+        lite = LiteS3(f"{scheme}://localhost:{port}", "us-east-1")
+        lite.ssl_context = client
+        before = handover.stats()
+        assert lite.list("b", "", timeout=10) == [("a.tar", 3, None)]
+        assert lite.list("b", "", timeout=10) == [("a.tar", 3, None)]  # on the first one's connection
+        offered = handover.stats()["offered"] - before["offered"]
+        claimed = handover.stats()["claimed"] - before["claimed"]
+        assert (offered, claimed, len(handover._offers)) == ((2, 1, 1) if scheme == "http" else (0, 0, 0))
+
+
+def test_a_listing_that_fails_midway_offers_nothing() -> None:
+    """Page 1 read whole, page 2's request cut: the connection is closed, not offered."""
+    before = handover.stats()
+    for stall, timeout in ((0.0, 10), (1.0, 0.2)):  # page 2: the connection closed; no answer in time
+        with _listing_server(pages=1, advertised=2, stall=stall) as port:
+            lite = LiteS3(f"http://127.0.0.1:{port}", "us-east-1")
+            with pytest.raises(OSError):
+                lite.list("b", "", timeout=timeout)  # page 1 says there is more
+            assert handover.stats()["offered"] == before["offered"] and handover._offers == []
+    with _listing_server(pages=2) as port:  # the same with a page 2: offered once, at the end
+        lite = LiteS3(f"http://127.0.0.1:{port}", "us-east-1")
+        assert [k for k, _, _ in lite.list("b", "", timeout=10)] == ["a.tar", "b.tar"]
+        assert handover.stats()["offered"] == before["offered"] + 1 and len(handover._offers) == 1
 
 
 def test_lite_get_answers_and_offers_its_connection(shards) -> None:
