@@ -90,6 +90,7 @@ def test_under_lite_s3_the_early_get_needs_no_event_loop(s3_bucket) -> None:
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
         proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
+        proxy.add(Fault("hang", match="get", seconds=0.5, times=1))  # its thread lives a while
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
