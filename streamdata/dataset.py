@@ -22,7 +22,7 @@ from . import blocks
 from .config import FetchConfig
 from .errors import SpecError, StreamDataError
 from .fetch import FetchItem, ItemReader, Prefetcher
-from .idle import collect_if_due, pending
+from .idle import pending
 from .incremental import batches
 from .metrics import COUNTERS, Counters
 from .passes import Batching, EpochIterator, ReaderPass, _Early, stale_count
@@ -148,7 +148,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def while_listing(self) -> list[Callable[[], None]]:
         """Work the constructor does while the listing waits for its answer (IDLE-WHILE-LISTING)."""
-        return [collect_if_due]
+        return []
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""

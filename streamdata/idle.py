@@ -6,24 +6,19 @@ before it reads the answer (``run_pending``, from ``s3lite.LiteS3.list``'s ``whi
 where the round trip hides it; what no listing ran (another backend, ``listing=False``, rank
 1+ of a job, local files) runs when the block ends. Queued work must not need the listing's
 result, do I/O or take long; an exception it raises is raised when the block ends, never
-inside the listing (where it would look like a listing failure and be retried). Queued by the
-constructors: the decoders' import (webdataset and yaml, ~30 ms on a 2-core machine) and a
-full garbage collection when one is due (``collect_if_due``: 70-90 ms after ``import torch``,
-which otherwise lands in whatever allocates next: measured in the constructor's parse of the
-listing, benchmarks/README.md "Start-up").
+inside the listing (where it would look like a listing failure and be retried). Queued by
+``TarDataset``: its decoders (their import: webdataset and yaml, ~30 ms on a 2-core machine).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["collect_if_due", "pending", "run_pending"]
+__all__ = ["pending", "run_pending"]
 
 _LOCAL = threading.local()  # this thread's queue: (work left, the first exception)
-_COLLECTED = False  # collect_if_due collects once per process at most
 
 
 @contextlib.contextmanager
@@ -50,16 +45,3 @@ def run_pending() -> None:
         except Exception as exc:  # raised by pending() when its block ends
             queue[1].append(exc)
 
-
-def collect_if_due() -> None:
-    """A full garbage collection if Python would start one at its next young collection (the
-    oldest generation's count has reached its threshold): once per process, with the
-    collector on. It costs what it would cost anyway; run here, a network wait hides it, and
-    forked DataLoader workers start from a collected heap."""
-    global _COLLECTED
-    threshold, count = gc.get_threshold(), gc.get_count()
-    if _COLLECTED or not gc.isenabled() or len(threshold) < 3 or len(count) < 3 or threshold[2] <= 0:
-        return
-    if count[2] >= threshold[2]:
-        _COLLECTED = True
-        gc.collect()

@@ -3,7 +3,6 @@ flight, against the real S3 test server behind a counting proxy."""
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 from pathlib import Path
@@ -89,47 +88,3 @@ def test_a_bad_decode_spec_is_still_refused_by_the_constructor(s3_bucket) -> Non
     ds = sd.TarDataset(spec, storage_options=server.storage_options, index=None)
     assert ds._decoder is not None  # made while listing
     assert sorted(int(s["cls"]) for s in ds) == list(range(sum(COUNTS)))  # decoded
-
-
-@pytest.fixture
-def fresh_gc(monkeypatch):
-    monkeypatch.setattr(idle, "_COLLECTED", False)
-    enabled = gc.isenabled()
-    yield
-    (gc.enable if enabled else gc.disable)()
-
-
-def _full_collections() -> int:
-    return gc.get_stats()[2]["collections"]
-
-
-def _make_oldest_count_due() -> None:
-    gc.collect()  # every count 0
-    for _ in range(gc.get_threshold()[2]):
-        gc.collect(1)  # each young collection adds one to the oldest generation's count
-    assert gc.get_count()[2] >= gc.get_threshold()[2]
-
-
-def test_a_due_full_collection_runs_once_per_process(fresh_gc) -> None:
-    gc.enable()
-    _make_oldest_count_due()
-    before = _full_collections()
-    idle.collect_if_due()
-    assert _full_collections() == before + 1
-    _make_oldest_count_due()
-    before = _full_collections()
-    idle.collect_if_due()  # once per process
-    assert _full_collections() == before
-
-
-def test_no_collection_when_none_is_due_or_the_collector_is_off(fresh_gc) -> None:
-    gc.enable()
-    gc.collect()  # the oldest count is 0: nothing due
-    before = _full_collections()
-    idle.collect_if_due()
-    assert _full_collections() == before
-    _make_oldest_count_due()
-    gc.disable()  # the user's choice stands
-    before = _full_collections()
-    idle.collect_if_due()
-    assert _full_collections() == before
