@@ -5,6 +5,8 @@ objects bound to threads and sockets that exist only in its parent. Right after 
 the child, before any of its own code runs, each owner drops its inherited state, stage by
 stage in ``STAGES`` order (within a stage, in registration order):
 
+  heap      ``_alloc``: the child's garbage collector is told to leave every object it inherited
+            alone (``gc.freeze``), before the child allocates anything (INHERITED-HEAP).
   loops     ``_aio``: every inherited ``LoopThread`` is marked inherited and closed; its thread
             did not survive the fork, so it refuses work instead of hanging (LOOP-AFTER-FORK).
   sessions  ``client``: every inherited aiohttp session (and LITE-HTTP pool, ``h1``) is dropped
@@ -34,7 +36,7 @@ from collections.abc import Callable
 
 __all__ = ["STAGES", "at_fork_before", "at_fork_in_child", "at_fork_in_parent"]
 
-STAGES = ("loops", "sessions", "pools")
+STAGES = ("heap", "loops", "sessions", "pools")
 
 _RESETS: dict[str, list[Callable[[], None]]] = {stage: [] for stage in STAGES}
 _BEFORE: list[Callable[[], None]] = []

@@ -52,6 +52,13 @@ def handover() -> bool:
     return env_str("STREAMDATA_HANDOVER", "1") != "0"
 
 
+def freeze_at_fork() -> bool:
+    """INHERITED-HEAP (``_alloc``): a forked child moves what it inherited out of its garbage
+    collector's sight at once. ``STREAMDATA_FREEZE_AT_FORK=0`` leaves the child's collector as
+    Python has it."""
+    return env_str("STREAMDATA_FREEZE_AT_FORK", "1") != "0"
+
+
 def env_int(name: str, default: int | None = None) -> int | None:
     value = env_str(name)
     if value is None:

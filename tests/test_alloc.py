@@ -8,6 +8,7 @@ of free heap is kept even at its most generous) and is faulted in again; with
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import sys
@@ -69,3 +70,36 @@ def _glibc() -> bool:
     if thp.exists() and "[always]" in thp.read_text():
         return False
     return "hugetlb" not in os.environ.get("GLIBC_TUNABLES", "")
+
+
+class FreezeProbe(IterableDataset):
+    """One sample: how many objects this process's collector has frozen when iteration starts."""
+
+    def __iter__(self):
+        yield {"frozen": gc.get_freeze_count(), "pid": os.getpid()}
+
+
+def _first_sample_of_a_forked_worker() -> dict:
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(FreezeProbe(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    [sample] = list(loader)
+    return sample
+
+
+def test_a_forked_worker_starts_with_everything_it_inherited_frozen():
+    """INHERITED-HEAP: a plain DataLoader (no sd.loader, no worker_init_fn of ours) forks a
+    worker whose collector already leaves the parent's objects alone; the parent's is untouched."""
+    held = [[i] for i in range(50_000)]  # tracked objects the worker inherits
+    before = gc.get_freeze_count()
+    sample = _first_sample_of_a_forked_worker()
+    assert sample["pid"] != os.getpid()
+    assert sample["frozen"] >= len(held)
+    assert gc.get_freeze_count() == before
+
+
+def test_freezing_at_fork_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("STREAMDATA_FREEZE_AT_FORK", "0")
+    held = [[i] for i in range(50_000)]
+    sample = _first_sample_of_a_forked_worker()
+    assert sample["frozen"] < len(held)
