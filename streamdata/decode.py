@@ -5,19 +5,33 @@
 ``[C, H, W]`` in RGB (webdataset's ``"torchrgb8"``).  A string is a webdataset image spec
 (``"torchrgb"``, ``"pil"``, ``"rgb8"``...), a callable or a list of them are webdataset
 handlers ``f(key, data) -> value | None``; ``decode=False`` keeps raw bytes.
+
+``decode=True`` does not import webdataset (LAZY-DECODERS): ``npy``, the ints and texts,
+``json``/``jsn`` and the common image formats are decoded here, to the values webdataset's
+handlers give; a field of any other extension (``pth``, ``pyd``, ``npz``, ``.gz``, an image
+format not listed in ``IMAGE_EXTENSIONS``, one of ours that declines a field such as an unusual
+``.npy``) goes to webdataset's decoder, built the first time a process meets one. The
+constructor then imports neither webdataset nor yaml, and a worker imports them only for data
+that needs them.
 """
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import DecodeError
 
-__all__ = ["DecodeSpec", "fast_basic", "fast_npy", "make_decoder"]
+__all__ = ["IMAGE_EXTENSIONS", "DecodeSpec", "fast_basic", "fast_image", "fast_json", "fast_npy",
+           "make_decoder"]
 
 DecodeSpec = bool | str | Callable[..., Any] | Sequence[str | Callable[..., Any]] | None
 DEFAULT_IMAGE_SPEC = "torchrgb8"
+# decoded here under ``decode=True`` (each is in webdataset's own list; the rest go to it)
+IMAGE_EXTENSIONS = frozenset({"bmp", "gif", "jpeg", "jpg", "pbm", "pgm", "png", "pnm", "ppm", "tif",
+                              "tiff", "webp"})
 
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -68,6 +82,79 @@ def fast_basic(key: str, data: bytes) -> Any:
     return None if convert is None else convert(data)
 
 
+def fast_json(key: str, data: bytes) -> Any:
+    """``.json`` and ``.jsn`` (exactly those names, as webdataset's basic handlers match them)."""
+    return json.loads(data) if key[key.rfind(".") + 1:] in ("json", "jsn") else None
+
+
+def fast_image(key: str, data: bytes) -> Any:
+    """An image of a common format as a ``torch.uint8`` tensor ``[3, H, W]``, RGB: the value
+    webdataset's ``"torchrgb8"`` handler gives, without importing webdataset."""
+    if key[key.rfind(".") + 1:].lower() not in IMAGE_EXTENSIONS:
+        return None
+    import numpy as np
+    import PIL.Image
+    import torch
+
+    with io.BytesIO(data) as stream:
+        image = PIL.Image.open(stream)
+        image.load()
+        rgb = np.asarray(image.convert("RGB"))  # H x W x 3
+    return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
+
+
+_OURS = (fast_npy, fast_basic, fast_json, fast_image)
+
+
+class _Default:
+    """``decode=True`` (LAZY-DECODERS): our handlers first, webdataset's decoder for the rest,
+    imported the first time a field needs it. Picklable; a field's failure is a DecodeError
+    naming the field, the sample's key and its URL."""
+
+    def __init__(self) -> None:
+        self._rest: Any = None  # webdataset's Decoder, made on first need in this process
+
+    def __getstate__(self) -> dict:
+        return {"_rest": None}
+
+    def __call__(self, sample: dict) -> dict:
+        out = {}
+        for field, value in sample.items():
+            if field[:2] == "__":  # __key__, __url__...: text, as webdataset gives them
+                if isinstance(value, bytes):
+                    try:
+                        value = value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        pass
+                out[field] = value
+                continue
+            try:
+                out[field] = self._field(field, value)
+            except Exception as exc:
+                raise _decode_error(sample, field, exc.__cause__ or exc) from exc
+        return out
+
+    def _field(self, field: str, value: Any) -> Any:
+        if not isinstance(value, bytes):
+            raise TypeError(f"expected bytes, got {type(value).__name__}")
+        key = "." + field
+        for handler in _OURS:
+            result = handler(key, value)
+            if result is not None:
+                return result
+        if self._rest is None:
+            from webdataset import autodecode
+
+            self._rest = autodecode.Decoder([autodecode.ImageHandler(DEFAULT_IMAGE_SPEC)])
+        return self._rest.decode1(field, value)
+
+
+def _decode_error(sample: dict, field: Any, cause: BaseException) -> DecodeError:
+    url, key = sample.get("__url__"), sample.get("__key__")
+    return DecodeError(f"cannot decode field {field!r} of sample {key!r} in {url}: "
+                       f"{type(cause).__name__}: {cause}", url=url, key=key)
+
+
 class _Decode:
     """A picklable callable: webdataset Decoder + our DecodeError naming shard URL and key."""
 
@@ -79,22 +166,18 @@ class _Decode:
             return self.decoder(sample)
         except Exception as exc:
             cause = exc.__cause__ or exc
-            field = getattr(exc, "k", None)
-            url, key = sample.get("__url__"), sample.get("__key__")
-            raise DecodeError(
-                f"cannot decode field {field!r} of sample {key!r} in {url}: "
-                f"{type(cause).__name__}: {cause}", url=url, key=key) from cause
+            raise _decode_error(sample, getattr(exc, "k", None), cause) from cause
 
 
 def make_decoder(spec: DecodeSpec) -> Callable[[dict], dict] | None:
     """Build the per-sample decode function for ``spec`` (``None`` when nothing is decoded)."""
     if spec is False or spec is None or spec == "raw":
         return None
+    if spec is True:
+        return _Default()
     from webdataset import autodecode
 
-    if spec is True:
-        items: list = [DEFAULT_IMAGE_SPEC]
-    elif isinstance(spec, autodecode.Decoder):
+    if isinstance(spec, autodecode.Decoder):
         return _Decode(spec)
     elif isinstance(spec, str) or callable(spec):
         items = [spec]
