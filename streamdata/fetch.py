@@ -227,7 +227,7 @@ class Prefetcher:
             # the reader gets its own queue of the same futures: each side drops a future
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
-            first = first_parts(todo) if small is not None else 0
+            first = first_parts(todo) if small is not None else None
             while todo:
                 (start, end), fut = todo.popleft()
                 offset = next(offsets)
@@ -245,7 +245,7 @@ class Prefetcher:
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
                 del fut
-            if first:  # the reader's first shard: FIRST-BYTES-FIRST
+            if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
                     async with asyncio.timeout(FIRST_HOLD_MAX_S):
                         await self._until(lambda first=first: first.done)

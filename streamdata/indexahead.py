@@ -32,7 +32,6 @@ from typing import Any
 from .backends import lite_path, lite_s3
 from .config import FetchConfig, lite_http
 from .errors import SpecError, StreamDataError
-from .fetch import Prefetcher
 from .formats.sdx import ShardEntry, decode_index
 from .index import default_index_url, index_entries, open_index, read_index
 from .urls import Shard, Spec, brace_expand, listing_deadline, split_url
@@ -91,51 +90,59 @@ class IndexAhead:
     """The index at ``url``, its GET sent now; :meth:`read` is ``read_index`` for the lookup.
     Under LITE-S3 the GET is one request of ``LiteS3.get`` on a thread of its own (no event
     loop to start: its CPU would compete with the listing's); else the prefetcher's, on its
-    loop thread. Always :meth:`close` (idempotent)."""
+    loop thread (either one with ``read`` and ``close``). Always :meth:`close` (idempotent)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
-        self.url, self._config = url, config
-        self._fetcher: Prefetcher | None = None
-        self._lite: _LiteGet | None = None
+        self.url = url
         protocol, path = split_url(url)
         lite = lite_s3(protocol, storage_options) if lite_http() else None
-        if lite is not None:
-            self._lite = _LiteGet(lite, lite_path(path), config.timeout)
-        else:
-            self._fetcher = open_index(url, storage_options, config)
+        self._early: _PrefetcherGet | _LiteGet | None = (
+            _LiteGet(lite, lite_path(path), config) if lite is not None
+            else _PrefetcherGet(url, storage_options, config))
 
     def close(self) -> None:
         """Cancel the early GET if its answer was not taken (the prefetcher's loop thread is
         joined; a LITE-S3 GET's thread ends within its timeout, holding nothing shared)."""
-        fetcher, self._fetcher, self._lite = self._fetcher, None, None
-        if fetcher is not None:
-            fetcher.close()
+        early, self._early = self._early, None
+        if early is not None:
+            early.close()
 
     def read(self, url: str, storage_options: Mapping[str, Any] | None = None,
              config: FetchConfig | None = None) -> list[ShardEntry] | None:
         """``read_index(url, ...)``: the early answer when ``url`` is the one fetched ahead,
         else a read of ``url`` now (the spec's guess was not where the listing's shards are,
         or the early GET got no plain answer: its errors are reported by that read)."""
-        fetcher, lite = self._fetcher, self._lite
-        self._fetcher = self._lite = None
-        if url == self.url and fetcher is not None:
-            return index_entries(fetcher, url)  # bounded as read_index is; closes the fetcher
-        if fetcher is not None:
-            fetcher.close()
-        if url == self.url and lite is not None:
-            answer = lite.answer(listing_deadline(self._config))
-            if answer is not None and answer[0] in (200, 404):
-                return None if answer[0] == 404 else decode_index(answer[1], url)
+        early, self._early = self._early, None
+        if early is not None and url == self.url:
+            return early.read(url, storage_options, config)
+        if early is not None:
+            early.close()
         return read_index(url, storage_options, config)
 
 
-class _LiteGet:
-    """One LITE-S3 GET (``LiteS3.get``) of ``bucket/key`` on a daemon thread of its own."""
+class _PrefetcherGet:
+    """The GET through a prefetcher (``index.open_index``), on its loop thread."""
 
-    def __init__(self, lite: Any, path: str, timeout: float) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
+        self._fetcher = open_index(url, storage_options, config)
+
+    def read(self, url: str, storage_options: Mapping[str, Any] | None,
+             config: FetchConfig | None) -> list[ShardEntry] | None:
+        return index_entries(self._fetcher, url)  # bounded as read_index is; closes the fetcher
+
+    def close(self) -> None:
+        self._fetcher.close()
+
+
+class _LiteGet:
+    """One LITE-S3 GET (``LiteS3.get``) of ``bucket/key`` on a daemon thread of its own, waited
+    for at most the listing's deadline; anything but a 200 or a 404 is read again."""
+
+    def __init__(self, lite: Any, path: str, config: FetchConfig) -> None:
         bucket, _, key = path.partition("/")
+        self._limit = listing_deadline(config)
         self._answer: tuple[int, bytes] | None = None
-        self._thread = threading.Thread(target=self._get, args=(lite, bucket, key, timeout),
+        self._thread = threading.Thread(target=self._get, args=(lite, bucket, key, config.timeout),
                                         name="streamdata-index-ahead", daemon=True)
         self._thread.start()
 
@@ -147,10 +154,16 @@ class _LiteGet:
         except Exception:  # the lookup reads it again, and reports what is wrong
             self._answer = None
 
-    def answer(self, limit: float) -> tuple[int, bytes] | None:
-        """(status, body), or ``None`` when it failed or took over ``limit`` seconds."""
-        self._thread.join(limit)
-        return None if self._thread.is_alive() else self._answer
+    def read(self, url: str, storage_options: Mapping[str, Any] | None,
+             config: FetchConfig | None) -> list[ShardEntry] | None:
+        self._thread.join(self._limit)
+        answer = None if self._thread.is_alive() else self._answer
+        if answer is not None and answer[0] in (200, 404):
+            return None if answer[0] == 404 else decode_index(answer[1], url)
+        return read_index(url, storage_options, config)
+
+    def close(self) -> None:
+        """Nothing to do: the thread ends within its request's timeout, holding nothing shared."""
 
 
 def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[str, Any] | None,

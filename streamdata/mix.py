@@ -44,7 +44,7 @@ from .mixplan import (
 )
 from .passes import EpochIterator
 from .resume import Stage
-from .state import STATE_FORMAT, STATE_VERSION, dataset_key, stages_json, start_state
+from .state import STATE_FORMAT, check_header, dataset_key, stages_json, start_state
 from .world import World
 
 __all__ = ["Mix"]
@@ -159,11 +159,7 @@ class Mix(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch where it stood; a state of another mix or of a
         plain dataset is refused (SpecError naming what differs). Call it before iterating."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise SpecError(f"not a streamdata state (no 'format': {STATE_FORMAT!r}): {str(state)[:120]}")
-        if state.get("version") != STATE_VERSION:
-            raise SpecError(f"a streamdata state of version {state.get('version')!r}; this streamdata reads "
-                            f"version {STATE_VERSION}")
+        check_header(state)
         if state.get("split") != "mix":
             raise SpecError(f"this is the state of a single dataset (split {state.get('split')!r}), not of a "
                             "Mix: load it into that dataset, or give this Mix a state its state_dict() made")

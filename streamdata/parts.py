@@ -47,14 +47,19 @@ class _Arrivals:
     (FIRST-BYTES-FIRST); holds no reference to their bytes (BYTE-BUDGET)."""
 
     def __init__(self, futures: list[concurrent.futures.Future]) -> None:
-        self._left = len(futures)
+        self._count = len(futures)
         self._arrived: list[None] = []  # appended by a callback on any thread: atomic
         for fut in futures:
             fut.add_done_callback(lambda _: self._arrived.append(None))
 
     @property
+    def count(self) -> int:
+        """How many parts it watches."""
+        return self._count
+
+    @property
     def done(self) -> bool:
-        return len(self._arrived) >= self._left
+        return len(self._arrived) >= self._count
 
 
 def first_parts(todo: collections.deque) -> _Arrivals:

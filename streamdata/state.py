@@ -28,9 +28,8 @@ from .resume import Stage
 from .rewind import record_size
 from .world import World
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "dataset_key", "fingerprint",
-           "merge_states", "parse_state", "reader_state", "stages_json",
-           "start_state"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "check_header", "dataset_key",
+           "fingerprint", "merge_states", "parse_state", "reader_state", "stages_json", "start_state"]
 
 log = logging.getLogger("streamdata")
 
@@ -63,14 +62,20 @@ def stages_json(stages: Sequence[Stage]) -> list[dict]:
     return [{"world": [s.world_size, s.num_workers], "delivered": list(s.delivered)} for s in stages]
 
 
-def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple[int, list[Stage]]:
-    """``(epoch, stages)`` of a state made by a dataset whose fingerprint is ``expected`` (with a
-    shuffle ``buffer`` and no sample counts, a resume is exact only within a buffer: a warning)."""
+def check_header(state: Any) -> None:
+    """Raise SpecError unless ``state`` is a dict of this format and version (a dataset's state
+    or a Mix's: what each holds is checked by its ``load_state_dict``)."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise SpecError(f"not a streamdata state (no 'format': {STATE_FORMAT!r}): {str(state)[:120]}")
     if state.get("version") != STATE_VERSION:
         raise SpecError(f"a streamdata state of version {state.get('version')!r}; this streamdata reads "
                         f"version {STATE_VERSION}: upgrade streamdata, or start the epoch again")
+
+
+def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple[int, list[Stage]]:
+    """``(epoch, stages)`` of a state made by a dataset whose fingerprint is ``expected`` (with a
+    shuffle ``buffer`` and no sample counts, a resume is exact only within a buffer: a warning)."""
+    check_header(state)
     if state.get("fingerprint") != expected:
         raise SpecError("this state belongs to another dataset (its shards, sizes, sample counts, seed, "
                         "shuffle, batch size or drop_last differ): load it into the dataset it was saved "

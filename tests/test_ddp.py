@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import UNEVEN, write_shards
+from tests.helpers import UNEVEN, torchrun, write_shards
 
 JOB = Path(__file__).parent / "jobs" / "ddp_uneven.py"
 LIST_JOB = Path(__file__).parent / "jobs" / "list_once.py"
@@ -23,16 +19,8 @@ CASES = {  # the issue's three cases: uneven, random 10-200, equal shards not a 
 }
 
 
-def _torchrun(tmp_path: Path, cases: dict, job: Path = JOB) -> dict[int, dict]:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(job), str(tmp_path), json.dumps(cases)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIME_LIMIT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the torchrun job hung (no end within {TIME_LIMIT_S} s): {exc.stderr!s:.2000}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+def _torchrun(tmp_path: Path, cases: dict, job: Path = JOB) -> list[dict]:
+    return torchrun(job, tmp_path, 2, {"tag": job.stem, "cases": cases}, TIME_LIMIT_S)
 
 
 def test_ddp_over_uneven_shards_ends_every_epoch_together(s3_bucket, tmp_path):

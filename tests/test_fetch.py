@@ -82,7 +82,7 @@ def _first_shard_then_window(s3_bucket, delay_s: float) -> tuple[list[float], fl
     first = [r for r in requests if r[2] == "blob-0"]
     # parts 256 KiB, 512 KiB, 1 MiB, 2 MiB start in the first 2 MiB (3.75 MiB); then 4 MiB, the rest
     parts = split_parts([(0, len(blobs[0]))], 4 * MiB, FetchConfig().first_part)
-    held = first_parts(collections.deque((part, concurrent.futures.Future()) for part in parts))._left
+    held = first_parts(collections.deque((part, concurrent.futures.Future()) for part in parts)).count
     assert held == 4 and len(first) == len(parts) == 6
     answered = []
     for when, conn, _ in first[:held]:  # each one's answer: the next response on its connection

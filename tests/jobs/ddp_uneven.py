@@ -1,14 +1,15 @@
 """A DDP training job over uneven shards, run by ``torchrun`` from tests/test_ddp.py.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/jobs/ddp_uneven.py OUT_DIR CASES_JSON
+    python -m torch.distributed.run --nproc_per_node=2 tests/jobs/ddp_uneven.py OUT_DIR CONFIG
 
-Each rank trains a tiny DDP model (gloo, CPU) for two epochs per case (2 workers, batch 8)
-and writes what it saw to ``OUT_DIR/rank{R}.json``: per case and epoch, its steps, batch
-sizes, the keys (tar) or ids (Parquet) it delivered, ``loader.undelivered`` and the dataset's
-counters. A case names its format (``kind``: tar, parquet), ``index`` (tar: "auto" or None),
-``drop_last``, and ``loader``: ``sd`` (sd.loader, batching in the workers) or ``plain`` (a plain
-DataLoader over a dataset that batches, with no help at the epoch's end). A rank that ran out
-while another had batches would hang in DDP's all-reduce: the test's time limit catches that.
+CONFIG: ``tag`` (names the output) and ``cases`` (per case name, as below). Each rank trains
+a tiny DDP model (gloo, CPU) for two epochs per case (2 workers, batch 8) and writes what it
+saw to ``OUT_DIR/{tag}-rank{R}.json``: per case and epoch, its steps, batch sizes, the keys
+(tar) or ids (Parquet) it delivered, ``loader.undelivered`` and the dataset's counters. A case
+names its format (``kind``: tar, parquet), ``index`` (tar: "auto" or None), ``drop_last``, and
+``loader``: ``sd`` (sd.loader, batching in the workers) or ``plain`` (a plain DataLoader over
+a dataset that batches, with no help at the epoch's end). A rank that ran out while another
+had batches would hang in DDP's all-reduce: the test's time limit catches that.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ import streamdata as sd
 from tests.jobs._leave import leave
 
 
-def main(out_dir: str, cases_json: str) -> None:
-    cases = json.loads(cases_json)
+def main(out_dir: str, config_json: str) -> None:
+    cfg = json.loads(config_json)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     results: dict[str, list[dict]] = {}
-    for name, case in cases.items():
+    for name, case in cfg["cases"].items():
         plain, drop_last = case.get("loader", "sd") == "plain", case.get("drop_last", False)
         options = dict(storage_options=case["storage_options"], shuffle=True, seed=3)
         if plain:  # the dataset batches; with sd.loader, the loader does (in the workers)
@@ -66,7 +67,7 @@ def main(out_dir: str, cases_json: str) -> None:
                                "undelivered": 0 if plain else loader.undelivered,
                                "counts": ds.counts})
         results[name] = epochs
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+    with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:
         json.dump(results, f)
     leave()
 

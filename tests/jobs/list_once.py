@@ -1,8 +1,9 @@
 """Every rank builds the same datasets; run by ``torchrun`` from tests/test_ddp.py.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/jobs/list_once.py OUT_DIR CASES_JSON
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/jobs/list_once.py OUT_DIR CONFIG
 
-Writes ``OUT_DIR/rank{R}.json``: per case, the shards (rows, and samples by the index) the
+CONFIG: ``tag`` and ``cases`` (per case name, ``spec`` and ``storage_options``). Writes
+``OUT_DIR/{tag}-rank{R}.json``: per case, the shards (rows, and samples by the index) the
 rank got, or the error type it raised.
 """
 
@@ -18,10 +19,11 @@ import streamdata as sd
 from tests.jobs._leave import leave
 
 
-def main(out_dir: str, cases_json: str) -> None:
+def main(out_dir: str, config_json: str) -> None:
+    cfg = json.loads(config_json)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = {}
-    for name, case in json.loads(cases_json).items():
+    for name, case in cfg["cases"].items():
         make = (sd.ParquetDataset if case["spec"].endswith(".parquet") else
                 sd.ArrowDataset if case["spec"].endswith(".arrow") else sd.TarDataset)
         try:
@@ -31,7 +33,7 @@ def main(out_dir: str, cases_json: str) -> None:
                          "samples": None if counts is None else int(counts.sum())}
         except sd.StreamDataError as exc:
             out[name] = {"error": type(exc).__name__, "url": exc.url}
-    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
+    with open(f"{out_dir}/{cfg['tag']}-rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
     leave()
 
