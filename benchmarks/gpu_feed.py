@@ -69,7 +69,7 @@ def h2d_gbps(nbytes: int, pinned: bool, reps: int = 10) -> float:
 def cycles_per_second() -> float:
     """Calibrate ``torch.cuda._sleep`` (a GPU busy-wait measured in clock cycles)."""
     start, end = timing_event(), timing_event()
-    torch.cuda._sleep(1_000_000)  # warm up
+    torch.cuda._sleep(200_000_000)  # warm up: an idle GPU's clock is low until it has been busy a while
     start.record()
     torch.cuda._sleep(50_000_000)
     end.record()
