@@ -29,10 +29,19 @@ NOTE [side-stream copy]
        while the consumer's queued work may still read it.
     4. Pinned host blocks come from the caching host allocator, which does not reuse them
        before the copies that read them have finished; the host batch may be dropped at once.
+       (A source that yields pinned buffers of its own and rewrites them is outside this: it
+       must not rewrite one before the step that used the batch copied from it has synced.)
     5. Before each copy the side stream waits for the work already queued on the consumer's
-       stream, so a transform may read tensors the consumer made (normalisation constants)
-       and a batch may hold device tensors.  The copy of batch k+depth is issued before the
-       step on batch k is launched, so this never delays it behind the step that uses it.
+       stream, so a transform may read tensors the consumer made (normalisation constants).
+       The copy of batch k+depth is issued before the step on batch k is launched, so this
+       never delays it behind the step that uses it.
+    6. A batch may hold CUDA tensors (a source that decodes on the GPU).  The source runs in
+       the pin-ahead thread, whose current stream (the default stream, unless the source set
+       another) is where that work was queued: right after the source returns a batch, the
+       thread records an event there, and the side stream waits on it before the copy.  The
+       consumer's stream may be another one, so waiting on it (5) is not enough.  And
+       ``record_stream`` of the side stream on those tensors keeps their memory from being
+       handed to the producer's next batch while the side stream's transform may still read it.
 """
 
 from __future__ import annotations
@@ -225,7 +234,7 @@ class PinAhead(_PassOwner, Generic[T]):
     def _pass(self) -> Iterator[T]:
         pin = _cuda_available() if self.pin is None else self.pin
         source = iter(self.iterable)  # here, in the consumer's thread (DataLoader wants the main thread)
-        producer = _Producer(source, pin_batch if pin else None, depth=self.depth,
+        producer = _Producer(source, self._in_thread(pin), depth=self.depth,
                              role="pin-ahead", join_timeout=self.join_timeout)
         try:
             while True:
@@ -238,6 +247,10 @@ class PinAhead(_PassOwner, Generic[T]):
         finally:
             producer.stop()
 
+    def _in_thread(self, pin: bool) -> Callable[[Any], Any] | None:
+        """What the thread applies to each batch as the source returns it."""
+        return pin_batch if pin else None
+
 
 
 class _StreamOps:
@@ -246,9 +259,27 @@ class _StreamOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self._made: dict[int, list[torch.cuda.Event]] = {}  # id(batch): where its CUDA tensors are ready
+
+    def produced(self, batch: Any) -> None:
+        """In the producer thread, as the source returns ``batch``: mark its CUDA tensors ready (6)."""
+        events = []
+        for device in {t.device for t in iter_tensors(batch) if t.is_cuda}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        if events:
+            self._made[id(batch)] = events  # the batch lives (in the queue) until copy() pops this
 
     def copy(self, batch: Any, transform: Callable[[Any], Any] | None) -> tuple[Any, Any]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        made = self._made.pop(id(batch), ())
+        for event in made:
+            self.stream.wait_event(event)
+        if made:
+            for tensor in iter_tensors(batch):
+                if tensor.device == self.device:
+                    tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             # asynchronous only from pinned memory: from pageable (or recycled shared) memory
             # nothing guarantees the source was read when the call returns, and the worker
@@ -266,6 +297,25 @@ class _StreamOps:
         for tensor in iter_tensors(batch):
             if tensor.device.type == "cuda":
                 tensor.record_stream(consumer)
+
+
+class _ReadyAhead(PinAhead[Any]):
+    """The prefetcher's PinAhead: its thread also tells ``ops`` where each batch's CUDA tensors
+    were made (``ops.produced``, NOTE [side-stream copy] 6)."""
+
+    def __init__(self, iterable: Iterable[Any], ops: Any, **kwargs: Any) -> None:
+        super().__init__(iterable, **kwargs)
+        self.ops = ops
+
+    def _in_thread(self, pin: bool) -> Callable[[Any], Any]:
+        pin_fn = super()._in_thread(pin)
+
+        def prepare(batch: Any) -> Any:
+            batch = pin_fn(batch) if pin_fn is not None else batch
+            self.ops.produced(batch)
+            return batch
+
+        return prepare
 
 
 def _copy_ahead(source: Iterator[Any], ops: Any, depth: int,
@@ -344,10 +394,11 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         device = self.device
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        host = iter(PinAhead(self.iterable, depth=self.depth, pin=self.pin,
-                             join_timeout=self.join_timeout))
+        ops = _StreamOps(device)
+        host = iter(_ReadyAhead(self.iterable, ops, depth=self.depth, pin=self.pin,
+                                join_timeout=self.join_timeout))
         try:
-            yield from _copy_ahead(host, _StreamOps(device), self.depth, self.transform)
+            yield from _copy_ahead(host, ops, self.depth, self.transform)
         finally:
             host.close()  # type: ignore[attr-defined]  # a generator: stops the thread
 

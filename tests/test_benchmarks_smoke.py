@@ -102,3 +102,14 @@ def test_lite_http_benchmark_compares_both_clients():
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| CPU per MB |" in done.stdout and "[1/1] h1:" in done.stdout
+
+
+def test_gpu_feed_benchmark_without_cuda_says_so_and_exits_0():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the benchmark runs for real: benchmarks/gpu_check.sh")
+    done = subprocess.run([sys.executable, "benchmarks/gpu_feed.py", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no CUDA device" in done.stdout

@@ -8,6 +8,7 @@ Tests marked ``cuda`` run the real side stream where a device exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import threading
 import time
@@ -212,6 +213,9 @@ class RecordingOps:
         self.log: list[tuple[str, int]] = []
         self.fail_copy_at = fail_copy_at
 
+    def produced(self, batch):
+        self.log.append(("produced", int(batch["ids"][0]), threading.current_thread().name))
+
     def copy(self, batch, transform):
         i = int(batch["ids"][0])
         if i == self.fail_copy_at:
@@ -293,6 +297,18 @@ def test_prefetcher_feeds_from_the_pin_thread_and_leaves_nothing_behind(fake_cud
     gc.collect()
     assert streamdata_threads() == []
     assert fake_cuda[0].device == torch.device("cuda", 0)
+
+
+def test_the_pin_thread_marks_each_batch_produced_before_its_copy(fake_cuda):
+    """NOTE [side-stream copy] 6: ``produced`` runs in the thread that ran the source (where a
+    source's GPU work was queued), after pinning, and before the batch's copy is issued."""
+    assert len(list(K.CudaPrefetcher(source(4), device="cuda:0", depth=2))) == 4
+    log = fake_cuda[0].log
+    produced = [entry for entry in log if entry[0] == "produced"]
+    assert [i for _, i, _ in produced] == [0, 1, 2, 3]
+    assert all(thread.startswith("streamdata-pin-ahead-") for _, _, thread in produced)
+    for i in range(4):
+        assert log.index(produced[i]) < log.index(("copy", i))
 
 
 def test_prefetcher_surfaces_source_errors_with_type_and_where(fake_cuda):
@@ -397,3 +413,217 @@ def test_cuda_early_break_and_errors_leave_no_thread():
     with pytest.raises(Failing):
         list(K.CudaPrefetcher(source(5, fail_at=2), device="cuda"))
     assert streamdata_threads() == []
+
+
+# --- on a CUDA device: ordering, overlap and host buffers, measured with CUDA events ---------------
+
+def timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+@functools.cache
+def sleep_cycles_per_ms() -> float:
+    """Calibrate ``torch.cuda._sleep`` (a GPU busy-wait counted in clock cycles)."""
+    start, end = timing_event(), timing_event()
+    torch.cuda._sleep(200_000_000)  # warm up: an idle GPU's clock is low until it has been busy a while
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+def busy(ms: float) -> None:
+    torch.cuda._sleep(int(ms * sleep_cycles_per_ms()))
+
+
+def all_true(flags: list[torch.Tensor]) -> bool:
+    return bool(torch.stack(flags).all())  # one sync, after the loop
+
+
+@pytest.mark.cuda
+def test_cuda_the_copy_of_the_next_batch_runs_while_the_consumer_computes(monkeypatch):
+    """NOTE [side-stream copy] 1 and 5: while step k runs on the consumer's stream, batch k+1 is
+    copied on the side stream.  Events on both streams: each copy's span lies inside the step
+    before the one that uses it, and the consumer's stream has no gaps between steps.  The
+    control (the same copies on the consumer's stream) shows that the gaps are seen."""
+    n, numel = 8, 16 << 20  # 64 MB batches
+    host = [torch.full((numel,), float(i)).pin_memory() for i in range(n)]
+    sleep_cycles_per_ms()
+    scratch = torch.empty(numel, device="cuda")
+    scratch.copy_(host[0], non_blocking=True)  # warm up
+    start, end = timing_event(), timing_event()
+    start.record()
+    scratch.copy_(host[0], non_blocking=True)
+    end.record()
+    end.synchronize()
+    copy_ms = start.elapsed_time(end)
+    step_ms = max(3 * copy_ms, 2.0)
+
+    copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    class TimedOps(K._StreamOps):
+        def copy(self, batch, transform):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # as copy() does first
+            begin = timing_event()
+            begin.record(self.stream)
+            out, done = super().copy(batch, transform)
+            finish = timing_event()
+            finish.record(self.stream)
+            copies.append((begin, finish))
+            return out, done
+
+    monkeypatch.setattr(K, "_StreamOps", TimedOps)
+
+    def run(feed, copy_here: bool):
+        steps, sums = [], []
+        torch.cuda.synchronize()
+        base = timing_event()
+        base.record()
+        for t in feed:
+            if copy_here:
+                t = t.to("cuda", non_blocking=True)  # on the consumer's stream
+            begin, finish = timing_event(), timing_event()
+            begin.record()
+            busy(step_ms)
+            sums.append(t[:: 1 << 16].sum())  # the step reads its batch
+            finish.record()
+            steps.append((begin, finish))
+        torch.cuda.synchronize()
+        at = base.elapsed_time
+        gaps = at(steps[-1][1]) - at(steps[0][0]) - sum(b.elapsed_time(f) for b, f in steps)
+        assert [float(x) for x in sums] == [256.0 * i for i in range(n)]
+        return steps, gaps, at
+
+    steps, gaps, at = run(K.CudaPrefetcher(host, device="cuda", depth=1), copy_here=False)
+    assert len(copies) == n
+    inside = []
+    for k in range(1, n - 1):
+        (cb, cf), (sb, sf) = copies[k + 1], steps[k]
+        span = at(cf) - at(cb)
+        inside.append((min(at(cf), at(sf)) - max(at(cb), at(sb))) / span)
+    _, control_gaps, _ = run(host, copy_here=True)
+    detail = (f"copy {copy_ms:.2f} ms, step {step_ms:.2f} ms; share of copy k+1 inside step k: "
+              f"{[round(x, 2) for x in inside]}; gaps between steps {gaps:.2f} ms "
+              f"(control, copies on the consumer's stream: {control_gaps:.2f} ms)")
+    print(detail)
+    assert control_gaps > 0.5 * (n - 1) * copy_ms, detail  # the method sees exposed copies
+    assert min(inside) > 0.5, detail
+    assert gaps < 0.5 * (n - 1) * copy_ms, detail
+
+
+@pytest.mark.cuda
+def test_cuda_pinned_blocks_are_not_reused_while_their_copy_waits():
+    """NOTE [side-stream copy] 4: the pin thread makes a fresh pinned copy of every batch and
+    drops it once its copy is queued; the copies wait behind a busy consumer that never syncs,
+    so a pinned block handed to the next batch before its copy ran would show wrong values."""
+    n, numel = 16, 4 << 20
+    sleep_cycles_per_ms()
+    oks = []
+
+    def fresh():
+        for i in range(n):
+            yield torch.full((numel,), float(i))  # pageable: the pin thread copies it to a pinned block
+
+    for i, t in enumerate(K.CudaPrefetcher(fresh(), device="cuda", depth=2)):
+        busy(20)  # the GPU is the slow side: copies queue up behind the steps
+        oks.append((t == float(i)).all())
+    assert all_true(oks)
+
+
+class Stamped(torch.utils.data.IterableDataset):
+    """Samples whose every value is the sample's index, split between the workers."""
+
+    def __init__(self, n: int, width: int = 1 << 16) -> None:
+        self.n, self.width = n, width
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, self.n, step):
+            yield {"x": np.full(self.width, float(i)), "i": i}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_cuda_loader_batches_are_right_when_their_shared_memory_is_recycled(pin_memory):
+    """Workers reuse a batch's shared memory once the main process drops it (recycle.py); the
+    pinned copy (the DataLoader's pin thread, or the pin-ahead thread) is what the side stream
+    reads.  A busy consumer that never syncs keeps the copies waiting while workers go on."""
+    import streamdata as sd
+
+    sleep_cycles_per_ms()
+    oks, seen = [], []
+    with sd.loader(Stamped(8 * 40), batch_size=8, num_workers=2, device="cuda", depth=2,
+                   pin_memory=pin_memory) as feed:
+        for batch in feed:
+            assert batch["x"].is_cuda
+            busy(5)  # the GPU is the slow side: copies queue up behind the steps
+            oks.append((batch["x"] == batch["i"].to(batch["x"].dtype)[:, None]).all())
+            seen.append(batch["i"])
+    assert all_true(oks)
+    assert torch.cat(seen).sort().values.tolist() == list(range(8 * 40))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("fill_ms", "step_ms", "keep_source"), [
+    (5.0, 0.5, True),  # ordering: each batch is filled late on the producer's stream
+    (0.2, 3.0, False),  # keep-alive: the side stream lags behind a busy consumer
+], ids=["filled-late", "side-stream-lags"])
+def test_cuda_batches_made_on_the_gpu_by_the_source_are_ordered_and_kept(fill_ms, step_ms, keep_source):
+    """NOTE [side-stream copy] 6: the source makes its batches on the GPU in the pin-ahead thread
+    (its default stream); the consumer runs on a stream of its own.  filled-late: the transform
+    and the consumer must see the filled batch (the side stream waits for the producer's
+    stream, not only the consumer's).  side-stream-lags: a source tensor the transform drops
+    must not be handed to the producer's next batch while the transform may still read it."""
+    n, numel = 12, 1 << 20
+    sleep_cycles_per_ms()
+
+    def made_on_gpu():
+        for i in range(n):
+            x = torch.empty(numel, device="cuda")  # this thread's current stream: the default one
+            busy(fill_ms)
+            x.fill_(float(i))
+            yield {"x": x, "i": i}
+
+    def transform(batch):
+        out = {"y": batch["x"] * 2, "i": batch["i"]}
+        return {**out, "x": batch["x"]} if keep_source else out
+
+    consumer = torch.cuda.Stream()
+    oks = []
+    with torch.cuda.stream(consumer):
+        for batch in K.CudaPrefetcher(made_on_gpu(), device="cuda", depth=2, transform=transform):
+            busy(step_ms)
+            oks.append((batch["y"] == 2.0 * batch["i"]).all())
+            if keep_source:
+                oks.append((batch["x"] == float(batch["i"])).all())
+    consumer.synchronize()
+    assert all_true(oks)
+
+
+class Slow(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(1000):
+            time.sleep(0.05)
+            yield {"x": np.full(1024, float(i))}
+
+
+@pytest.mark.cuda
+def test_cuda_loader_close_while_the_pin_thread_waits_for_a_worker():
+    """Loader.close() mid-epoch, the pin-ahead thread blocked in the DataLoader's next(): the
+    thread is joined first (no warning), then the workers end (the leak guard checks them)."""
+    import streamdata as sd
+
+    feed = sd.loader(Slow(), batch_size=4, num_workers=2, device="cuda")
+    batches = iter(feed)
+    next(batches)
+    next(batches)
+    assert len(streamdata_threads()) == 1
+    began = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        feed.close()
+    assert time.monotonic() - began < 5
+    assert not [w for w in caught if "did not stop" in str(w.message)]
+    assert streamdata_threads() == [] and feed.dataloader._iterator is None
