@@ -180,18 +180,27 @@ def ms_per_rep(model: ConvNet, batch: int, device: str) -> float:
     return begin.elapsed_time(end) / 10
 
 
-def feed_run(ds, device: str, prefetch: bool, epochs: int, model: ConvNet | None = None,
+VARIANTS = {"prefetch": "sd.loader(device='cuda')",
+            "thread": "CudaPrefetcher(sd.loader(...), thread=True)",
+            "blocking": "sd.loader + blocking .to()"}
+
+
+def feed_run(ds, device: str, variant: str, epochs: int, model: ConvNet | None = None,
              reps: int = 0) -> dict:
     """One loader over ``epochs`` epochs, the first a warm-up (workers start, first requests).
-    ``prefetch``: ``sd.loader(device=...)``; else a blocking ``.to(device)`` in the loop.  Every
+    ``prefetch``: ``sd.loader(device=...)`` (the DataLoader pins in its thread, the prefetcher
+    copies in this one); ``thread``: the prefetcher with a pin-ahead thread of its own between
+    the DataLoader and this loop; ``blocking``: a blocking ``.to(device)`` in the loop.  Every
     step syncs (as ``loss.item()`` does); its compute is timed with CUDA events."""
     spans, samples = [], 0
-    with sd.loader(ds, num_workers=4, **({"device": device} if prefetch else {})) as loader:
+    prefetch = variant != "blocking"
+    with sd.loader(ds, num_workers=4, **({"device": device} if variant == "prefetch" else {})) as loader:
+        feed = CudaPrefetcher(loader, device=device, thread=True) if variant == "thread" else loader
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             if epoch == 1:
                 began = time.perf_counter()
-            for batch in loader:
+            for batch in feed:
                 images, labels = batch["npy"], batch["cls"]
                 if not prefetch:
                     images = images.to(device, non_blocking=False)
@@ -209,7 +218,7 @@ def feed_run(ds, device: str, prefetch: bool, epochs: int, model: ConvNet | None
                     samples += len(labels)
         wall = time.perf_counter() - began
     busy = sum(b.elapsed_time(e) for b, e in spans) / 1e3
-    return {"variant": "sd.loader(device='cuda')" if prefetch else "sd.loader + blocking .to()",
+    return {"variant": VARIANTS[variant],
             "samples_per_s": samples / wall, "ms_per_step": wall / len(spans) * 1e3,
             "gpu_busy_ms_per_step": busy / len(spans) * 1e3, "gpu_idle": 1 - busy / wall,
             "samples": samples}
@@ -231,7 +240,7 @@ def real_path(args: argparse.Namespace, device: str = "cuda") -> dict:
             if not parent.poll(120):
                 raise RuntimeError("the HTTP server process did not start within 120 s")
             ds = sd.TarDataset(parent.recv() + spec, batch_size=args.batch)
-            load = feed_run(ds, device, True, args.epochs)
+            load = feed_run(ds, device, "prefetch", args.epochs)
             model = ConvNet(device)
             rep_ms = ms_per_rep(model, args.batch, device)
             load_ms = load["ms_per_step"]
@@ -242,8 +251,8 @@ def real_path(args: argparse.Namespace, device: str = "cuda") -> dict:
                   f"one conv-net pass {rep_ms:.2f} ms, {reps} per step")
             rows = []
             for round_ in range(args.rounds):  # interleaved: A B, A B, ...
-                for prefetch in (True, False):
-                    row = feed_run(ds, device, prefetch, args.epochs, model, reps)
+                for variant in VARIANTS:
+                    row = feed_run(ds, device, variant, args.epochs, model, reps)
                     rows.append({"round": round_, **row})
         finally:
             stop.set()
@@ -255,16 +264,23 @@ def real_path(args: argparse.Namespace, device: str = "cuda") -> dict:
     for row in rows:
         print(f"| {row['variant']} | {row['round']} | {row['samples_per_s']:.0f} | "
               f"{row['ms_per_step']:.1f} | {row['gpu_busy_ms_per_step']:.1f} | {row['gpu_idle']:.1%} |")
-    ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(rows[::2], rows[1::2], strict=True)]
+    def per_round(variant: str) -> list[float]:  # variant / blocking, samples/s, round by round
+        mine = {r["round"]: r["samples_per_s"] for r in rows if r["variant"] == VARIANTS[variant]}
+        base = {r["round"]: r["samples_per_s"] for r in rows if r["variant"] == VARIANTS["blocking"]}
+        return [mine[k] / base[k] for k in sorted(mine)]
+
+    ratios, thread_ratios = per_round("prefetch"), per_round("thread")
     idle = {v: statistics.median(r["gpu_idle"] for r in rows if r["variant"] == v)
             for v in dict.fromkeys(r["variant"] for r in rows)}
     print(f"prefetcher / blocking samples/s, round by round: {', '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.2f}); median GPU idle: "
-          + ", ".join(f"{v} {x:.1%}" for v, x in idle.items()))
+          f"(median {statistics.median(ratios):.2f}); with a pin-ahead thread / blocking: "
+          f"{', '.join(f'{r:.2f}' for r in thread_ratios)} (median {statistics.median(thread_ratios):.2f}); "
+          "median GPU idle: " + ", ".join(f"{v} {x:.1%}" for v, x in idle.items()))
     return {"samples": args.samples, "shards": args.shards, "batch": args.batch, "workers": 4,
             "sample_bytes": 3 * 224 * 224, "epochs_per_run": args.epochs, "measured_epochs": args.epochs - 1,
             "loader_alone": load, "ms_per_conv_pass": rep_ms, "passes_per_step": reps, "rows": rows,
             "samples_per_s_ratio": ratios, "samples_per_s_ratio_median": statistics.median(ratios),
+            "thread_samples_per_s_ratio": thread_ratios,
             "gpu_idle_median": idle}
 
 

@@ -361,13 +361,17 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
     leaves pass through) are pinned in a :class:`PinAhead` thread and copied on a side
     stream while the consumer uses the previous one.  ``transform`` runs on the device
     batch, on the side stream (normalise, cast).  ``depth`` 1 or 2 is plenty; each step
-    holds ``depth + 1`` batches on the device.  Without CUDA, a pass-through (with a
-    one-time warning when ``device`` asked for CUDA); for other devices, plain ``.to()``.
+    holds ``depth + 1`` batches on the device.  ``thread=False``: the source is read in the
+    consumer's thread, with no thread of ours (for a source that pins in a thread of its own,
+    such as a DataLoader with ``pin_memory=True``: a second thread between it and the training
+    loop only adds a hand-over and contention for the interpreter; ``sd.loader`` chooses so).
+    Without CUDA, a pass-through (with a one-time warning when ``device`` asked for CUDA);
+    for other devices, plain ``.to()``.
     """
 
     def __init__(self, iterable: Iterable[T], device: str | torch.device = "cuda", depth: int = 1,
                  transform: Callable[[Any], Any] | None = None, *, pin: bool | None = None,
-                 join_timeout: float = 10.0) -> None:
+                 join_timeout: float = 10.0, thread: bool = True) -> None:
         if depth < 1:
             raise SpecError(f"CudaPrefetcher depth must be >= 1, got {depth}")
         self.iterable = iterable
@@ -376,6 +380,7 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         self.transform = transform
         self.pin = pin
         self.join_timeout = join_timeout
+        self.thread = thread
         self._passes = _Passes()
 
     def __iter__(self) -> Iterator[Any]:
@@ -395,8 +400,11 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         ops = _StreamOps(device)
-        host = iter(_ReadyAhead(self.iterable, ops, depth=self.depth, pin=self.pin,
-                                join_timeout=self.join_timeout))
+        if self.thread:
+            host = iter(_ReadyAhead(self.iterable, ops, depth=self.depth, pin=self.pin,
+                                    join_timeout=self.join_timeout))
+        else:
+            host = _here(self.iterable, ops, True if self.pin is None else self.pin)
         try:
             yield from _copy_ahead(host, ops, self.depth, self.transform)
         finally:
@@ -411,6 +419,16 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
             out = map_tensors(lambda t: t.to(self.device), batch)
             yield out if self.transform is None else self.transform(out)
 
+
+
+def _here(iterable: Iterable[Any], ops: _StreamOps, pin: bool) -> Iterator[Any]:
+    """``thread=False``: the source's batches, read, pinned (a no-op for pinned ones) and marked
+    (NOTE [side-stream copy] 6: the consumer's current stream is where they were made) in the
+    consumer's thread."""
+    for batch in iterable:
+        batch = pin_batch(batch) if pin else batch
+        ops.produced(batch)
+        yield batch
 
 
 def _warn_no_cuda() -> None:

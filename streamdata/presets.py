@@ -335,7 +335,8 @@ def loader(
     )
     unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
     source = unwrapped if unwrapped is not None else dataloader
+    # a DataLoader that pins does so in a thread of its own: the prefetcher needs none of its own
     feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
-                           transform) if device is not None else None)
+                           transform, thread=not pin_memory) if device is not None else None)
     return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
                   positions=positions)

@@ -311,6 +311,29 @@ def test_the_pin_thread_marks_each_batch_produced_before_its_copy(fake_cuda):
         assert log.index(produced[i]) < log.index(("copy", i))
 
 
+def test_without_a_thread_the_consumer_reads_marks_and_copies_in_order(fake_cuda):
+    """``thread=False``: no thread of ours; each batch is marked produced in the consumer's
+    thread before its copy, ``depth`` ahead as with the thread."""
+    feed = K.CudaPrefetcher(source(6), device="cuda:0", depth=2, thread=False)
+    for k, batch in enumerate(feed):
+        assert_same_batch(batch, make_batch(k))
+        assert streamdata_threads() == []
+    log = fake_cuda[0].log
+    produced = [entry for entry in log if entry[0] == "produced"]
+    assert [i for _, i, _ in produced] == list(range(6))
+    assert {thread for _, _, thread in produced} == {threading.current_thread().name}
+    for i in range(6):
+        assert log.index(produced[i]) < log.index(("copy", i)) < log.index(("hand_over", i))
+
+
+def test_without_a_thread_a_source_failure_comes_after_the_batches_before_it(fake_cuda):
+    got = []
+    with pytest.raises(Failing):
+        for batch in K.CudaPrefetcher(source(5, fail_at=3), device="cuda:0", thread=False):
+            got.append(int(batch["ids"][0]))
+    assert got == [0, 1, 2]
+
+
 def test_prefetcher_surfaces_source_errors_with_type_and_where(fake_cuda):
     got = []
     with pytest.raises(Failing) as info:
@@ -615,7 +638,7 @@ def test_cuda_loader_close_while_the_pin_thread_waits_for_a_worker():
     thread is joined first (no warning), then the workers end (the leak guard checks them)."""
     import streamdata as sd
 
-    feed = sd.loader(Slow(), batch_size=4, num_workers=2, device="cuda")
+    feed = sd.loader(Slow(), batch_size=4, num_workers=2, device="cuda", pin_memory=False)
     batches = iter(feed)
     next(batches)
     next(batches)
@@ -627,3 +650,21 @@ def test_cuda_loader_close_while_the_pin_thread_waits_for_a_worker():
     assert time.monotonic() - began < 5
     assert not [w for w in caught if "did not stop" in str(w.message)]
     assert streamdata_threads() == [] and feed.dataloader._iterator is None
+
+
+@pytest.mark.cuda
+def test_cuda_loader_that_pins_feeds_the_device_without_a_thread_of_ours_and_closes_mid_epoch():
+    """sd.loader(device=...) with the DataLoader pinning (the default with CUDA): the batches
+    arrive right, on the device, with no streamdata thread; close() mid-epoch ends the workers."""
+    import streamdata as sd
+
+    feed = sd.loader(Slow(), batch_size=4, num_workers=2, device="cuda")
+    batches = iter(feed)
+    for _ in range(3):
+        batch = next(batches)
+        assert batch["x"].is_cuda and streamdata_threads() == []
+        assert sorted(batch["x"][:, 0].tolist()) == batch["x"][:, 0].tolist()
+    began = time.monotonic()
+    feed.close()
+    assert time.monotonic() - began < 5
+    assert feed.dataloader._iterator is None

@@ -234,6 +234,13 @@ def test_device_wraps_the_loader_in_the_prefetcher(monkeypatch):
     feed.close()
 
 
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_the_prefetcher_has_a_thread_of_its_own_only_when_the_dataloader_does_not_pin(pin_memory):
+    feed = loader(Numbers(4), num_workers=0, batch_size=2, device="cuda", pin_memory=pin_memory)
+    assert feed.prefetcher.thread is (not pin_memory)
+    feed.close()
+
+
 def test_sharing_strategy_is_set_here_and_in_every_worker(restore_sharing_strategy):
     with loader(ReportStrategy(), num_workers=1, batch_size=None, sharing_strategy="file_system",
                 multiprocessing_context="fork") as feed:
