@@ -207,7 +207,8 @@ class LatencyProxy(LoopedServer):
         """Start (again, emptied) or stop logging ``events``: ``(kind, time, connection, line)``
         for every chunk a client sends that starts an HTTP request (``kind`` "request", the
         time it reached the proxy) and every chunk delivered to a client that starts an HTTP
-        response ("response", the time it was handed to the client), ``line`` its first line.
+        response ("response", the time it was handed to the client), ``line`` its first line;
+        and every connection accepted ("accept", ``line`` empty).
         Times are ``time.monotonic()`` (the loop's clock), comparable across processes."""
         with self._lock:
             self.events = [] if on else None
@@ -258,6 +259,8 @@ class LatencyProxy(LoopedServer):
         with self._lock:
             self._connections += 1
             conn = self._connections
+            if self.events is not None:
+                self.events.append(("accept", asyncio.get_running_loop().time(), conn, ""))
         upstream_w: asyncio.StreamWriter | None = None
         graceful = False
         try:

@@ -249,6 +249,17 @@ class AsyncClient:
             self.stats.add(received=body.wire)
         return total
 
+    async def connect_ahead(self, count: int) -> None:
+        """CONNECT-AHEAD (``h1.Pool.connect_ahead``): on LITE-HTTP's pool, start opening up to
+        ``count`` connections to LITE-S3's endpoint for the requests to come; elsewhere nothing."""
+        key = self.endpoint
+        if key is None:
+            return
+        await self._open()
+        session = getattr(self._presigned, "session", None)
+        if hasattr(session, "connect_ahead"):
+            session.connect_ahead(key, count)
+
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False) -> bytes | Chunks:
         """Bytes ``[start, end)`` of ``url``, retried until ``retry_deadline`` (``_retrying``).

@@ -63,6 +63,12 @@ _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wak
 _WRITTEN_POLL_S = 0.01  # how often a pass looks whether the entry it waits for is written
 
 
+def _ahead_count(cfg: FetchConfig) -> int:
+    """Connections a reader opens ahead (CONNECT-AHEAD): as many parts as its byte budget
+    keeps in flight, within ``max_requests``."""
+    return max(1, min(cfg.max_requests, cfg.byte_budget // cfg.part_size))
+
+
 class Prefetcher:
     """Fetch ``items`` ahead of the consumer; iterate to get one ``ItemReader`` per item.
 
@@ -245,6 +251,10 @@ class Prefetcher:
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
                 del fut
+            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's
+                # connections open while the first parts travel, ready when the hold ends
+                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
+                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
                     async with asyncio.timeout(FIRST_HOLD_MAX_S):

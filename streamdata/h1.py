@@ -21,7 +21,9 @@ Rules, each a test in tests/test_h1.py:
   aiohttp did;
 - after fork the child drops an inherited pool without touching its sockets (``forget``);
 - a new plain-http connection is first claimed from ``handover`` (WARM-HANDOVER): an idle
-  one the constructor left (``adopted``, not ``opened``).
+  one the constructor left (``adopted``, not ``opened``);
+- ``connect_ahead`` opens connections before the requests that will use them (CONNECT-AHEAD):
+  a reader's window goes out on connections already open, one round trip earlier.
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ import re
 import urllib.parse
 from typing import Any
 
-from .handover import claim
+from .h1response import (
+    MAX_HEAD,
+    MAX_HEADERS,
+    Disconnected,
+    Headers,
+    IncompleteRead,
+    ProtocolError,
+    Response,
+)
+from .handover import claim, waiting
 
 __all__ = ["Disconnected", "IncompleteRead", "Pool", "ProtocolError", "Response", "default_ssl_context"]
 
-MAX_HEAD = 64 * 1024  # bytes of status line and headers
-MAX_HEADERS = 128  # header lines
-MAX_LINE = 8 * 1024  # a chunk-size line
 MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _HIGH_WATER = 1 << 20  # bytes buffered per connection before reading pauses
@@ -46,18 +54,6 @@ _LOW_WATER = 256 * 1024
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([1-5]\d\d)(?: [^\r\n]*)?")
 _ABANDONED: list[Any] = []  # inherited connections, kept unclosed (``Pool.forget``)
 _SSL: Any = None
-
-
-class ProtocolError(ConnectionError):
-    """The server's answer is not HTTP/1.1 this client can read; the connection is closed."""
-
-
-class Disconnected(ConnectionError):
-    """The server closed the connection before its answer's head was complete."""
-
-
-class IncompleteRead(ConnectionError):
-    """The connection ended before the body did (``Content-Length`` or chunked framing)."""
 
 
 def default_ssl_context() -> Any:
@@ -178,84 +174,6 @@ class _Conn(asyncio.Protocol):
                 return bytes(buf[:at])
 
 
-class Headers(dict):
-    """Response headers by lower-case name; ``get`` takes any case."""
-
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
-        return dict.get(self, name.lower(), default)
-
-
-class Response:
-    """A response's status and headers; its body streams from ``iter_chunks`` (or ``read``)."""
-
-    def __init__(self, pool: Pool, conn: _Conn, status: int, headers: Headers, length: int | None,
-                 chunked: bool, keep_alive: bool) -> None:
-        self.pool, self.conn, self.status, self.headers = pool, conn, status, headers
-        self.length, self.chunked, self.keep_alive = length, chunked, keep_alive
-        self.done = length == 0  # the body was read to its end
-        self._released = False
-
-    async def iter_chunks(self) -> Any:
-        """The body's bytes in the pieces they arrived in (split only at the body's end)."""
-        conn, host = self.conn, self.conn.key[1]
-        if self.chunked:
-            while True:
-                line = await conn.read_until(b"\r\n", MAX_LINE, "chunk size line")
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise ProtocolError(f"bad chunk size line {line[:40]!r} from {host}") from None
-                if size == 0:
-                    if await self._trailer():
-                        await conn.read_until(b"\r\n\r\n", MAX_HEAD, "trailer")
-                    break
-                while size:
-                    piece = await conn.read_some(size)
-                    if not piece:
-                        raise IncompleteRead(f"{host} ended a chunked body mid-chunk")
-                    size -= len(piece)
-                    yield piece
-                if await conn.read_until(b"\r\n", 2, "chunk end") != b"":
-                    raise ProtocolError(f"a chunk from {host} does not end with CRLF")
-        elif self.length is not None:
-            left = self.length
-            while left:
-                piece = await conn.read_some(left)
-                if not piece:
-                    raise IncompleteRead(f"{host} ended the body after {self.length - left} of "
-                                         f"{self.length} bytes (Content-Length)")
-                left -= len(piece)
-                yield piece
-        else:  # the body ends with the connection
-            while piece := await conn.read_some(1 << 30):
-                yield piece
-        self.done = True
-
-    async def _trailer(self) -> bool:
-        """After the last chunk: True if trailer fields follow (then read to the blank line)."""
-        first = await self.conn.read_some(2)
-        if len(first) == 1:
-            first += await self.conn.read_some(1)
-        if first == b"\r\n":
-            return False
-        self.conn.unread(first)
-        return True
-
-    async def read(self) -> bytes:
-        return b"".join([piece async for piece in self.iter_chunks()])
-
-    def release(self, failed: bool = False) -> None:
-        """Give the connection back: to the pool if the answer was read whole and it may be
-        reused, else closed."""
-        if self._released:
-            return
-        self._released = True
-        reuse = self.done and self.keep_alive and not failed
-        if reuse:
-            self.conn.answers += 1
-        self.pool._release(self.conn, reuse)
-
-
 class _Get:
     def __init__(self, pool: Pool, url: str, headers: dict[str, str] | None) -> None:
         self.pool, self.url, self.headers = pool, url, headers
@@ -296,6 +214,8 @@ class Pool:
         self.opened = 0  # connections opened (tests count reuse with it)
         self.adopted = 0  # connections taken over from the constructor (WARM-HANDOVER, ``handover``)
         self.closed = False
+        self._ahead: dict[tuple[str, str, int], list[asyncio.Task]] = {}  # CONNECT-AHEAD, not taken yet
+        self.ahead_failed = 0  # connections opened ahead that failed (a request opens its own)
 
     def get(self, url: str, headers: dict[str, str] | None = None) -> _Get:
         """``async with pool.get(url, headers) as resp``: one GET, never re-sent."""
@@ -321,7 +241,10 @@ class Pool:
             raise TimeoutError(f"no free connection to {key[1]} within {self.timeout:g} s") from None
         conn = None
         try:
-            conn = self._reuse(key) or await self._connect(key)
+            conn = self._reuse(key)
+            if conn is None and not waiting(key):  # a handed-over connection goes first
+                conn = await self._take_ahead(key)
+            conn = conn or await self._connect(key)
             self._busy.add(conn)
             conn.transport.write("\r\n".join(lines).encode("latin-1"))
             return await self._response(conn)
@@ -341,11 +264,59 @@ class Pool:
             conn.abort()
         return None
 
-    async def _connect(self, key: tuple[str, str, int]) -> _Conn:
+    def connect_ahead(self, key: tuple[str, str, int], count: int) -> None:
+        """CONNECT-AHEAD: start opening connections to ``key`` now (TCP, and TLS for https),
+        so that the requests to come find them ready (a round trip earlier): up to ``count``
+        (at most ``limit``) with those idle, in use, opening or handed over (WARM-HANDOVER).
+        A request that finds none idle takes one still opening rather than opening another.
+        One that fails is dropped (``ahead_failed``): a request then opens its own, retried as
+        any connection is. Bounded by ``timeout``."""
+        if self.closed:
+            return
+        pending = self._ahead.setdefault(key, [])
+        have = (len(self._idle.get(key, ())) + len(pending) + int(waiting(key))
+                + sum(conn.key == key for conn in self._busy))
+        for _ in range(min(count, self.limit) - have):
+            task = asyncio.ensure_future(self._connect(key, handed=False))
+            pending.append(task)
+            task.add_done_callback(lambda t, key=key: self._ahead_done(key, t))
+
+    def _ahead_done(self, key: tuple[str, str, int], task: asyncio.Task) -> None:
+        pending = self._ahead.get(key, [])
+        if task not in pending:  # taken by a request, which reads its result itself
+            return
+        pending.remove(task)
+        if task.cancelled() or task.exception() is not None:
+            self.ahead_failed += not task.cancelled()
+            return
+        conn = task.result()
+        if self.closed or not conn.usable or len(self._idle.get(key, ())) >= self.limit:
+            conn.abort()
+        else:
+            self._idle.setdefault(key, []).append(conn)
+
+    async def _take_ahead(self, key: tuple[str, str, int]) -> _Conn | None:
+        """A connection opened ahead and still opening (``None``: none, or it failed)."""
+        pending = self._ahead.get(key)
+        if not pending:
+            return None
+        task = pending.pop(0)
+        try:
+            conn = await task
+        except (OSError, TimeoutError):
+            self.ahead_failed += 1
+            return None
+        if conn.usable:
+            return conn
+        conn.abort()
+        return None
+
+    async def _connect(self, key: tuple[str, str, int], handed: bool = True) -> _Conn:
         scheme, hostname, port = key
         tls = (self._ssl or default_ssl_context()) if scheme == "https" else None
         loop = asyncio.get_running_loop()
-        sock = claim(key) if tls is None else None  # WARM-HANDOVER: the constructor's idle one
+        # WARM-HANDOVER: the constructor's idle one (not for CONNECT-AHEAD: a request takes it)
+        sock = claim(key) if tls is None and handed else None
         where = {"sock": sock} if sock is not None else {"host": hostname, "port": port}
         try:
             async with asyncio.timeout(self.timeout):
@@ -416,6 +387,8 @@ class Pool:
     async def close(self) -> None:
         """Close every connection (on the pool's loop)."""
         self.closed = True
+        for task in [t for pending in self._ahead.values() for t in pending]:
+            task.cancel()  # one that completes anyway is closed by _ahead_done
         for conn in [c for idle in self._idle.values() for c in idle] + list(self._busy):
             conn.abort()
         self._idle.clear()
@@ -427,4 +400,4 @@ class Pool:
         self.closed = True
         _ABANDONED.extend(c for idle in self._idle.values() for c in idle)
         _ABANDONED.extend(self._busy)
-        self._idle, self._busy = {}, set()
+        self._idle, self._busy, self._ahead = {}, set(), {}

@@ -449,3 +449,81 @@ def test_a_lite_s3_epoch_never_imports_aiohttp(s3_bucket, lite_http: str) -> Non
     keys = sorted(s["__key__"] for shard in make_samples(counts) for s in shard)
     imported = lite_http == "0"  # the A/B switch: aiohttp again, everywhere
     assert got == {"main": imported, "workers": [imported], "keys": keys}
+
+
+def _key(server: Script) -> tuple[str, str, int]:
+    return ("http", "127.0.0.1", server.port)
+
+
+def test_connections_opened_ahead_carry_the_requests_that_follow(script) -> None:
+    """CONNECT-AHEAD: three connections open before any request; three concurrent GETs then
+    go out on them (no fourth connection), and a fourth call adds none while three exist."""
+    server = script(lambda c, i, head: c.sendall(ok(b"y" * 100)) or True)
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        pool.connect_ahead(_key(server), 3)
+        pool.connect_ahead(_key(server), 3)  # already opening: nothing more
+        for _ in range(200):  # the three handshakes complete (loopback)
+            if pool.idle == 3:
+                break
+            await asyncio.sleep(0.01)
+        idle_before = pool.idle
+        got = await asyncio.gather(*(fetch(pool, server.url()) for _ in range(3)))
+        pool.connect_ahead(_key(server), 3)  # three idle again: nothing more
+        await pool.close()
+        return idle_before, got, pool.opened, pool.ahead_failed
+
+    idle_before, got, opened, failed = run(go())
+    assert idle_before == 3 and got == [(200, b"y" * 100)] * 3
+    assert opened == 3 and server.connections == 3 and failed == 0
+
+
+def test_a_request_takes_a_connection_still_opening_rather_than_opening_another(script) -> None:
+    server = script(lambda c, i, head: c.sendall(ok(b"z")) or True)
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        pool.connect_ahead(_key(server), 2)
+        got = await asyncio.gather(fetch(pool, server.url()), fetch(pool, server.url()))  # at once
+        await pool.close()
+        return got, pool.opened
+
+    got, opened = run(go())
+    assert got == [(200, b"z")] * 2 and opened == 2 and server.connections == 2
+
+
+def test_a_connection_that_fails_to_open_ahead_is_counted_and_the_request_still_goes_out(script) -> None:
+    server = script(lambda c, i, head: c.sendall(ok(b"w")) or True)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
+    dead_key = ("http", "127.0.0.1", dead.getsockname()[1])
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        pool.connect_ahead(dead_key, 2)
+        with pytest.raises(ConnectionRefusedError):
+            await fetch(pool, f"http://127.0.0.1:{dead_key[2]}/o")  # takes a failing one, then its own
+        await asyncio.sleep(0.05)
+        status = await fetch(pool, server.url())
+        await pool.close()
+        return status, pool.ahead_failed
+
+    try:
+        status, failed = run(go())
+    finally:
+        dead.close()
+    assert status == (200, b"w") and failed == 2
+
+
+def test_closing_the_pool_drops_connections_still_opening(script) -> None:
+    server = script(lambda c, i, head: c.sendall(ok(b"v")) or True)
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        pool.connect_ahead(_key(server), 3)
+        await pool.close()
+        await asyncio.sleep(0.2)
+        return pool.idle
+
+    assert run(go()) == 0
