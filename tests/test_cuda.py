@@ -446,14 +446,10 @@ def timing_event() -> torch.cuda.Event:
 
 @functools.cache
 def sleep_cycles_per_ms() -> float:
-    """Calibrate ``torch.cuda._sleep`` (a GPU busy-wait counted in clock cycles)."""
-    start, end = timing_event(), timing_event()
-    torch.cuda._sleep(200_000_000)  # warm up: an idle GPU's clock is low until it has been busy a while
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    return 20_000_000 / start.elapsed_time(end)
+    """``torch.cuda._sleep``'s clock cycles per millisecond, calibrated once (as gpu_feed does)."""
+    from benchmarks.gpu_feed import cycles_per_second
+
+    return cycles_per_second() / 1000
 
 
 def busy(ms: float) -> None:
