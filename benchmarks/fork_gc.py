@@ -9,7 +9,9 @@ forked child inherited first thing after the fork; ``STREAMDATA_FREEZE_AT_FORK=0
 off. This benchmark runs, in fresh interpreters, a job that imports torch, builds a
 ``TarDataset`` over the embedded S3 server, then (``--state owed``, the default) allocates
 long-lived objects until Python owes a full collection (``gc.get_count()[2]`` past its
-threshold: the next few hundred allocations run it; ``as-is`` leaves the collector as the
+threshold: the next few hundred allocations run it, unless too few objects are new since the
+last one, which Python also checks and this cannot see: the "full GCs in workers" column shows
+whether it happened; ``as-is`` leaves the collector as the
 constructor left it, which here is usually some 8,000 allocations away), and reads one epoch through
 ``sd.loader(num_workers=2)``, the two settings alternating for ``--rounds`` rounds, and prints
 per setting the medians of: the time from ``iter()`` to the first batch, the epoch, the full

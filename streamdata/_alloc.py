@@ -24,13 +24,17 @@ usually due, so the worker's first few hundred allocations, in torch's worker lo
 code of ours or the user's ``worker_init_fn`` runs, start a full collection over everything
 it inherited: 0.1-0.25 s per worker on a 2-core machine, on the way to the first batch, and
 a write to every object's header, which copies the parent's heap into the worker page by
-page. Right after the fork, in the child (``_fork``'s first stage, before anything else
-runs), :func:`freeze_inherited` moves every inherited object to the collector's permanent
-generation (``gc.freeze``: O(1), a list splice). The child's collections then walk only
-what it allocates itself. Inherited objects still die by reference counting; only an
-inherited reference cycle that the child alone drops is never collected there (its pages
-are the parent's anyway). The parent's collector is not touched. ``STREAMDATA_FREEZE_AT_FORK=0``
-turns it off.
+page. Right after the fork, in the child (``_fork``'s first stage), :func:`freeze_inherited`
+moves every inherited object to the collector's permanent generation (``gc.freeze``: O(1), a
+list splice); the collector is switched off from just before the fork until then (other
+modules' after-fork hooks run first and allocate), and back on in both processes after. The
+child's collections then walk only what it allocates itself. What it costs: inherited objects
+still die by reference counting, but a reference cycle that includes an inherited object is
+never collected in the child, also when the child's own objects are in it (their memory stays
+until the child ends); ``gc.get_objects()`` in the child lists only its own. It applies to
+every child forked while streamdata is imported, not only DataLoader workers; not on
+free-threaded builds (there ``gc.freeze`` walks every object). The parent's collector is
+otherwise untouched. ``STREAMDATA_FREEZE_AT_FORK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+import threading
 
 from . import config
-from ._fork import at_fork_in_child
+from ._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
 
 __all__ = ["freeze_inherited", "keep_freed_memory"]
 
@@ -75,10 +80,44 @@ def keep_freed_memory() -> bool:
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+# free-threaded builds' gc.freeze walks every object (not a list splice): no gain there
+_FREE_THREADED = hasattr(sys, "_is_gil_enabled") and not sys._is_gil_enabled()
+_pause = threading.Lock()
+_pauses = [0, False]  # forks between their before and after hooks; whether the collector was on
+
+
+def _pause_for_fork() -> None:
+    """Before a fork, in the forking thread: no collection may run in the child before the
+    freeze (other modules' after-fork hooks run before ours and allocate)."""
+    if _FREE_THREADED or not config.freeze_at_fork():
+        return
+    with _pause:
+        if _pauses[0] == 0:
+            _pauses[1] = gc.isenabled()
+            gc.disable()
+        _pauses[0] += 1
+
+
+def _resume_in_parent() -> None:
+    with _pause:
+        if _pauses[0]:
+            _pauses[0] -= 1
+            if _pauses[0] == 0 and _pauses[1]:
+                gc.enable()
+
+
 def freeze_inherited() -> None:
     """INHERITED-HEAP: in a forked child, hide every inherited object from its collector."""
-    if config.freeze_at_fork():
+    global _pause
+    _pause = threading.Lock()  # another thread may have held the parent's at the fork
+    if config.freeze_at_fork() and not _FREE_THREADED:
         gc.freeze()
+    if _pauses[0]:
+        _pauses[0] = 0
+        if _pauses[1]:
+            gc.enable()
 
 
+at_fork_before(_pause_for_fork)
+at_fork_in_parent(_resume_in_parent)
 at_fork_in_child("heap", freeze_inherited)

@@ -42,6 +42,8 @@ NOTE [side-stream copy]
        consumer's stream may be another one, so waiting on it (5) is not enough.  And
        ``record_stream`` of the side stream on those tensors keeps their memory from being
        handed to the producer's next batch while the side stream's transform may still read it.
+       With ``thread=False`` the source runs in the consumer's thread and the event is recorded
+       there, on its current stream, as each batch is read (the same rule, one thread).
 """
 
 from __future__ import annotations
@@ -425,10 +427,16 @@ def _here(iterable: Iterable[Any], ops: _StreamOps, pin: bool) -> Iterator[Any]:
     """``thread=False``: the source's batches, read, pinned (a no-op for pinned ones) and marked
     (NOTE [side-stream copy] 6: the consumer's current stream is where they were made) in the
     consumer's thread."""
-    for batch in iterable:
-        batch = pin_batch(batch) if pin else batch
-        ops.produced(batch)
-        yield batch
+    source = iter(iterable)
+    try:
+        for batch in source:
+            batch = pin_batch(batch) if pin else batch
+            ops.produced(batch)
+            yield batch
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:  # as the pin-ahead thread's producer closes it when it stops
+            close()
 
 
 def _warn_no_cuda() -> None:

@@ -131,7 +131,7 @@ class _Default:
             try:
                 out[field] = self._field(field, value)
             except Exception as exc:
-                raise _decode_error(sample, field, exc.__cause__ or exc) from exc
+                raise _decode_error(sample, field, exc) from exc
         return out
 
     def _field(self, field: str, value: Any) -> Any:
@@ -145,7 +145,9 @@ class _Default:
         if self._rest is None:
             from webdataset import autodecode
 
-            self._rest = autodecode.Decoder([autodecode.ImageHandler(DEFAULT_IMAGE_SPEC)])
+            # what decode=True was before: a ``.gz`` field, unzipped, meets our handlers again
+            image = autodecode.ImageHandler(DEFAULT_IMAGE_SPEC)
+            self._rest = autodecode.Decoder([fast_npy, fast_basic, image])
         return self._rest.decode1(field, value)
 
 

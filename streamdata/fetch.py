@@ -234,6 +234,10 @@ class Prefetcher:
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
             first = first_parts(todo) if small is not None else None
+            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's
+                # connections start opening before its first parts do, which take them as they come
+                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
+                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             while todo:
                 (start, end), fut = todo.popleft()
                 offset = next(offsets)
@@ -251,10 +255,6 @@ class Prefetcher:
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
                 del fut
-            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's
-                # connections open while the first parts travel, ready when the hold ends
-                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
-                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
                     async with asyncio.timeout(FIRST_HOLD_MAX_S):

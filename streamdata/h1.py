@@ -215,6 +215,7 @@ class Pool:
         self.adopted = 0  # connections taken over from the constructor (WARM-HANDOVER, ``handover``)
         self.closed = False
         self._ahead: dict[tuple[str, str, int], list[asyncio.Task]] = {}  # CONNECT-AHEAD, not taken yet
+        self._opening: dict[tuple[str, str, int], int] = {}  # connections requests are opening now
         self.ahead_failed = 0  # connections opened ahead that failed (a request opens its own)
 
     def get(self, url: str, headers: dict[str, str] | None = None) -> _Get:
@@ -244,7 +245,12 @@ class Pool:
             conn = self._reuse(key)
             if conn is None and not waiting(key):  # a handed-over connection goes first
                 conn = await self._take_ahead(key)
-            conn = conn or await self._connect(key)
+            if conn is None:
+                self._opening[key] = self._opening.get(key, 0) + 1  # counted by connect_ahead
+                try:
+                    conn = await self._connect(key)
+                finally:
+                    self._opening[key] -= 1
             self._busy.add(conn)
             conn.transport.write("\r\n".join(lines).encode("latin-1"))
             return await self._response(conn)
@@ -275,7 +281,7 @@ class Pool:
             return
         pending = self._ahead.setdefault(key, [])
         have = (len(self._idle.get(key, ())) + len(pending) + int(waiting(key))
-                + sum(conn.key == key for conn in self._busy))
+                + self._opening.get(key, 0) + sum(conn.key == key for conn in self._busy))
         for _ in range(min(count, self.limit) - have):
             task = asyncio.ensure_future(self._connect(key, handed=False))
             pending.append(task)
@@ -302,8 +308,16 @@ class Pool:
             return None
         task = pending.pop(0)
         try:
-            conn = await task
-        except (OSError, TimeoutError):
+            conn = await asyncio.shield(task)  # a request cancelled here leaves the open to the pool
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise ConnectionError("the HTTP connection pool is closed") from None  # not this request
+            pending.append(task)  # pooled (or closed) by _ahead_done, never lost
+            if task.done():
+                self._ahead_done(key, task)
+            raise
+        except OSError:  # TimeoutError and ssl's errors among them
             self.ahead_failed += 1
             return None
         if conn.usable:
@@ -400,4 +414,5 @@ class Pool:
         self.closed = True
         _ABANDONED.extend(c for idle in self._idle.values() for c in idle)
         _ABANDONED.extend(self._busy)
-        self._idle, self._busy, self._ahead = {}, set(), {}
+        _ABANDONED.extend(t for pending in self._ahead.values() for t in pending)
+        self._idle, self._busy, self._ahead, self._opening = {}, set(), {}, {}

@@ -54,9 +54,8 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         if self.keep_memory:
-            # WORKER-MEMORY: a forked worker's garbage collector would walk every object it
-            # inherited and write to their headers, copying the parent's heap into the worker
-            # page by page, epoch after epoch; frozen, they are out of its sight (O(1))
+            # for spawned / forkserver workers, what INHERITED-HEAP (``_alloc``) does at a fork:
+            # what the worker has imported so far is out of its collector's sight (O(1))
             gc.freeze()
             keep_freed_memory()
         if self.strategy is not None:
@@ -335,8 +334,10 @@ def loader(
     )
     unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
     source = unwrapped if unwrapped is not None else dataloader
-    # a DataLoader that pins does so in a thread of its own: the prefetcher needs none of its own
+    # a DataLoader with workers that pins does so in a thread of its own: the prefetcher then needs
+    # none; without workers (everything in this thread) its thread keeps the pass off the loop
+    own_thread = not (pin_memory and num_workers > 0)
     feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
-                           transform, thread=not pin_memory) if device is not None else None)
+                           transform, thread=own_thread) if device is not None else None)
     return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
                   positions=positions)

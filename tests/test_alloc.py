@@ -76,7 +76,7 @@ class FreezeProbe(IterableDataset):
     """One sample: how many objects this process's collector has frozen when iteration starts."""
 
     def __iter__(self):
-        yield {"frozen": gc.get_freeze_count(), "pid": os.getpid()}
+        yield {"frozen": gc.get_freeze_count(), "pid": os.getpid(), "collecting": gc.isenabled()}
 
 
 def _first_sample_of_a_forked_worker() -> dict:
@@ -96,6 +96,17 @@ def test_a_forked_worker_starts_with_everything_it_inherited_frozen():
     assert sample["pid"] != os.getpid()
     assert sample["frozen"] >= len(held)
     assert gc.get_freeze_count() == before
+    # the collector, off across the fork, is on again on both sides
+    assert sample["collecting"] and gc.isenabled()
+
+
+def test_a_collector_the_job_switched_off_stays_off_on_both_sides_of_the_fork():
+    gc.disable()
+    try:
+        sample = _first_sample_of_a_forked_worker()
+        assert not sample["collecting"] and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_freezing_at_fork_can_be_turned_off(monkeypatch):

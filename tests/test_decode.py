@@ -64,6 +64,9 @@ def _fields(rng: random.Random) -> dict[str, bytes]:
         "pyd": pickle.dumps({"p": (1, 2)}),
         "npz": _npz(),
         "json.gz": gzip.compress(b'{"z": 1}'),
+        "TXT.gz": gzip.compress(b"zipped"),
+        "CLS.gz": gzip.compress(b"12"),
+        "f.npy.gz": gzip.compress(_npy(np.asfortranarray(np.arange(6.0).reshape(2, 3)))),
         "seg.bin": bytes(rng.randrange(256) for _ in range(rng.randint(0, 40))),
         "seg": b"\x00\x01raw",
         "weird.name.cls": b"3",
@@ -107,6 +110,7 @@ def test_the_default_decodes_every_kind_of_field_as_webdataset_does(seed):
     for field in sample:
         assert _same(ours[field], theirs[field]), field
     assert ours["cls"] == int(sample["cls"]) and ours["json.gz"] == {"z": 1}
+    assert ours["TXT.gz"] == "zipped" and ours["CLS.gz"] == 12 and ours["f.npy.gz"].flags.c_contiguous
     assert ours["JSON"] == sample["JSON"] and ours["seg"] == sample["seg"]  # not decoded, as before
     assert tuple(ours["upper.PNG"].shape)[0] == 3 and ours["upper.PNG"].dtype == torch.uint8
 
@@ -115,9 +119,18 @@ def test_our_image_formats_are_among_webdatasets():
     assert D.IMAGE_EXTENSIONS <= set(autodecode.IMAGE_EXTENSIONS)
 
 
+def _truncated_png() -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3)).save(out, format="PNG")
+    return out.getvalue()[:-40]  # the last image data and the end chunk cut off
+
+
+_TRUNCATED_PNG = _truncated_png()
+
+
 @pytest.mark.parametrize("field, data", [
     ("npy", b"not npy"), ("cls", b"seven"), ("json", b"{bad"), ("png", b"\x89PNG broken"),
-    ("txt", b"\xff\xfe"), ("pyd", b"not a pickle"),
+    ("txt", b"\xff\xfe"), ("pyd", b"not a pickle"), ("png", _TRUNCATED_PNG),
 ])
 def test_a_field_that_cannot_be_decoded_is_a_decode_error_like_before(field, data):
     sample = {"__key__": "k0", "__url__": "s3://b/bad.tar", field: data}

@@ -527,3 +527,44 @@ def test_closing_the_pool_drops_connections_still_opening(script) -> None:
         return pool.idle
 
     assert run(go()) == 0
+
+
+def test_connections_requests_are_opening_count_against_those_opened_ahead(script) -> None:
+    server = script(lambda c, i, head: c.sendall(ok(b"u")) or True)
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        gets = [asyncio.ensure_future(fetch(pool, server.url())) for _ in range(3)]
+        await asyncio.sleep(0)  # the three are opening their own connections now
+        pool.connect_ahead(_key(server), 3)  # three are opening: nothing more
+        got = await asyncio.gather(*gets)
+        await asyncio.sleep(0.1)
+        await pool.close()
+        return got, pool.opened
+
+    got, opened = run(go())
+    assert got == [(200, b"u")] * 3 and opened == 3 and server.connections == 3
+
+
+def test_a_request_cancelled_while_it_waits_for_an_ahead_connection_leaves_it_to_the_pool(script) -> None:
+    server = script(lambda c, i, head: c.sendall(ok(b"t")) or True)
+
+    async def go():
+        pool = h1.Pool(4, timeout=10)
+        pool.connect_ahead(_key(server), 1)
+        request = asyncio.ensure_future(fetch(pool, server.url()))
+        await asyncio.sleep(0)  # waiting for the connection opened ahead
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        for _ in range(100):
+            if pool.idle:
+                break
+            await asyncio.sleep(0.01)
+        idle = pool.idle
+        got = await fetch(pool, server.url())  # on that same connection
+        await pool.close()
+        return idle, got, pool.opened
+
+    idle, got, opened = run(go())
+    assert idle == 1 and got == (200, b"t") and opened == 1 and server.connections == 1

@@ -234,10 +234,12 @@ def test_device_wraps_the_loader_in_the_prefetcher(monkeypatch):
     feed.close()
 
 
-@pytest.mark.parametrize("pin_memory", [True, False])
-def test_the_prefetcher_has_a_thread_of_its_own_only_when_the_dataloader_does_not_pin(pin_memory):
-    feed = loader(Numbers(4), num_workers=0, batch_size=2, device="cuda", pin_memory=pin_memory)
-    assert feed.prefetcher.thread is (not pin_memory)
+@pytest.mark.parametrize("pin_memory, workers, thread", [(True, 2, False), (False, 2, True),
+                                                         (True, 0, True), (False, 0, True)])
+def test_the_prefetcher_has_a_thread_of_its_own_unless_the_dataloaders_pin_thread_does_its_work(
+        pin_memory, workers, thread):
+    feed = loader(Numbers(4), num_workers=workers, batch_size=2, device="cuda", pin_memory=pin_memory)
+    assert feed.prefetcher.thread is thread
     feed.close()
 
 
