@@ -82,6 +82,7 @@ def keep_freed_memory() -> bool:
 
 # free-threaded builds' gc.freeze walks every object (not a list splice): no gain there
 _FREE_THREADED = hasattr(sys, "_is_gil_enabled") and not sys._is_gil_enabled()
+_PAUSE_WAIT_S = 1.0
 _pause = threading.Lock()
 _pauses = [0, False]  # forks between their before and after hooks; whether the collector was on
 
@@ -89,21 +90,27 @@ _pauses = [0, False]  # forks between their before and after hooks; whether the 
 def _pause_for_fork() -> None:
     """Before a fork, in the forking thread: no collection may run in the child before the
     freeze (other modules' after-fork hooks run before ours and allocate)."""
-    if _FREE_THREADED or not config.freeze_at_fork():
-        return
-    with _pause:
+    if _FREE_THREADED or not config.freeze_at_fork() or not _pause.acquire(timeout=_PAUSE_WAIT_S):
+        return  # (a holder only counts: never long) unpaused, the freeze still comes, a little later
+    try:
         if _pauses[0] == 0:
             _pauses[1] = gc.isenabled()
             gc.disable()
         _pauses[0] += 1
+    finally:
+        _pause.release()
 
 
 def _resume_in_parent() -> None:
-    with _pause:
+    held = _pause.acquire(timeout=_PAUSE_WAIT_S)  # not held: the count is still ours to undo
+    try:
         if _pauses[0]:
             _pauses[0] -= 1
             if _pauses[0] == 0 and _pauses[1]:
                 gc.enable()
+    finally:
+        if held:
+            _pause.release()
 
 
 def freeze_inherited() -> None:
