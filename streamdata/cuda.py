@@ -310,14 +310,19 @@ class _ReadyAhead(PinAhead[Any]):
         self.ops = ops
 
     def _in_thread(self, pin: bool) -> Callable[[Any], Any]:
-        pin_fn = super()._in_thread(pin)
+        return _marked(self.ops, super()._in_thread(pin))
 
-        def prepare(batch: Any) -> Any:
-            batch = pin_fn(batch) if pin_fn is not None else batch
-            self.ops.produced(batch)
-            return batch
 
-        return prepare
+def _marked(ops: Any, pin_fn: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """What the thread that reads the source does to each batch: pin it (when ``pin_fn``), then
+    mark where its CUDA tensors were made (``ops.produced``, NOTE [side-stream copy] 6)."""
+
+    def prepare(batch: Any) -> Any:
+        batch = pin_fn(batch) if pin_fn is not None else batch
+        ops.produced(batch)
+        return batch
+
+    return prepare
 
 
 def _copy_ahead(source: Iterator[Any], ops: Any, depth: int,
@@ -427,12 +432,10 @@ def _here(iterable: Iterable[Any], ops: _StreamOps, pin: bool) -> Iterator[Any]:
     """``thread=False``: the source's batches, read, pinned (a no-op for pinned ones) and marked
     (NOTE [side-stream copy] 6: the consumer's current stream is where they were made) in the
     consumer's thread."""
-    source = iter(iterable)
+    source, prepare = iter(iterable), _marked(ops, pin_batch if pin else None)
     try:
         for batch in source:
-            batch = pin_batch(batch) if pin else batch
-            ops.produced(batch)
-            yield batch
+            yield prepare(batch)
     finally:
         close = getattr(source, "close", None)
         if close is not None:  # as the pin-ahead thread's producer closes it when it stops
