@@ -128,17 +128,8 @@ def write_shards(root: str, samples: int, shards: int) -> str:
 
 def _serve(root: str, conn, stop) -> None:
     """The child process: serve ``root`` until ``stop`` is set."""
-    import socketserver
-
     from streamdata.testing.http import HTTPServer
 
-    quiet = socketserver.BaseServer.handle_error  # a client that hangs up at the end is no error
-
-    def handle_error(self, request, address):
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            quiet(self, request, address)
-
-    socketserver.BaseServer.handle_error = handle_error
     server = HTTPServer(root).start()
     conn.send(server.endpoint_url)
     stop.wait()

@@ -8,6 +8,7 @@ import functools
 import http.server
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -147,6 +148,11 @@ class _ThreadedHTTPServer(http.server.ThreadingHTTPServer):
         with self._lock:
             self._open.pop(request, None)
         super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (a reset idle connection, an aborted read) is no server error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def close_connections(self, timeout: float) -> None:
         """Shut every open connection's socket, then join its thread (bounded)."""
