@@ -124,7 +124,8 @@ def _make_streamdata(cfg: dict, stamp: _Stamp, clock: _ImportClock) -> tuple[Any
             spec = sd.expand_spec(spec, cfg["storage_options"], listing=False)
         ds = sd.TarDataset(spec, storage_options=cfg["storage_options"], batch_size=cfg["batch"], **opts)
     built = time.monotonic()
-    return sd.loader(ds, num_workers=cfg["workers"], pin_memory=False, worker_init_fn=stamp), built
+    options = dict(cfg.get("loader_options") or {})
+    return sd.loader(ds, num_workers=cfg["workers"], pin_memory=False, worker_init_fn=stamp, **options), built
 
 
 def _make_webdataset(cfg: dict, stamp: _Stamp, clock: _ImportClock) -> tuple[Any, float]:
@@ -173,13 +174,17 @@ def _run_loader(cfg: dict, stamps: str) -> dict[str, Any]:
         start = time.monotonic()
         first = None
         n = first_n = 0
+        times = []  # each batch's arrival (the longest gap between two)
         for batch in loader:
             k = _batch_size_of(batch)
             n += k
+            times.append(time.monotonic())
             if first is None:
-                first, first_n = time.monotonic(), k
+                first, first_n = times[-1], k
         end = time.monotonic()
-        epochs.append({"iter": start, "first": first, "end": end, "samples": n, "first_n": first_n})
+        epochs.append({"iter": start, "first": first, "end": end, "samples": n, "first_n": first_n,
+                       "longest_gap": max((b - a for a, b in zip(times, times[1:], strict=False)),
+                                          default=0.0)})
     close = getattr(loader, "close", None)
     if close is not None:
         close()
@@ -246,7 +251,8 @@ def _child(cfg: dict, timeout: float = 300) -> dict[str, Any]:
         cfg_path, out_path = Path(tmp, "cfg.json"), Path(tmp, "out.json")
         cfg_path.write_text(json.dumps(cfg))
         cmd = [sys.executable, "-m", "benchmarks.startup", "--run-one", str(cfg_path), str(out_path)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   **cfg.get("env", {}))
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
@@ -291,7 +297,7 @@ def stages(r: dict[str, Any], events: list[tuple[str, float, int, str]], n_sampl
         "steady_sps": (e1["samples"] - e1["first_n"]) / (e1["end"] - e1["first"]),
         "cpu_ms_per_sample": 1000 * r["cpu_s"] / max(1, sum(e["samples"] for e in r["epochs"])),
         "ctor_requests": len(before), "ctor_request_kinds": " ".join(sorted(before)),
-        "samples": e1["samples"],
+        "samples": e1["samples"], "longest_gap_s": e1.get("longest_gap", float("nan")),
     }
     if len(r["epochs"]) > 1:
         e2 = r["epochs"][1]
@@ -314,6 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from streamdata.testing import S3Server
 
     methods = list(args.methods) + [f"streamdata@{t}" for t in args.sd_trees or {}]
+    methods += [f"streamdata%{v}" for v in args.sd_env or {}]
     rows: dict[tuple[float, str], list[dict[str, Any]]] = {}
     with S3Server() as server:
         layout = _prepare(server, args)
@@ -323,14 +330,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base = {"storage_options": options, "shard_spec": args.spec or layout.shard_spec,
                     "signed_urls": _presign(options, layout.shard_urls), "batch": args.batch,
                     "workers": args.workers, "epochs": args.epochs, "sd_options": args.sd_options,
-                    "job_gc": args.job_gc}
+                    "job_gc": args.job_gc, "loader_options": args.loader_options}
             for delay in args.delays:
                 proxy.set_delay(delay / 1000)
                 for k in range(args.rounds):
                     for method in methods:
                         if method == "webdataset" and delay not in args.peer_delays:
                             continue
-                        cfg = dict(base, method=method.split("@")[0], delay_ms=delay)
+                        cfg = dict(base, method=method.split("@")[0].split("%")[0], delay_ms=delay)
+                        if "%" in method:  # this tree with environment variables of its own
+                            cfg["env"] = {k: str(v) for k, v in args.sd_env[method.split("%", 1)[1]].items()}
                         if "@" in method:
                             cfg["sd_path"] = args.sd_trees[method.split("@", 1)[1]]["path"]
                         proxy.record_events(True)
@@ -343,7 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  {delay:g} ms [{k + 1}/{args.rounds}] {method}: " + (
                             f"ERROR {row['error']}" if "error" in row else
                             f"first batch {row['first_batch_s']:.3f} s, whole {row['whole_sps']:,.0f} "
-                            f"samples/s" + "".join(f", {s} {row[s]:.3f}" for s in STAGES if s in row)
+                            f"samples/s, longest gap {row.get('longest_gap_s', float('nan')):.3f}"
+                            + "".join(f", {s} {row[s]:.3f}" for s in STAGES if s in row)
                             + (f", ctor requests {row['ctor_request_kinds'] or '-'}"
                                if "ctor_request_kinds" in row else "")), flush=True)
     return {"rows": [r for rs in rows.values() for r in rs]}
@@ -363,8 +373,8 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
     good = [r for r in rows if "error" not in r]
     keys = sorted({(r["delay_ms"], r["method"]) for r in good})
     lines = ["| delay | method | " + " | ".join(STAGES) + " | first batch s | from iter s | whole samples/s "
-             "| steady samples/s | CPU ms/sample | ctor requests |",
-             "|---:|---|" + "---:|" * (len(STAGES) + 5) + "---|"]
+             "| steady samples/s | longest gap s | CPU ms/sample | ctor requests |",
+             "|---:|---|" + "---:|" * (len(STAGES) + 6) + "---|"]
     for delay, method in keys:
         rs = [r for r in good if (r["delay_ms"], r["method"]) == (delay, method)]
         if method == "wire":
@@ -376,7 +386,8 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {delay:g} ms | {method} | " + " | ".join(st)
                      + f" | {_cell(_med(rs, 'first_batch_s'))} | {_cell(_med(rs, 'from_iter_s'))} "
                      f"| {_cell(_med(rs, 'whole_sps'), 0)} "
-                     f"| {_cell(_med(rs, 'steady_sps'), 0)} | {_cell(_med(rs, 'cpu_ms_per_sample'), 3)} "
+                     f"| {_cell(_med(rs, 'steady_sps'), 0)} | {_cell(_med(rs, 'longest_gap_s'))} "
+                     f"| {_cell(_med(rs, 'cpu_ms_per_sample'), 3)} "
                      f"| {kinds or '—'} |")
     if any("epoch2_from_iter_s" in r for r in good):
         lines += ["", "| delay | method | epoch 2 first batch from iter s |", "|---:|---|---:|"]
@@ -385,7 +396,7 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {delay:g} ms | {method} | {_cell(_med(rs, 'epoch2_from_iter_s'))} |")
     methods = sorted({m for _, m in keys})
     pairs = [("streamdata", "webdataset", "whole_sps"), ("streamdata", "wire", "whole_sps")]
-    pairs += [("streamdata", m, k) for m in methods if m.startswith("streamdata@")
+    pairs += [("streamdata", m, k) for m in methods if m.startswith(("streamdata@", "streamdata%"))
               for k in ("whole_sps", "steady_sps", "first_batch_s", "cpu_ms_per_sample")]
     lines += ["", "Per round: median (min–max)", "", "| delay | ratio | median | min–max | rounds |",
               "|---:|---|---:|---:|---:|"]
@@ -424,6 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec", default=None, help="streamdata's spec instead of the brace pattern (e.g. a "
                    "JSON list of URLs)", type=lambda s: json.loads(s) if s.startswith("[") else s)
     p.add_argument("--sd-options", type=json.loads, default=None, help="JSON options for sd.TarDataset")
+    p.add_argument("--loader-options", type=json.loads, default=None, help="JSON options for sd.loader")
+    p.add_argument("--sd-env", type=json.loads, default=None, metavar="JSON",
+                   help='variants of this tree with environment variables: {"name": {"VAR": "value"}}, '
+                        'run as method streamdata%%name')
     p.add_argument("--sd-trees", type=_sd_trees, default=None, metavar="NAME=PATH[,NAME=PATH...]",
                    help="each also runs as streamdata@NAME, imported from the checkout at PATH")
     p.add_argument("--job-gc", choices=("due", "done"), default="due",

@@ -11,7 +11,7 @@ from typing import Any
 from .errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
-           "env_str", "handover", "lite_http"]
+           "env_str", "handover", "lite_http", "spare_connections"]
 
 MiB = 1 << 20
 
@@ -52,6 +52,16 @@ def handover() -> bool:
     return env_str("STREAMDATA_HANDOVER", "1") != "0"
 
 
+def spare_connections() -> int:
+    """WARM-SPARES (``handover``): connections the constructor opens while its listing's request
+    is in flight, offered to the readers (plain http only). ``STREAMDATA_SPARE_CONNECTIONS``,
+    default 8 (two workers' first shards and more); ``0`` opens none."""
+    count = env_int("STREAMDATA_SPARE_CONNECTIONS", 8)
+    if count is None or count < 0:
+        raise SpecError(f"STREAMDATA_SPARE_CONNECTIONS must be >= 0, got {count}")
+    return count
+
+
 def freeze_at_fork() -> bool:
     """INHERITED-HEAP (``_alloc``): a forked child moves what it inherited out of its garbage
     collector's sight at once. ``STREAMDATA_FREEZE_AT_FORK=0`` leaves the child's collector as
@@ -83,6 +93,11 @@ class FetchConfig:
                   most ``max(byte_budget, one part)``. 64 MiB: enough in flight for 100 ms
                   one-way delay at this machine's rate, while a first epoch page-faults in
                   half as much fresh memory as with 128 MiB (benchmarks/README.md, budget A/B).
+                  The budget a pass starts with: it grows where it costs the reader time.
+    byte_budget_max: the most the byte budget grows to (BUDGET-GROWTH, ``budget``): only
+                  when the reader waited for a part the budget had held back, and the
+                  bandwidth-delay product says more is needed. ``None``: twice
+                  ``byte_budget`` (128 MiB); ``byte_budget`` itself: no growth.
     retry_deadline: seconds a failed part (or size lookup) is retried for, counted from its
                   first attempt (waits for a slot under READER-THROTTLE, ``client``, do not
                   count); no new attempt starts after it. 300 s: training jobs run for days
@@ -108,6 +123,7 @@ class FetchConfig:
     first_part: int = 256 * 1024
     max_requests: int = 32
     byte_budget: int = 64 * MiB
+    byte_budget_max: int | None = None
     retry_deadline: float = 300.0
     retries: int | None = None
     backoff: float = 0.1
@@ -128,6 +144,11 @@ class FetchConfig:
         for name in ("window", "part_size", "first_part", "max_requests", "byte_budget"):
             if getattr(self, name) < 1:
                 raise SpecError(f"FetchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        most = self.byte_budget_max
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int)
+                                 or most < self.byte_budget):
+            raise SpecError(f"FetchConfig.byte_budget_max must be a number of bytes >= byte_budget "
+                            f"({self.byte_budget}) or None, got {most!r}")
         if (self.retries is not None and self.retries < 0) or self.backoff < 0 or self.timeout <= 0 \
                 or self.retry_deadline < 0 or self.backoff_cap < 0:
             raise SpecError("FetchConfig: retries, retry_deadline, backoff and backoff_cap must be >= 0 "
@@ -140,6 +161,10 @@ class FetchConfig:
         READER-THROTTLE), plus slack. So a wait never hangs, and never fails before the
         part's deadline."""
         return self.retry_deadline + 2 * self.timeout + 30.0
+
+    def budget_max(self) -> int:
+        """The most the byte budget grows to (BUDGET-GROWTH)."""
+        return 2 * self.byte_budget if self.byte_budget_max is None else self.byte_budget_max
 
     def replace(self, **changes) -> FetchConfig:
         return dataclasses.replace(self, **changes)
@@ -166,8 +191,8 @@ class FetchConfig:
 
     @classmethod
     def from_env(cls) -> FetchConfig:
-        """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET
-        and STREAMDATA_CACHE_DIR / _CACHE_LIMIT."""
+        """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET /
+        _BYTE_BUDGET_MAX and STREAMDATA_CACHE_DIR / _CACHE_LIMIT."""
         base = cls()
         return base.replace(**{field: (env_str if field in _ENV_STR else env_int)(name, getattr(base, field))
                                for field, name in _ENV.items()})
@@ -175,5 +200,6 @@ class FetchConfig:
 
 _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
         "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET",
+        "byte_budget_max": "STREAMDATA_BYTE_BUDGET_MAX",
         "cache_dir": "STREAMDATA_CACHE_DIR", "cache_limit": "STREAMDATA_CACHE_LIMIT"}
 _ENV_STR = {"cache_dir"}  # read as text; the others as integers

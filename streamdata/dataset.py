@@ -128,7 +128,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     @property
     def counts(self) -> dict[str, int]:
-        """Every counter (``skipped.*``, ``retried.*``, ``accepted.*``), over every worker."""
+        """Every counter (``skipped.*``, ``retried.*``, ``accepted.*``, ``budget.grown``, ...:
+        ``metrics.COUNTERS``), over every worker."""
         return self._counters.snapshot()
 
     # ---- what a format supplies --------------------------------------------------------

@@ -7,9 +7,11 @@ be consumed*, as parts of at most ``part_size`` bytes, so that remote first-byte
 overlaps parsing, decoding and training.
 
 Invariant (BYTE-BUDGET): ``reserved`` counts bytes requested or fetched but not yet
-released by the consumer.  A part is requested only while ``reserved + part <= byte_budget``
+released by the consumer.  A part is requested only while ``reserved + part <= budget``
 or when nothing at all is reserved, so the fetcher never holds more than
-``max(byte_budget, one part)`` bytes.  Parts are requested in consumption order, so the
+``max(budget, one part)`` bytes. The budget starts at ``byte_budget`` and grows, up to
+``byte_budget_max``, only where it held back a part the reader then waited for
+(BUDGET-GROWTH, ``budget``).  Parts are requested in consumption order, so the
 part the consumer waits for is never queued behind later ones (no deadlock).
 
 With ``cache_dir`` (``streamdata.cache``), an item found in the cache is served from disk
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 from ._aio import wait_future, wait_threads_gone
 from .backends import translate_error
+from .budget import Budget
 from .cache import Cache, CorruptEntry, Entry, Writer, cache_key
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
@@ -101,6 +104,10 @@ class Prefetcher:
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="streamdata-cache") if self.cache else None
         self._disk_queued = 0  # bytes of parts handed to the disk thread, not yet written
         self.peak_reserved = 0
+        # BUDGET-GROWTH: the byte budget, grown where it held back parts the reader waited for
+        self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,
+                             key=self._endpoint or self.client.protocol)
+        self._counters = counters
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: list[concurrent.futures.Future[_Plan]] = [
             concurrent.futures.Future() for _ in self.items]
@@ -174,7 +181,15 @@ class Prefetcher:
 
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
+        self.budget.released(nbytes)
         self._wake.set()
+
+    def _stalled(self, round_trip: float) -> None:
+        """The reader waited for a part the budget had held back (BUDGET-GROWTH)."""
+        if self.budget.stalled(round_trip):
+            if self._counters is not None:
+                self._counters.add("budget.grown")
+            self._wake.set()
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
@@ -247,13 +262,14 @@ class Prefetcher:
                 # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
                 # delay, for no better first batch. READER-THROTTLE (``retry``): at most as many
                 # parts in flight as the reader's throttle allows (max_requests, unless throttled).
+                held = not (self._reserved == 0 or self._reserved + need <= self.budget.limit)
                 await self._until(lambda need=need: self._inflight < self.throttle.allowed and (
-                    self._reserved == 0 or self._reserved + need <= cfg.byte_budget))
+                    self._reserved == 0 or self._reserved + need <= self.budget.limit))
                 self._reserved += need
                 self._inflight += 1
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
-                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset))
+                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset, held))
                 del fut
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
@@ -274,9 +290,12 @@ class Prefetcher:
             await asyncio.sleep(_WRITTEN_POLL_S)
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
-                     fut: concurrent.futures.Future, index: int, offset: int) -> None:
+                     fut: concurrent.futures.Future, index: int, offset: int, held: bool = False) -> None:
+        sent = time.monotonic()
         try:
             data = await self.client.get(url, start, end, chunks=True)
+            if held:  # the budget held its request back: a wait for it may grow the budget
+                fut.round_trip = time.monotonic() - sent  # type: ignore[attr-defined]
             size = body_size(data)
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
@@ -345,8 +364,11 @@ class ItemReader:
             pending = plan
             while pending:
                 (start, end), fut = pending[0]
+                stalled = not fut.done()
                 data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
                                    url=self.url, check=f._check)
+                if stalled and hasattr(fut, "round_trip"):  # BUDGET-GROWTH
+                    f._io.call_soon(f._stalled, fut.round_trip)
                 pending.popleft()
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one

@@ -280,7 +280,7 @@ class Pool:
         if self.closed:
             return
         pending = self._ahead.setdefault(key, [])
-        have = (len(self._idle.get(key, ())) + len(pending) + int(waiting(key))
+        have = (len(self._idle.get(key, ())) + len(pending) + waiting(key)
                 + self._opening.get(key, 0) + sum(conn.key == key for conn in self._busy))
         for _ in range(min(count, self.limit) - have):
             task = asyncio.ensure_future(self._connect(key, handed=False))

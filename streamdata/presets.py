@@ -19,6 +19,7 @@ from .checkpoint import Positioned, Positions, Stripped
 from .collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from .cuda import CudaPrefetcher
 from .errors import SpecError
+from .handover import share_among
 from .incremental import batches
 from .state import STATE_FORMAT
 from .together import EndTogether
@@ -171,6 +172,9 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         self._started = True
+        loader = self.dataloader
+        if loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None):
+            share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
         source = iter(self._source)
         if self._positions is not None:
             source = self._positions.deliver(source)

@@ -27,7 +27,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .handover import claim, offer
+from .handover import claim, offer, spare, withdraw
 
 __all__ = ["ENV_NAMES", "LiteS3", "LiteUnsupported"]
 
@@ -148,16 +148,19 @@ class LiteS3:
 
     def list(self, bucket: str, prefix: str, *, timeout: float, delimiter: str | None = None,
              while_waiting: Callable[[], None] | None = None,
-             page_size: int | None = None) -> list[tuple[str, int, str | None]]:
+             page_size: int | None = None, spares: bool = False) -> list[tuple[str, int, str | None]]:
         """``(key, size, etag)`` of every object under ``prefix`` (all pages: ListObjectsV2), over
         one connection (``page_size``: keys per page, the server's default 1,000 when ``None``).
-        ``while_waiting`` runs once, after the first request is sent, before
-        its answer is read (work that overlaps the round trip). Raises ``FileNotFoundError``
-        (404: no such bucket), ``LiteUnsupported`` (another 4xx), ``OSError`` (the rest)."""
+        ``while_waiting`` runs once, after the first request is sent, before its answer is read
+        (work that overlaps the round trip); so does, with ``spares``, the opening of spare
+        connections for the readers (WARM-SPARES, ``handover.spare``). Raises
+        ``FileNotFoundError`` (404: no such bucket), ``LiteUnsupported`` (another 4xx),
+        ``OSError`` (the rest)."""
         conn = self._connection(timeout)
         resp: http.client.HTTPResponse | None = None
         out: list[tuple[str, int, str | None]] = []
         token: str | None = None
+        started: list = []  # spares opened for the readers: closed again if the listing fails
         try:
             while True:
                 query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
@@ -169,6 +172,9 @@ class LiteS3:
                     query["continuation-token"] = token
                 resp = None  # until this page's answer is read, the connection is in no state to offer
                 conn.request("GET", self._target(bucket, "", query))
+                if spares and conn.sock is not None:
+                    spares = False
+                    started = spare(self.conn_key, conn.sock.getpeername())
                 if while_waiting is not None:
                     while_waiting, hook = None, while_waiting
                     hook()
@@ -192,7 +198,11 @@ class LiteS3:
                 if top.get("IsTruncated") != "true" or not token:
                     return out
         except ET.ParseError as exc:
+            withdraw(started)
             raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
+        except BaseException:
+            withdraw(started)
+            raise
         finally:
             self._finish(conn, resp)
 

@@ -159,8 +159,9 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
                delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
     """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
-    filesystem). The first request overlaps the readers' imports (``warm_imports``) and the
-    constructor's queued work (IDLE-WHILE-LISTING, ``idle``)."""
+    filesystem). The first request overlaps the readers' imports (``warm_imports``), the
+    constructor's queued work (IDLE-WHILE-LISTING, ``idle``) and the readers' spare
+    connections' handshakes (WARM-SPARES, ``handover``)."""
     lite = b.lite(protocol)
     if lite is None:
         return None
@@ -176,7 +177,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
         try:
             # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
             return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
-                             while_waiting=warm)
+                             while_waiting=warm, spares=True)
         except LiteUnsupported:
             return None
 

@@ -29,8 +29,10 @@ KEYS = sorted(s["__key__"] for shard in make_samples(COUNTS) for s in shard)
 
 
 @pytest.fixture(autouse=True)
-def _empty_registry():
-    """No offer left by another test (the S3 server, and so the key, is the session's)."""
+def _empty_registry(monkeypatch):
+    """No offer left by another test (the S3 server, and so the key, is the session's); no
+    spare connections (WARM-SPARES) but in the tests that ask for them."""
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "0")
     def drop() -> None:
         with handover._lock:
             for _, sock, _ in handover._offers:
@@ -173,6 +175,74 @@ def test_offer_and_claim(shards) -> None:
     got.close()
     tls = socket.create_connection((key[1], key[2]))
     assert not handover.offer(("https", key[1], key[2]), tls) and tls.fileno() == -1
+
+
+def _wait_for(what, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_spares_open_with_the_listing_and_sd_loader_workers_share_them(shards, monkeypatch) -> None:
+    """WARM-SPARES: the constructor opens 4 connections while its listing travels and offers
+    them with the listing's (5); ``sd.loader`` tells the fork hooks 2 workers are coming, so
+    worker 0 gets 3 and worker 1 the other 2, and neither opens a connection of its own."""
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "4")
+    before = handover.stats()
+    ds = _dataset(opts, spec)
+    _wait_for(lambda: proxy.connections == 5)
+    assert proxy.connections == 5 and len(handover._offers) == 5
+    assert handover.stats()["spared"] - before["spared"] == 4
+    keys, stats = _epoch_with_workers(ds)
+    assert keys == KEYS and not any(ds.retried.values())
+    assert (stats[0]["offered"], stats[1]["offered"]) == (3, 2)
+    assert stats[0]["claimed"] >= 1 and stats[1]["claimed"] >= 1
+    assert handover._offers == [] and handover.stats()["handed"] - before["handed"] == 5
+    assert proxy.connections == 5  # every request rode a connection the constructor opened
+
+
+def test_a_plain_dataloader_hands_one_offer_to_each_worker(shards, monkeypatch) -> None:
+    """Without ``share_among`` (a DataLoader of the user's own) each child gets one offer, as
+    before WARM-SPARES; the parent keeps the rest until they age."""
+    import torch.utils.data
+
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "3")
+    ds = _dataset(opts, spec)
+    _wait_for(lambda: proxy.connections == 4)
+    before = handover.stats()
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    assert sorted(s["__key__"] for s in loader) == KEYS
+    assert len(handover._offers) == 2 and handover.stats()["handed"] - before["handed"] == 2
+
+
+def test_a_spare_that_could_not_connect_is_dropped_not_claimed() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    key = ("http", "127.0.0.1", port)
+    before = handover.stats()
+    assert len(handover.spare(key, ("127.0.0.1", port), 2)) == 2
+    _wait_for(lambda: all(handover._state(entry[1]) != handover._OPENING for entry in handover._offers))
+    assert handover.waiting(key) == 2 and handover.claim(key) is None  # refused: both dropped
+    after = handover.stats()
+    assert after["dropped"] - before["dropped"] == 2 and handover._offers == []
+    assert handover.spare(("https", "127.0.0.1", port), ("127.0.0.1", port), 2) == []  # TLS: never
+
+
+def test_spares_count_what_is_offered_already(shards) -> None:
+    proxy, opts, _ = shards
+    key = _key(opts)
+    address = (key[1], key[2])
+    assert len(handover.spare(key, address, 3)) == 3
+    assert handover.spare(key, address, 3) == []  # three are there
+    assert len(handover.spare(key, address, 5)) == 2
+    _wait_for(lambda: proxy.connections == 5)
+    got = [handover.claim(key) for _ in range(5)]
+    assert all(sock is not None for sock in got) and handover.claim(key) is None
+    for sock in got:
+        sock.close()
 
 
 _PAGE = ('<?xml version="1.0"?><ListBucketResult><IsTruncated>{more}</IsTruncated>{token}'

@@ -1,0 +1,81 @@
+"""How many bytes a reader's prefetcher may hold: the byte budget, grown to what the link needs.
+
+BUDGET-GROWTH (the invariant): a reader starts each pass with ``byte_budget`` (or what an
+earlier pass of this process learned for the same endpoint) and never holds more than
+``byte_budget_max``. The budget grows only when the budget itself cost the reader time: the
+reader waited for a part (a *stall*) whose request the budget had held back, and what the
+reader consumes during that part's request-to-arrival time (its rate times that time: the
+bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that latency, not
+bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a quarter more
+and one part, if that is more), capped. The product alone would not do as the rule: a
+budget-bound reader's rate is set by its budget, and the bytes it holds are not only in flight
+(fetched parts wait to be parsed, budget comes back a MiB at a time), so at 64 MiB and 100 ms
+one-way the product read 52-60 MB while the reader stalled. So:
+
+- at a short round trip a part arrives in milliseconds and the product stays far below the
+  budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);
+- at a long one (100 ms one-way: 64 MiB held the two-worker pass at 0.8 of the rate 128 MiB
+  gave, benchmarks/README.md "Byte budget growth") the budget grows within the first shards;
+- a reader that is slower than the network never stalls, so its budget never grows.
+
+The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
+decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
+prefetcher's event loop (one thread): no lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+__all__ = ["Budget"]
+
+STEP = 2.0  # each growth multiplies the budget by at least this much
+MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
+LATENCY_SHARE = 0.5  # the product must be at least this share of the budget: latency-bound
+RATE_WINDOW_S = 1.0
+MIN_HISTORY_S = 0.1
+
+_learned: dict[object, int] = {}  # endpoint -> the budget the last pass of this process grew to
+
+
+class Budget:
+    """One pass's byte budget: ``limit`` now, ``grown`` (times it grew), and the rate log."""
+
+    def __init__(self, start: int, most: int, part_size: int, key: object = None) -> None:
+        self.floor, self.most, self.part_size, self.key = start, max(start, most), part_size, key
+        self.limit = min(self.most, max(start, _learned.get(key, 0)))
+        self.grown = 0
+        self._released: collections.deque[tuple[float, int]] = collections.deque()
+        self._since: float | None = None  # when the reader first released bytes
+
+    def released(self, nbytes: int, now: float | None = None) -> None:
+        """The reader gave ``nbytes`` back (it consumed them)."""
+        now = time.monotonic() if now is None else now
+        if self._since is None:
+            self._since = now
+        self._released.append((now, nbytes))
+        while self._released and now - self._released[0][0] > RATE_WINDOW_S:
+            self._released.popleft()
+
+    def rate(self, now: float | None = None) -> float | None:
+        """Bytes per second the reader consumed lately; ``None`` before MIN_HISTORY_S of history."""
+        now = time.monotonic() if now is None else now
+        if self._since is None or now - self._since < MIN_HISTORY_S:
+            return None
+        span = min(RATE_WINDOW_S, now - self._since)
+        return sum(n for t, n in self._released if now - t <= span) / span
+
+    def stalled(self, round_trip: float, now: float | None = None) -> bool:
+        """The reader waited for a part the budget had held back, which took ``round_trip``
+        seconds from its request to its last byte: grow if latency made it wait. True if it grew."""
+        rate = self.rate(now)
+        if rate is None or self.limit >= self.most:
+            return False
+        product = rate * round_trip
+        if product < LATENCY_SHARE * self.limit:
+            return False  # the part was slow to come, not late to be asked for: more would not help
+        self.limit = min(self.most, max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))
+        self.grown += 1
+        _learned[self.key] = self.limit
+        return True
