@@ -10,7 +10,7 @@ bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a qu
 and one part, if that is more), capped. The product alone would not do as the rule: a
 budget-bound reader's rate is set by its budget, and the bytes it holds are not only in flight
 (fetched parts wait to be parsed, budget comes back a MiB at a time), so at 64 MiB and 100 ms
-one-way the product read 52-60 MB while the reader stalled. So:
+one-way the product read 28-48 MB while the reader stalled. So:
 
 - at a short round trip a part arrives in milliseconds and the product stays far below the
   budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);
@@ -32,7 +32,7 @@ __all__ = ["Budget"]
 
 STEP = 2.0  # each growth multiplies the budget by at least this much
 MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
-LATENCY_SHARE = 0.5  # the product must be at least this share of the budget: latency-bound
+LATENCY_SHARE = 0.25  # the product must be at least this share of the budget: latency-bound
 RATE_WINDOW_S = 1.0
 MIN_HISTORY_S = 0.1
 

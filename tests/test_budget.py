@@ -47,9 +47,9 @@ def test_a_latency_bound_stall_grows_a_step_and_the_next_pass_starts_there():
     b = Budget(64 * MiB, 256 * MiB, 8 * MiB, key="k")
     now = _consume(b, 200e6, 1.0)
     assert b.rate(now) == pytest.approx(200e6, rel=0.05)
-    assert b.stalled(0.2, now=now)  # 40 MB consumed while the part travelled: over half of 64 MiB
+    assert b.stalled(0.2, now=now)  # 40 MB consumed while the part travelled: over a quarter of 64 MiB
     assert b.limit == 128 * MiB  # a step (the product with its margin, 58 MB, is less)
-    assert not b.stalled(0.2, now=now) and b.limit == 128 * MiB  # 40 MB is under half of 128 MiB now
+    assert not b.stalled(0.1, now=now) and b.limit == 128 * MiB  # 20 MB: under a quarter of 128 MiB
     now = _consume(b, 400e6, 1.0)
     assert b.stalled(0.3, now=now) and b.limit == 256 * MiB  # 120 MB: a step again, to the cap
     assert not b.stalled(5.0, now=now) and b.grown == 2  # at the cap
