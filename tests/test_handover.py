@@ -33,6 +33,7 @@ def _empty_registry(monkeypatch):
     """No offer left by another test (the S3 server, and so the key, is the session's); no
     spare connections (WARM-SPARES) but in the tests that ask for them."""
     monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "0")
+    monkeypatch.setattr(handover, "_children", (0, 0.0))  # no share hint left by another test
     def drop() -> None:
         with handover._lock:
             for _, sock, _ in handover._offers:
