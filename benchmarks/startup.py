@@ -185,6 +185,9 @@ def _run_loader(cfg: dict, stamps: str) -> dict[str, Any]:
         epochs.append({"iter": start, "first": first, "end": end, "samples": n, "first_n": first_n,
                        "longest_gap": max((b - a for a, b in zip(times, times[1:], strict=False)),
                                           default=0.0)})
+    counts = getattr(getattr(loader, "dataset", None), "counts", None)
+    if isinstance(counts, dict):
+        out["budget_grown"] = counts.get("budget.grown")  # BUDGET-GROWTH, summed over workers
     close = getattr(loader, "close", None)
     if close is not None:
         close()
@@ -298,6 +301,7 @@ def stages(r: dict[str, Any], events: list[tuple[str, float, int, str]], n_sampl
         "cpu_ms_per_sample": 1000 * r["cpu_s"] / max(1, sum(e["samples"] for e in r["epochs"])),
         "ctor_requests": len(before), "ctor_request_kinds": " ".join(sorted(before)),
         "samples": e1["samples"], "longest_gap_s": e1.get("longest_gap", float("nan")),
+        "budget_grown": r.get("budget_grown"),
     }
     if len(r["epochs"]) > 1:
         e2 = r["epochs"][1]
@@ -352,7 +356,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  {delay:g} ms [{k + 1}/{args.rounds}] {method}: " + (
                             f"ERROR {row['error']}" if "error" in row else
                             f"first batch {row['first_batch_s']:.3f} s, whole {row['whole_sps']:,.0f} "
-                            f"samples/s, longest gap {row.get('longest_gap_s', float('nan')):.3f}"
+                            f"samples/s, longest gap {row.get('longest_gap_s', float('nan')):.3f}, "
+                            f"budget grown {row.get('budget_grown')}"
                             + "".join(f", {s} {row[s]:.3f}" for s in STAGES if s in row)
                             + (f", ctor requests {row['ctor_request_kinds'] or '-'}"
                                if "ctor_request_kinds" in row else "")), flush=True)

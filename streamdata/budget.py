@@ -16,7 +16,12 @@ one-way the product read 28-48 MB while the reader stalled. So:
   budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);
 - at a long one (100 ms one-way: 64 MiB held the two-worker pass at 0.8 of the rate 128 MiB
   gave, benchmarks/README.md "Byte budget growth") the budget grows within the first shards;
-- a reader that is slower than the network never stalls, so its budget never grows.
+- a reader that is slower than the network never stalls, so its budget never grows;
+- a far endpoint is known sooner: where the pass's first part took ``FAR_S`` or more from its
+  request to its last byte (a round trip of 100 ms or more: another region or continent; at 0
+  ms one-way here it takes 10-50 ms), the budget takes one ``STEP`` at once (``far``), instead
+  of after the first stall, which comes a round trip after the reader's first release (0.5-0.8
+  s into the first pass at 100 ms one-way).
 
 The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
 decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
@@ -32,6 +37,7 @@ __all__ = ["Budget"]
 
 STEP = 2.0  # each growth multiplies the budget by at least this much
 MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
+FAR_S = 0.1  # the pass's first part took this long or more: a far endpoint
 LATENCY_SHARE = 0.25  # the product must be at least this share of the budget: latency-bound
 RATE_WINDOW_S = 1.0
 MIN_HISTORY_S = 0.1
@@ -66,6 +72,19 @@ class Budget:
         span = min(RATE_WINDOW_S, now - self._since)
         return sum(n for t, n in self._released if now - t <= span) / span
 
+    def far(self, round_trip: float) -> bool:
+        """The pass's first part took ``round_trip`` seconds: one step at once if that says the
+        endpoint is far (and nothing grew the budget yet). True if it grew."""
+        if round_trip < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
+            return False
+        return self._grow(int(self.limit * STEP))
+
+    def _grow(self, limit: int) -> bool:
+        self.limit = min(self.most, limit)
+        self.grown += 1
+        _learned[self.key] = self.limit
+        return True
+
     def stalled(self, round_trip: float, now: float | None = None) -> bool:
         """The reader waited for a part the budget had held back, which took ``round_trip``
         seconds from its request to its last byte: grow if latency made it wait. True if it grew."""
@@ -75,7 +94,4 @@ class Budget:
         product = rate * round_trip
         if product < LATENCY_SHARE * self.limit:
             return False  # the part was slow to come, not late to be asked for: more would not help
-        self.limit = min(self.most, max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))
-        self.grown += 1
-        _learned[self.key] = self.limit
-        return True
+        return self._grow(max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))

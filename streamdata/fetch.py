@@ -104,8 +104,7 @@ class Prefetcher:
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="streamdata-cache") if self.cache else None
         self._disk_queued = 0  # bytes of parts handed to the disk thread, not yet written
         self.peak_reserved = 0
-        # BUDGET-GROWTH: the byte budget, grown where it held back parts the reader waited for
-        self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,
+        self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,  # BUDGET-GROWTH
                              key=self._endpoint or self.client.protocol)
         self._counters = counters
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
@@ -184,9 +183,9 @@ class Prefetcher:
         self.budget.released(nbytes)
         self._wake.set()
 
-    def _stalled(self, round_trip: float) -> None:
-        """The reader waited for a part the budget had held back (BUDGET-GROWTH)."""
-        if self.budget.stalled(round_trip):
+    def _budget_event(self, grows: Callable[[float], bool], round_trip: float) -> None:
+        """BUDGET-GROWTH: a held-back part waited for (``Budget.stalled``), or the first part in."""
+        if grows(round_trip):
             if self._counters is not None:
                 self._counters.add("budget.grown")
             self._wake.set()
@@ -249,8 +248,7 @@ class Prefetcher:
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
             first = first_parts(todo) if small is not None else None
-            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's
-                # connections start opening before its first parts do, which take them as they come
+            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's connections
                 ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
                 ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             while todo:
@@ -296,6 +294,8 @@ class Prefetcher:
             data = await self.client.get(url, start, end, chunks=True)
             if held:  # the budget held its request back: a wait for it may grow the budget
                 fut.round_trip = time.monotonic() - sent  # type: ignore[attr-defined]
+            elif index == 0 and offset == 0:  # the pass's first bytes: how far the endpoint is
+                self._budget_event(self.budget.far, time.monotonic() - sent)
             size = body_size(data)
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
@@ -368,7 +368,7 @@ class ItemReader:
                 data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
                                    url=self.url, check=f._check)
                 if stalled and hasattr(fut, "round_trip"):  # BUDGET-GROWTH
-                    f._io.call_soon(f._stalled, fut.round_trip)
+                    f._io.call_soon(f._budget_event, f.budget.stalled, fut.round_trip)
                 pending.popleft()
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one

@@ -78,6 +78,15 @@ def test_a_budget_without_room_never_grows():
     assert not b.stalled(1.0, now=now) and b.limit == 64 * MiB
 
 
+def test_a_far_first_part_takes_one_step_at_once_and_only_once():
+    b = Budget(64 * MiB, 256 * MiB, 8 * MiB, key="far")
+    assert not b.far(0.05) and b.limit == 64 * MiB  # a near endpoint
+    assert b.far(0.25) and b.limit == 128 * MiB and b.grown == 1
+    assert not b.far(0.25) and b.limit == 128 * MiB  # once: later growth is the stalls' to decide
+    assert not Budget(64 * MiB, 256 * MiB, 8 * MiB, key="far").far(0.25)  # started at the learned 128
+    assert not Budget(64 * MiB, 64 * MiB, 8 * MiB).far(1.0)  # no room
+
+
 def test_config_default_max_env_and_errors(monkeypatch):
     assert FetchConfig().budget_max() == 128 * MiB
     assert FetchConfig(byte_budget=MiB).budget_max() == 2 * MiB
@@ -138,6 +147,25 @@ def test_a_slow_reader_never_grows_its_budget(s3_bucket):
                 time.sleep(0.1)  # parsing and training take longer than the next part's round trip
                 got.append(b"".join(reader.chunks()))
     assert got == blobs and fetcher.budget.grown == 0
+
+
+def test_a_far_endpoint_doubles_the_budget_of_a_slow_reader_once(s3_bucket):
+    """60 ms one-way: the first part takes over FAR_S, so the budget steps up at once; the
+    reader, slower than the link, never stalls after that, so it grows no more."""
+    from benchmarks.proxy import LatencyProxy
+
+    server, blobs, spec = _objects(s3_bucket, 4, 256 * 1024)
+    up = urlsplit(server.endpoint_url)
+    with LatencyProxy(up.hostname, up.port, delay_s=0.06) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
+        config = FetchConfig(part_size=128 * 1024, window=4, byte_budget=512 * 1024)
+        with Prefetcher(sd.expand_spec(spec, server.storage_options), options, config) as fetcher:
+            got = []
+            for reader in fetcher:
+                time.sleep(0.3)
+                got.append(b"".join(reader.chunks()))
+    assert got == blobs
+    assert (fetcher.budget.grown, fetcher.budget.limit) == (1, MiB)
 
 
 def test_growth_is_counted_on_the_dataset(s3_bucket):
