@@ -174,7 +174,10 @@ class LiteS3:
                 conn.request("GET", self._target(bucket, "", query))
                 if spares and conn.sock is not None:
                     spares = False
-                    started = spare(self.conn_key, conn.sock.getpeername())
+                    try:
+                        started = spare(self.conn_key, conn.sock.getpeername())
+                    except OSError:  # the peer is gone already: the listing's answer will say so
+                        started = []
                 if while_waiting is not None:
                     while_waiting, hook = None, while_waiting
                     hook()
