@@ -139,7 +139,10 @@ def spare(key: Key, address: tuple, count: int | None = None) -> list[socket.soc
         room = min(count - sum(entry[0] == key for entry in _offers), MAX_OFFERS - len(_offers))
     started: list[socket.socket] = []
     for _ in range(max(0, room)):
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # out of descriptors: the readers open their own
+            break
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
