@@ -4,9 +4,14 @@ BUDGET-GROWTH (the invariant): a reader starts each pass with ``byte_budget`` (o
 earlier pass of this process learned for the same endpoint) and never holds more than
 ``byte_budget_max``. The budget grows only when the budget itself cost the reader time: the
 reader waited for a part (a *stall*) whose request the budget had held back, and what the
-reader consumes during that part's request-to-arrival time (its rate times that time: the
-bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that latency, not
-bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a quarter more
+reader consumes during that part's latency (from its request to its first byte: its rate times
+that time, the bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that
+latency, not bandwidth, made it wait. The latency is the first byte's, not the last's: a
+reader whose link is the limit waits for each part about ``budget / bandwidth`` to its last
+byte, which would read as latency at any distance (found in review: 54 ms at 1.25 GB/s and
+0 ms one-way). Only backends that stream the body to streamdata tell the first byte (S3's
+presigned and LITE-S3 GETs: ``AsyncClient.get(first_byte=...)``); on the others the budget
+stays as set. It then grows by ``STEP`` (or to the product, with a quarter more
 and one part, if that is more), capped. The product alone would not do as the rule: a
 budget-bound reader's rate is set by its budget, and the bytes it holds are not only in flight
 (fetched parts wait to be parsed, budget comes back a MiB at a time), so at 64 MiB and 100 ms
@@ -17,11 +22,10 @@ one-way the product read 28-48 MB while the reader stalled. So:
 - at a long one (100 ms one-way: 64 MiB held the two-worker pass at 0.8 of the rate 128 MiB
   gave, benchmarks/README.md "Byte budget growth") the budget grows within the first shards;
 - a reader that is slower than the network never stalls, so its budget never grows;
-- a far endpoint is known sooner: where the pass's first part took ``FAR_S`` or more from its
-  request to its last byte (a round trip of 100 ms or more: another region or continent; at 0
-  ms one-way here it takes 10-50 ms), the budget takes one ``STEP`` at once (``far``), instead
-  of after the first stall, which comes a round trip after the reader's first release (0.5-0.8
-  s into the first pass at 100 ms one-way).
+- a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S`` or
+  more (a round trip of 100 ms or more: another region or continent), the budget takes one
+  ``STEP`` at once (``far``), instead of after the first stall, which comes a round trip after
+  the reader's first release (0.5-0.8 s into the first pass at 100 ms one-way).
 
 The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
 decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
@@ -37,7 +41,7 @@ __all__ = ["Budget"]
 
 STEP = 2.0  # each growth multiplies the budget by at least this much
 MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
-FAR_S = 0.1  # the pass's first part took this long or more: a far endpoint
+FAR_S = 0.1  # the pass's first part's first byte took this long or more: a far endpoint
 LATENCY_SHARE = 0.25  # the product must be at least this share of the budget: latency-bound
 RATE_WINDOW_S = 1.0
 MIN_HISTORY_S = 0.1
@@ -72,10 +76,10 @@ class Budget:
         span = min(RATE_WINDOW_S, now - self._since)
         return sum(n for t, n in self._released if now - t <= span) / span
 
-    def far(self, round_trip: float) -> bool:
-        """The pass's first part took ``round_trip`` seconds: one step at once if that says the
-        endpoint is far (and nothing grew the budget yet). True if it grew."""
-        if round_trip < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
+    def far(self, latency: float) -> bool:
+        """The pass's first part's first byte took ``latency`` seconds: one step at once if that
+        says the endpoint is far (and nothing grew the budget yet). True if it grew."""
+        if latency < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
             return False
         return self._grow(int(self.limit * STEP))
 
@@ -85,13 +89,13 @@ class Budget:
         _learned[self.key] = self.limit
         return True
 
-    def stalled(self, round_trip: float, now: float | None = None) -> bool:
-        """The reader waited for a part the budget had held back, which took ``round_trip``
-        seconds from its request to its last byte: grow if latency made it wait. True if it grew."""
+    def stalled(self, latency: float, now: float | None = None) -> bool:
+        """The reader waited for a part the budget had held back, whose first byte took
+        ``latency`` seconds from its request: grow if latency made it wait. True if it grew."""
         rate = self.rate(now)
         if rate is None or self.limit >= self.most:
             return False
-        product = rate * round_trip
+        product = rate * latency
         if product < LATENCY_SHARE * self.limit:
-            return False  # the part was slow to come, not late to be asked for: more would not help
+            return False  # bandwidth, not latency, kept it: more in flight would not help
         return self._grow(max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -261,11 +262,14 @@ class AsyncClient:
             session.connect_ahead(key, count)
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
-                  chunks: bool = False) -> bytes | Chunks:
+                  chunks: bool = False, first_byte: list[float] | None = None) -> bytes | Chunks:
         """Bytes ``[start, end)`` of ``url``, retried until ``retry_deadline`` (``_retrying``).
 
         ``chunks=True`` lets the body come back unjoined (``Chunks``) where the backend can
-        (S3's presigned GETs); other backends return ``bytes`` either way.
+        (S3's presigned GETs); other backends return ``bytes`` either way. ``first_byte``, where
+        the backend streams the body here (S3's presigned GETs), gets the seconds from the
+        successful try's request to its first byte: the latency, without the transfer or the
+        waits of earlier tries (BUDGET-GROWTH).
 
         RESUME: on S3's presigned GETs a retry asks only for the bytes after those already
         received (a connection reset after k bytes re-requests ``[start + k, end)``), and the
@@ -288,8 +292,10 @@ class AsyncClient:
         async def once() -> bytes | Chunks:
             fs = await self._open()
             if self._presigned is not None:
-                begin = start + body.size
+                begin, tried = start + body.size, time.monotonic()
                 await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
+                if first_byte is not None and body.first_at is not None and body.first_at >= tried:
+                    first_byte.append(body.first_at - tried)
                 size = body.size
             else:
                 data = await self._call("_cat_file", "cat_file", url, start=start + cached, end=end)

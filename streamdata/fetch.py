@@ -183,9 +183,9 @@ class Prefetcher:
         self.budget.released(nbytes)
         self._wake.set()
 
-    def _budget_event(self, grows: Callable[[float], bool], round_trip: float) -> None:
+    def _budget_event(self, grows: Callable[[float], bool], latency: float) -> None:
         """BUDGET-GROWTH: a held-back part waited for (``Budget.stalled``), or the first part in."""
-        if grows(round_trip):
+        if grows(latency):
             if self._counters is not None:
                 self._counters.add("budget.grown")
             self._wake.set()
@@ -289,13 +289,13 @@ class Prefetcher:
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future, index: int, offset: int, held: bool = False) -> None:
-        sent = time.monotonic()
+        latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
         try:
-            data = await self.client.get(url, start, end, chunks=True)
-            if held:  # the budget held its request back: a wait for it may grow the budget
-                fut.round_trip = time.monotonic() - sent  # type: ignore[attr-defined]
-            elif index == 0 and offset == 0:  # the pass's first bytes: how far the endpoint is
-                self._budget_event(self.budget.far, time.monotonic() - sent)
+            data = await self.client.get(url, start, end, chunks=True, first_byte=latency)
+            if held and latency:  # the budget held its request back: a wait for it may grow it
+                fut.latency = latency[0]  # type: ignore[attr-defined]
+            elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
+                self._budget_event(self.budget.far, latency[0])
             size = body_size(data)
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
@@ -367,8 +367,8 @@ class ItemReader:
                 stalled = not fut.done()
                 data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
                                    url=self.url, check=f._check)
-                if stalled and hasattr(fut, "round_trip"):  # BUDGET-GROWTH
-                    f._io.call_soon(f._budget_event, f.budget.stalled, fut.round_trip)
+                if stalled and hasattr(fut, "latency"):  # BUDGET-GROWTH
+                    f._io.call_soon(f._budget_event, f.budget.stalled, fut.latency)
                 pending.popleft()
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one

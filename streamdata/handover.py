@@ -59,7 +59,8 @@ _lock = threading.Lock()
 _offers: list[tuple[Key, socket.socket, float]] = []  # in offer order: the first goes to the next child
 _stats = {"offered": 0, "claimed": 0, "dropped": 0, "handed": 0, "spared": 0}
 _Offer = tuple[Key, socket.socket, float]
-_forking: tuple[bool, list[_Offer]] = (False, [])  # (lock held, the offers the child gets)
+# per forking thread (two threads may fork at once): (lock held, the offers the child gets)
+_forking: dict[int, tuple[bool, list[_Offer]]] = {}
 _children: tuple[int, float] = (0, 0.0)  # (children still to come, since when): ``share_among``
 
 
@@ -130,8 +131,10 @@ def spare(key: Key, address: tuple, count: int | None = None) -> list[socket.soc
     ``getpeername()``), up to ``count`` (default ``STREAMDATA_SPARE_CONNECTIONS``) with those
     already offered to ``key``, and offer them as they are (no wait: a claim takes one once its
     handshake is done). Plain http only; returns those started (for ``withdraw``)."""
+    if key[0] != "http" or not handover():
+        return []
     count = spare_connections() if count is None else count
-    if key[0] != "http" or not handover() or count <= 0:
+    if count <= 0:
         return []
     family = socket.AF_INET6 if len(address) == 4 else socket.AF_INET
     with _lock:
@@ -156,6 +159,9 @@ def spare(key: Key, address: tuple, count: int | None = None) -> list[socket.soc
         _offers.extend((key, sock, now) for sock in started)
         _stats["spared"] += len(started)
         _stats["offered"] += len(started)
+        while len(_offers) > MAX_OFFERS:  # an offer made meanwhile: the oldest go
+            _close(_offers.pop(0)[1])
+            _stats["dropped"] += 1
     return started
 
 
@@ -217,15 +223,15 @@ def _share() -> int:
 
 
 def _before_fork() -> None:
-    global _forking
     held = _lock.acquire(timeout=1.0)  # a holder only closes or polls sockets: never long
-    _forking = (held, _offers[:_share()] if held else [])
+    if held:
+        _prune(time.monotonic())  # aged offers are neither handed nor counted in a share
+    _forking[threading.get_ident()] = (held, _offers[:_share()] if held else [])
 
 
 def _in_parent() -> None:
-    global _forking, _children
-    held, handed = _forking
-    _forking = (False, [])
+    global _children
+    held, handed = _forking.pop(threading.get_ident(), (False, []))
     if not held:
         return  # the child closed every offer: the parent keeps them
     try:
@@ -241,9 +247,10 @@ def _in_parent() -> None:
 
 
 def _in_child() -> None:
-    global _lock, _forking, _children
-    held, handed = _forking
-    _lock, _forking, _children = threading.Lock(), (False, []), (0, 0.0)  # the parent's lock may look held
+    global _lock, _children
+    held, handed = _forking.pop(threading.get_ident(), (False, []))
+    _forking.clear()  # another parent thread's fork state means nothing here
+    _lock, _children = threading.Lock(), (0, 0.0)  # the parent's lock may look held here
     kept = [entry for entry in handed if held]
     for entry in list(_offers):
         if not any(entry is mine for mine in kept):

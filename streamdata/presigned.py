@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 __all__ = ["Body", "PresignedS3", "content_total", "forget_session", "http_probe", "no_hidden_retry"]
@@ -17,17 +18,21 @@ __all__ = ["Body", "PresignedS3", "content_total", "forget_session", "http_probe
 
 class Body:
     """What one ranged GET has received so far, kept across its tries: a retry asks only for
-    the bytes after ``size`` (RESUME, see ``AsyncClient.get``)."""
+    the bytes after ``size`` (RESUME, see ``AsyncClient.get``). ``first_at``: when its first
+    byte arrived (``time.monotonic()``; the request's latency for BUDGET-GROWTH)."""
 
-    __slots__ = ("chunks", "size", "wire")
+    __slots__ = ("chunks", "first_at", "size", "wire")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.size = 0  # bytes kept in ``chunks``
         self.wire = 0  # body bytes that arrived, kept or not
+        self.first_at: float | None = None
 
     def keep(self, piece: bytes, wire: int | None = None) -> None:
         if piece:
+            if self.first_at is None:
+                self.first_at = time.monotonic()
             self.chunks.append(piece)
             self.size += len(piece)
         self.wire += len(piece) if wire is None else wire

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .backends import call_with_deadline, close_filesystem, filesystem, lite_path, lite_s3, warm_imports
-from .config import FetchConfig
+from .config import FetchConfig, lite_http
 from .errors import AccessDeniedError, ShardNotFoundError, SpecError
 from .idle import run_pending
 
@@ -177,7 +177,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
         try:
             # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
             return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
-                             while_waiting=warm, spares=True)
+                             while_waiting=warm, spares=lite_http())  # readers on LITE-HTTP claim them
         except LiteUnsupported:
             return None
 

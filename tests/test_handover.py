@@ -232,6 +232,37 @@ def test_a_spare_that_could_not_connect_is_dropped_not_claimed() -> None:
     assert handover.spare(("https", "127.0.0.1", port), ("127.0.0.1", port), 2) == []  # TLS: never
 
 
+def test_a_fork_hook_that_times_out_leaves_another_threads_fork_alone() -> None:
+    """Two threads forking at once: the one whose hook could not take the registry's lock (1 s)
+    must not overwrite the other's fork state, or the other's after-fork hook never releases
+    the lock and every later claim hangs (found in review)."""
+    handover._before_fork()  # this thread takes the lock, as its fork would
+    try:
+        other = threading.Thread(target=lambda: (handover._before_fork(), handover._in_parent()))
+        other.start()
+        other.join(10)  # its wait for the lock times out after 1 s
+        assert not other.is_alive()
+    finally:
+        handover._in_parent()
+    assert not handover._lock.locked() and handover._forking == {}
+
+
+def test_no_spares_where_no_reader_would_claim_them(shards, monkeypatch) -> None:
+    """Readers off LITE-HTTP (aiohttp) claim nothing: the constructor opens no spare for them;
+    and an https or hand-over-off process never reads the spare count (a bad value is harmless)."""
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "4")
+    monkeypatch.setenv("STREAMDATA_LITE_HTTP", "0")
+    before = handover.stats()
+    ds = _dataset(opts, spec)
+    assert handover.stats()["spared"] == before["spared"] and len(handover._offers) == 1
+    assert sorted(s["__key__"] for s in ds) == KEYS
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "many")
+    assert handover.spare(("https", "127.0.0.1", 1), ("127.0.0.1", 1)) == []
+    monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
+    assert handover.spare(("http", "127.0.0.1", 1), ("127.0.0.1", 1)) == []
+
+
 def test_spares_count_what_is_offered_already(shards) -> None:
     proxy, opts, _ = shards
     key = _key(opts)
