@@ -29,7 +29,8 @@ first batch). The rules:
   connection is the parent's too until the parent drops it); in the parent the sockets handed
   to that child are closed (its descriptors) and forgotten, so the parent never sends on them.
   The registry's lock is held across the fork (``_fork``'s before and after-in-parent hooks),
-  so no other thread changes it in between;
+  so no other thread changes it in between; what a hook hands on is kept per forking thread
+  (a second thread's hook that could not take the lock must not touch the first's);
 - expired offers are closed when the registry is next touched (no timer thread).
 
 ``STREAMDATA_HANDOVER=0`` (``config.handover``) closes every offered socket instead (and
