@@ -6,16 +6,17 @@ earlier pass of this process learned for the same endpoint) and never holds more
 reader waited for a part (a *stall*) whose request the budget had held back, and what the
 reader consumes during that part's latency (from its request to its first byte: its rate times
 that time, the bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that
-latency, not bandwidth, made it wait. The latency is the first byte's, not the last's: a
-reader whose link is the limit waits for each part about ``budget / bandwidth`` to its last
-byte, which would read as latency at any distance (found in review: 54 ms at 1.25 GB/s and
-0 ms one-way). Only backends that stream the body to streamdata tell the first byte (S3's
-presigned and LITE-S3 GETs: ``AsyncClient.get(first_byte=...)``); on the others the budget
-stays as set. It then grows by ``STEP`` (or to the product, with a quarter more
-and one part, if that is more), capped. The product alone would not do as the rule: a
-budget-bound reader's rate is set by its budget, and the bytes it holds are not only in flight
-(fetched parts wait to be parsed, budget comes back a MiB at a time), so at 64 MiB and 100 ms
-one-way the product read 28-48 MB while the reader stalled. So:
+latency, not bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a
+quarter more and one part, if that is more), capped.
+
+The product alone would not do as the rule: a budget-bound reader's rate is set by its budget,
+and the bytes it holds are not only in flight (fetched parts wait to be parsed, budget comes
+back a MiB at a time), so at 64 MiB and 100 ms one-way the product read 28-48 MB while the
+reader stalled. The latency is the first byte's, not the last's: a reader whose link is the
+limit waits for each part about ``budget / bandwidth`` to its last byte, which would read as
+latency at any distance (found in review: 54 ms at 1.25 GB/s and 0 ms one-way). Only backends
+that stream the body to streamdata tell the first byte (S3's presigned and LITE-S3 GETs:
+``AsyncClient.get(first_byte=...)``); on the others the budget stays as set. So:
 
 - at a short round trip a part arrives in milliseconds and the product stays far below the
   budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);

@@ -212,7 +212,7 @@ def share_among(children: int) -> None:
         _children = (max(0, children), time.monotonic())
 
 
-# ---- fork: the next child gets the first offer --------------------------------------------
+# ---- fork: the next child gets the first offers (its share) --------------------------------------------
 
 
 def _share() -> int:
@@ -249,14 +249,13 @@ def _in_parent() -> None:
 
 def _in_child() -> None:
     global _lock, _children
-    held, handed = _forking.pop(threading.get_ident(), (False, []))
+    _, handed = _forking.pop(threading.get_ident(), (False, []))
     _forking.clear()  # another parent thread's fork state means nothing here
     _lock, _children = threading.Lock(), (0, 0.0)  # the parent's lock may look held here
-    kept = [entry for entry in handed if held]
-    for entry in list(_offers):
-        if not any(entry is mine for mine in kept):
+    for entry in list(_offers):  # ``handed`` is empty unless the lock was held across the fork
+        if not any(entry is mine for mine in handed):
             _close(entry[1])
-    _offers[:] = kept
+    _offers[:] = handed
     _stats.update(offered=len(_offers), claimed=0, dropped=0, handed=0, spared=0)
 
 

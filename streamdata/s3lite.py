@@ -200,11 +200,10 @@ class LiteS3:
                 token = top.get("NextContinuationToken")
                 if top.get("IsTruncated") != "true" or not token:
                     return out
-        except ET.ParseError as exc:
-            withdraw(started)
-            raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
-        except BaseException:
-            withdraw(started)
+        except BaseException as exc:
+            withdraw(started)  # nobody reads next: the spares close again
+            if isinstance(exc, ET.ParseError):
+                raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
             raise
         finally:
             self._finish(conn, resp)
