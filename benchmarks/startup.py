@@ -304,8 +304,10 @@ def stages(r: dict[str, Any], events: list[tuple[str, float, int, str]], n_sampl
         "budget_grown": r.get("budget_grown"),
     }
     if len(r["epochs"]) > 1:
-        e2 = r["epochs"][1]
+        e2, later = r["epochs"][1], r["epochs"][1:]
         out["epoch2_from_iter_s"] = e2["first"] - e2["iter"]
+        # epochs after the first, from each one's iter() to its last batch (persistent workers)
+        out["later_sps"] = sum(e["samples"] for e in later) / sum(e["end"] - e["iter"] for e in later)
     return out
 
 
@@ -395,14 +397,17 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
                      f"| {_cell(_med(rs, 'cpu_ms_per_sample'), 3)} "
                      f"| {kinds or '—'} |")
     if any("epoch2_from_iter_s" in r for r in good):
-        lines += ["", "| delay | method | epoch 2 first batch from iter s |", "|---:|---|---:|"]
+        lines += ["", "| delay | method | epoch 2 first batch from iter s | epochs 2.. samples/s |",
+                  "|---:|---|---:|---:|"]
         for delay, method in keys:
             rs = [r for r in good if (r["delay_ms"], r["method"]) == (delay, method)]
-            lines.append(f"| {delay:g} ms | {method} | {_cell(_med(rs, 'epoch2_from_iter_s'))} |")
+            lines.append(f"| {delay:g} ms | {method} | {_cell(_med(rs, 'epoch2_from_iter_s'))} "
+                         f"| {_cell(_med(rs, 'later_sps'), 0)} |")
     methods = sorted({m for _, m in keys})
     pairs = [("streamdata", "webdataset", "whole_sps"), ("streamdata", "wire", "whole_sps")]
     pairs += [("streamdata", m, k) for m in methods if m.startswith(("streamdata@", "streamdata%"))
-              for k in ("whole_sps", "steady_sps", "first_batch_s", "cpu_ms_per_sample")]
+              for k in ("whole_sps", "steady_sps", "first_batch_s", "cpu_ms_per_sample",
+                        "epoch2_from_iter_s", "later_sps")]
     lines += ["", "Per round: median (min–max)", "", "| delay | ratio | median | min–max | rounds |",
               "|---:|---|---:|---:|---:|"]
     for delay in sorted({d for d, _ in keys}):

@@ -303,17 +303,20 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._note_plan(p)
         policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe())
         early, self._early = self._early, None
-        if early is not None and early.p == p:  # NEXT-EPOCH-EARLY: its requests are out already
-            reads, fetcher = early.reads, early.fetcher
+        if early is not None and early.p == p:  # NEXT-EPOCH-EARLY: its requests may be out already
+            reads, fetcher, first = early.reads, early.fetcher, early.first
         else:
             if early is not None:
                 early.fetcher.close()
-            reads, fetcher = self._start(p, policy)
-        opened = self._opened(reads, fetcher, lambda: self._start_next(p, batch_size, drop_last))
+            reads, items = self._items(p, policy)
+            fetcher, first = self._fetcher(items, p), 0
+        queued = self._queue_next(fetcher, batch_size, drop_last)
+        opened = zip(reads, fetcher.readers(first, first + len(reads)), strict=True)
         records = policy.units(self._read(p, u, part, r) for (u, part), r in opened)
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
                             p.windows)
-        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close)
+        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
+                             keep=lambda: self._hand_on(queued))
 
     def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
         """One read's records; a shard-level split's counted per unit (``state.Position``)."""
@@ -324,10 +327,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             records = skipped(records, part[0], lambda n: self._counters.add("resumed.reread", n))
         return records if p.span is not None or self._live is None else self._live.count_unit(records)
 
-    def _start(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, Prefetcher]:
-        """A pass's fetch items and its prefetcher, whose requests start now."""
+    def _items(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, list[FetchItem]]:
+        """A pass's reads and their fetch items; a unit whose byte ranges cannot be worked out
+        is a bad unit (the policy's)."""
         reads, items = [], []
-        for unit, part in p.reads:  # a unit whose byte ranges cannot be worked out is a bad unit
+        for unit, part in p.reads:
             try:
                 items.append(self.fetch_item(unit) if part is None or part[1] is None
                              else self.fetch_segment(unit, *part))
@@ -335,31 +339,35 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 policy.check(exc)
                 continue
             reads.append((unit, part))
-        return reads, Prefetcher(items, self.storage_options, self.fetch_config, where=p.world.describe(),
-                                 counters=self._counters)
+        return reads, items
 
-    @staticmethod
-    def _opened(reads: list, fetcher: Prefetcher, last: Callable[[], None]) -> Iterator[tuple[Any, Any]]:
-        """``(read, item reader)`` pairs; ``last()`` runs as the last item is taken."""
-        for i, pair in enumerate(zip(reads, fetcher, strict=True)):
-            if i == len(reads) - 1:
-                last()
-            yield pair
+    def _fetcher(self, items: list[FetchItem], p: ReaderPass) -> Prefetcher:
+        """A pass's prefetcher, whose requests start now."""
+        return Prefetcher(items, self.storage_options, self.fetch_config, where=p.world.describe(),
+                          counters=self._counters)
 
-    def _start_next(self, p: ReaderPass, batch_size: int | None, drop_last: bool) -> None:
-        """NEXT-EPOCH-EARLY: in a persistent worker (``early_next_epoch``), once this pass has
-        asked for its last unit, the next pass (the same plan the next ``iter()`` computes) starts
-        its requests, so the next epoch's first batch does not wait for them. The next pass
-        adopts it only if it is that same pass, else closes it; a worker that ends drops it with
-        its process. A failure here is left for the next pass to meet."""
+    def _queue_next(self, fetcher: Prefetcher, batch_size: int | None, drop_last: bool) -> _Early | None:
+        """NEXT-EPOCH-EARLY: in a persistent worker (``early_next_epoch``), the next pass (the
+        same plan the next ``iter()`` computes) is queued in this pass's prefetcher behind this
+        pass's items: its requests go out as soon as this pass's last part is requested, on
+        the same connections, within the same byte budget. It is handed on only if this pass
+        runs to its end (``_hand_on``); the next pass adopts it only if it is that same pass,
+        else closes it; a worker that ends drops it with its process. A failure here is left
+        for the next pass to meet."""
         if not self.early_next_epoch or torch.utils.data.get_worker_info() is None:
-            return
+            return None
         try:
             nxt = self._plan_pass(self.epoch, batch_size, drop_last)
-            policy = ErrorPolicy(self.on_error, self._counters, where=nxt.world.describe())
-            self._early = _Early(nxt, *self._start(nxt, policy))
+            reads, items = self._items(nxt, ErrorPolicy(self.on_error, self._counters,
+                                                        where=nxt.world.describe()))
+            return _Early(nxt, reads, fetcher, fetcher.extend(items)) if items else None
         except StreamDataError:
-            self._early = None
+            return None
+
+    def _hand_on(self, queued: _Early | None) -> bool:
+        """A pass ran to its end: the next pass queued in its prefetcher, if any, is kept."""
+        self._early = queued
+        return queued is not None
 
     def _note_plan(self, p: ReaderPass) -> None:
         """Count what an exact epoch's plan repeats or leaves out; log the left-out once."""

@@ -16,9 +16,7 @@ part the consumer waits for is never queued behind later ones (no deadlock).
 
 With ``cache_dir`` (``streamdata.cache``), an item found in the cache is served from disk
 through the same ``ItemReader`` (no request, no budget); any other item's parts are also
-written to the cache as they arrive (CACHE-PUBLISH, CACHE-VERIFY), by a thread of their own
-after the reader has them, so the loop never waits for the disk. Parts queued for it hold at
-most ``byte_budget`` bytes more; past that, an item is streamed without being cached.
+written to the cache as they arrive (``tee``: CACHE-PUBLISH, CACHE-VERIFY).
 """
 
 from __future__ import annotations
@@ -27,20 +25,19 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
-import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from ._aio import wait_future, wait_threads_gone
+from ._aio import wait_future
 from .backends import translate_error
 from .budget import Budget
-from .cache import Cache, CorruptEntry, Entry, Writer, cache_key
+from .cache import Cache, CorruptEntry, Entry
 from .client import AsyncClient, Chunks, body_size
 from .config import FetchConfig
 from .errors import StreamDataError
 from .metrics import Counters
 from .parts import FIRST_HOLD_MAX_S, Range, first_part_size, first_parts, split_parts
+from .tee import CacheTee
 from .urls import Shard, split_url
 
 __all__ = ["FetchItem", "ItemReader", "Prefetcher"]
@@ -63,7 +60,6 @@ _Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
 _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
-_WRITTEN_POLL_S = 0.01  # how often a pass looks whether the entry it waits for is written
 
 
 def _ahead_count(cfg: FetchConfig) -> int:
@@ -83,8 +79,7 @@ class Prefetcher:
     def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, where: str = "",
                  counters: Counters | None = None) -> None:
-        self.items = [i if isinstance(i, FetchItem) else
-                      FetchItem(i.url, i.size, None, getattr(i, "etag", None)) for i in items]
+        self.items = [_as_item(i) for i in items]
         self.config = config or FetchConfig()
         self.where = where
         protocols = {split_url(i.url)[0] for i in self.items}
@@ -99,10 +94,10 @@ class Prefetcher:
         self._endpoint = self.client.endpoint  # LITE-S3's (scheme, host, port): WARM-HANDOVER
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         cfg = self.config
+        self._io = self.client.io
         self.cache = Cache(cfg.cache_dir, cfg.cache_limit, counters) if cfg.cache_dir else None
-        self._writers: dict[int, Writer] = {}  # item index: its cache entry being written
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="streamdata-cache") if self.cache else None
-        self._disk_queued = 0  # bytes of parts handed to the disk thread, not yet written
+        self._tee = (CacheTee(self.cache, cfg.byte_budget, self._io.call_soon, self._wait_timeout())
+                     if self.cache is not None else None)
         self.peak_reserved = 0
         self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,  # BUDGET-GROWTH
                              key=self._endpoint or self.client.protocol)
@@ -111,18 +106,43 @@ class Prefetcher:
         self._plans: list[concurrent.futures.Future[_Plan]] = [
             concurrent.futures.Future() for _ in self.items]
         self._consumer = 0
+        self._fence = 0  # the first item ``extend`` queued last: past it, wait for the reader
         self._reserved = 0
         self._inflight = 0
         self._closed = False
-        self._io = self.client.io
         self._wake = asyncio.Event()
         self._scheduler = self._io.submit(self._schedule())
 
     # ---- consumer side (the reader's thread) -------------------------------------------
 
     def __iter__(self) -> Iterator[ItemReader]:
-        for index in range(len(self.items)):
+        return self.readers(0, len(self.items))
+
+    def readers(self, start: int, stop: int) -> Iterator[ItemReader]:
+        """One ``ItemReader`` for each of items ``start`` to ``stop`` (one pass's, ``extend``)."""
+        for index in range(start, stop):
             yield ItemReader(self, index)
+
+    def extend(self, items: Sequence[FetchItem | Shard]) -> int:
+        """Queue ``items`` after those already given (NEXT-EPOCH-EARLY: the next pass of a
+        persistent worker); the index of the first of them. They are fetched in order, on the
+        same connections and within the same byte budget: the first of them as soon as every
+        part before it is requested, the others once the reader has taken the item before them
+        (a job that ends after this pass fetches one item it does not read, not a budget's worth).
+        """
+
+        more = [_as_item(i) for i in items]
+
+        def add() -> int:  # on the loop, where the scheduler reads the lists
+            start = len(self.items)
+            self._plans.extend(concurrent.futures.Future() for _ in more)
+            self.items.extend(more)
+            self._fence = start
+            self._wake.set()
+            return start
+
+        return wait_future(self._io.submit(_call(add)), self._wait_timeout(), what="queueing the next pass",
+                           url=more[0].url if more else "", check=self._check)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -136,13 +156,8 @@ class Prefetcher:
             return
         self._closed = True
         self.client.close()
-        if self._disk is not None:  # parts queued (byte_budget at most) are written: a pass that
-            threads = list(getattr(self._disk, "_threads", ()))  # ends publishes its last items
-            self._disk.shutdown(wait=True)
-            wait_threads_gone(threads)
-        for writer in self._writers.values():  # loop and disk thread gone: unfinished entries dropped
-            writer.abort()
-        self._writers.clear()
+        if self._tee is not None:  # parts queued are written; unfinished entries dropped
+            self._tee.close()
         for plan in self._plans:  # cache entries opened ahead that no reader took
             if plan is not _DONE and plan.done() and not plan.cancelled() and plan.exception() is None \
                     and isinstance(plan.result(), Entry):
@@ -211,8 +226,10 @@ class Prefetcher:
     async def _schedule(self) -> None:
         cfg = self.config
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
-        for index, item in enumerate(self.items):
-            await self._until(lambda index=index: index < self._consumer + cfg.window)
+        for index in itertools.count():  # items may be added (``extend``): wait for them
+            await self._until(lambda index=index: index < min(len(self.items), self._consumer + cfg.window)
+                              and (index <= self._fence or self._consumer >= self._fence - 1))
+            item = self.items[index]
             try:
                 ranges = item.ranges
                 if ranges is None:
@@ -225,19 +242,11 @@ class Prefetcher:
                 opening = index == 0 and item.ranges is None
                 small = first_part_size(cfg.first_part, self._endpoint) if opening else None
                 parts = split_parts(ranges, cfg.part_size, small)
-                writer = None
-                if self.cache is not None and all(end is not None for _, end in ranges):
-                    length = sum(end - start for start, end in ranges)
-                    key = cache_key(item.url, ranges, item.size, item.etag)
-                    await self._written(key)
-                    entry = self.cache.lookup(key, length)
+                if self._tee is not None:
+                    entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
                     if entry is not None:  # from disk: no request, no budget
-                        entry.ranges = ranges
                         self._plans[index].set_result(entry)
                         continue
-                    writer = self.cache.writer(key, length)
-                    if writer is not None:
-                        self._writers[index] = writer
             except Exception as exc:
                 self._plans[index].set_exception(translate_error(exc, item.url))
                 continue
@@ -276,17 +285,6 @@ class Prefetcher:
                 except TimeoutError:
                     pass
 
-    async def _written(self, key: str) -> None:
-        """While another pass of this process writes cache entry ``key`` (the pass this one
-        follows, NEXT-EPOCH-EARLY), wait for it, at most half the reader's wait for a plan:
-        then the lookup finds the entry (one download), or the item streams as before."""
-        done = self.cache.being_written(key)
-        if done is None:  # the common case: no pass of this process writes it
-            return
-        deadline = time.monotonic() + self._wait_timeout() / 2
-        while not done.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(_WRITTEN_POLL_S)
-
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future, index: int, offset: int, held: bool = False) -> None:
         latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
@@ -304,14 +302,13 @@ class Prefetcher:
                 fut.set_result(data)  # the reader first: the cache adds no wait
             else:
                 self._reserved -= size
-            if index in self._writers:  # also when the reader gave up: the entry can still complete
-                self._to_disk(index, offset, data, size)
+            if self._tee is not None:  # also when the reader gave up: the entry can still complete
+                self._tee.write(index, offset, data, size)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            writer = self._writers.pop(index, None)
-            if writer is not None:
-                self._disk.submit(writer.abort)  # after its parts already queued
+            if self._tee is not None:
+                self._tee.abort(index)
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(exc)
         finally:
@@ -319,23 +316,14 @@ class Prefetcher:
             self._wake.set()
 
 
-    def _to_disk(self, index: int, offset: int, data: bytes | Chunks, size: int) -> None:
-        """Hand a part to the disk thread (CACHE-PUBLISH); past ``byte_budget`` bytes queued,
-        drop the item's entry instead (the disk is slower than the network)."""
-        writer = self._writers[index]
-        if self._disk_queued + size > self.config.byte_budget:
-            del self._writers[index]
-            self._disk.submit(writer.abort)
-            return
-        self._disk_queued += size
+async def _call(fn: Callable[[], int]) -> int:
+    return fn()
 
-        def written(_: concurrent.futures.Future) -> None:  # on the loop
-            self._disk_queued -= size
-            if not writer.active and self._writers.get(index) is writer:  # published, or failed
-                del self._writers[index]
 
-        self._disk.submit(writer.write, offset, data).add_done_callback(
-            lambda f: self._io.call_soon(written, f))
+def _as_item(item: FetchItem | Shard) -> FetchItem:
+    if isinstance(item, FetchItem):
+        return item
+    return FetchItem(item.url, item.size, None, getattr(item, "etag", None))
 
 
 class ItemReader:

@@ -32,11 +32,15 @@ class EpochIterator:
 
     Closing it (explicitly, at exhaustion, on error, or when garbage-collected after an
     early ``break``) closes the prefetcher: no thread, task or connection is left behind.
+    Only at exhaustion, ``keep()`` may say that the prefetcher goes on serving the next pass
+    (NEXT-EPOCH-EARLY in ``dataset``): then it is not closed here.
     """
 
-    def __init__(self, items: Iterator[Any], close: Callable[[], None]) -> None:
+    def __init__(self, items: Iterator[Any], close: Callable[[], None], *,
+                 keep: Callable[[], bool] | None = None) -> None:
         self._items = items
         self._close: Callable[[], None] | None = close
+        self._keep = keep
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -46,15 +50,20 @@ class EpochIterator:
             raise StopIteration
         try:
             return next(self._items)
+        except StopIteration:
+            self.close(finished=True)
+            raise
         except BaseException:
             self.close()
             raise
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """End the pass; ``finished``: it ran to its end (only then may ``keep`` keep the fetch)."""
         close, self._close = self._close, None
         if close is not None:
             getattr(self._items, "close", lambda: None)()
-            close()
+            if not (finished and self._keep is not None and self._keep()):
+                close()
 
     def __del__(self) -> None:
         self.close()
@@ -96,11 +105,13 @@ class ReaderPass:
 
 @dataclass(frozen=True)
 class _Early:
-    """A pass whose requests started before its ``iter()`` (NEXT-EPOCH-EARLY)."""
+    """A pass queued in the prefetcher of the pass before it, from item ``first`` on
+    (NEXT-EPOCH-EARLY): its requests go out as soon as that pass's last part is requested."""
 
     p: ReaderPass
     reads: list
     fetcher: Prefetcher
+    first: int
 
 
 @dataclass(frozen=True)

@@ -571,3 +571,43 @@ def test_s3_parts_arrive_unjoined_and_their_budget_comes_back(s3fs_fs):
         assert blob.startswith(first) and 0 < len(first) < MiB  # one chunk of the first part
         reader.close()  # mid-part: the rest of this part and the parts in flight are let go
         assert _wait_reserved_zero(fetcher) == 0
+
+
+def _settled(count, expected: int, timeout: float = 10.0) -> int:
+    """``count()`` once it has reached ``expected`` (or the timeout passed) and then held still
+    for a moment: what the fetcher asked for, not a snapshot of it on its way."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while count() < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    return count()
+
+
+def test_items_queued_later_follow_in_order_and_wait_for_the_reader_past_the_first(s3fs_fs):
+    """``extend`` (NEXT-EPOCH-EARLY): the queued items' bytes come exact and in order; the first
+    of them is requested as soon as the items before it are, the others only once the reader
+    has taken the item before them (a job that ends there fetched one item it never reads)."""
+    from benchmarks.faults import FaultProxy
+
+    server, bucket, fs = s3fs_fs
+    blobs = [os.urandom(1000 + 37 * i) for i in range(6)]
+    for i, blob in enumerate(blobs):
+        fs.pipe_file(f"{bucket}/q-{i}", blob)
+    shards = sd.expand_spec(f"s3://{bucket}/q-{{0..5}}", server.storage_options)
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        gets = lambda: proxy.requests.get("get", 0)  # noqa: E731
+        with Prefetcher(shards[:3], options, FetchConfig(window=8)) as fetcher:
+            readers = iter(fetcher)
+            got = [b"".join(next(readers).chunks()) for _ in range(2)]
+            assert _settled(gets, 3) == 3
+            assert fetcher.extend(shards[3:]) == 3
+            assert _settled(gets, 4) == 4  # the first queued item only: the reader is not there yet
+            got.append(b"".join(next(readers).chunks()))  # the last item before them taken
+            assert _settled(gets, 6) == 6
+            got += [b"".join(reader.chunks()) for reader in fetcher.readers(3, 6)]
+            assert next(readers, None) is None
+    assert got == blobs
+    assert not _streamdata_threads()

@@ -1,6 +1,6 @@
-"""NEXT-EPOCH-EARLY: persistent workers start the next epoch's requests once their pass has
-asked for its last shard; the next epoch adopts them. Same samples, same order, no request
-made twice, none left behind when the loop stops."""
+"""NEXT-EPOCH-EARLY: a persistent worker queues its next pass behind the current one in the same
+prefetcher; the next epoch adopts it. Same samples, same order, no request made twice, no new
+connection per epoch, none left behind when the loop stops."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def test_the_next_epochs_requests_go_out_before_its_iter_and_none_twice(proxied)
         after = proxy.requests.get("get", 0)
     assert sorted(first) == sorted(second) and len(first) == sum(COUNTS)
     assert before_iter > len(COUNTS), proxy.requests  # epoch 1's GETs and some of epoch 2's
-    # each shard once per epoch (small shards: one GET each), and epoch 3's early start began
-    # only if epoch 2 asked for its last shard before the loader closed
+    # each shard once per epoch (small shards: one GET each), and epoch 3's queued pass went out
+    # only as far as epoch 2 had got when the loader closed
     assert 2 * len(COUNTS) <= after <= 3 * len(COUNTS), proxy.requests
 
 
@@ -79,3 +79,55 @@ def test_a_loop_that_stops_leaves_no_requests_behind(proxied):
     settled = dict(proxy.requests)
     time.sleep(1.0)
     assert proxy.requests == settled, "requests after the loader closed"
+
+
+@pytest.fixture
+def delayed(s3_bucket):
+    import s3fs
+
+    from benchmarks.common import upstream
+    from benchmarks.proxy import LatencyProxy
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    write_shards(fs, f"{bucket}/ep", counts=COUNTS)
+    with LatencyProxy(*upstream(server.endpoint_url), delay_s=0.02) as proxy:
+        url = proxy.url_for(server.endpoint_url)
+        yield f"s3://{bucket}/ep/", {**server.storage_options, "endpoint_url": url}, proxy
+
+
+def test_later_epochs_read_on_the_connections_of_the_first(delayed):
+    """The next pass is queued in this pass's prefetcher: its requests go out on the connections
+    already open (no handshake per epoch), where a prefetcher of its own opened new ones."""
+    spec, options, proxy = delayed
+    ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None)
+    opened = []
+    with sd.loader(ds, batch_size=4, num_workers=2) as loader:  # persistent: early on
+        for _ in range(4):
+            keys = [k for b in loader for k in b["__key__"]]
+            assert len(keys) == sum(COUNTS) == len(set(keys))
+            opened.append(proxy.connections)
+    assert opened[0] > 0
+    assert opened[-1] == opened[0], opened  # epochs 2-4 opened none
+
+
+def test_a_loop_that_stops_early_then_goes_on_reads_every_sample_once(proxied):
+    """A pass that stops before its end does not hand its prefetcher on: the next ``iter()``
+    starts a pass of its own, with every sample once, in the order a fresh loader reads."""
+    spec, options, proxy = proxied
+    ds = sd.TarDataset(spec, storage_options=options, shuffle=True, seed=3, decode=False, index=None)
+    with sd.loader(ds, batch_size=4, num_workers=2) as loader:
+        loader.set_epoch(0)
+        first = [k for b in loader for k in b["__key__"]]
+        loader.set_epoch(1)
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        loader.set_epoch(2)
+        again = [k for b in loader for k in b["__key__"]]
+    fresh = sd.TarDataset(spec, storage_options=options, shuffle=True, seed=3, decode=False, index=None)
+    with sd.loader(fresh, batch_size=4, num_workers=2) as loader:
+        loader.set_epoch(2)
+        expected = [k for b in loader for k in b["__key__"]]
+    assert sorted(first) == sorted(again) and len(again) == sum(COUNTS)
+    assert again == expected
