@@ -24,7 +24,7 @@ from .config import FetchConfig, lite_http
 from .errors import ShardFetchError
 from .metrics import Counters
 from .presigned import Body, PresignedS3, forget_session, http_probe, no_hidden_retry
-from .retry import Throttle, backoff_s, classify
+from .retry import Throttle, backoff_s, classify, retry_after
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -60,6 +60,7 @@ class ClientStats:
     bytes: int = 0
     received: int = 0
     refetched: int = 0
+    waited_as_asked: int = 0  # retries that waited as an answer's Retry-After asked
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -362,8 +363,12 @@ class AsyncClient:
             self.stats.add(retries=1)
             if self.counters is not None:
                 self.counters.add(f"retried.{reason}")
-            await asyncio.sleep(min(backoff_s(attempt, cfg.backoff, cfg.backoff_cap),
-                                    cfg.retry_deadline - spent))
+            pause = backoff_s(attempt, cfg.backoff, cfg.backoff_cap)
+            asked_for = retry_after(last) if reason in ("throttled", "server") else None
+            if asked_for is not None:  # the answer's Retry-After, within the deadline
+                pause = max(pause, asked_for)
+                self.stats.add(waited_as_asked=1)
+            await asyncio.sleep(min(pause, cfg.retry_deadline - spent))
             attempt += 1
 
 

@@ -13,6 +13,8 @@ import re
 import time
 from typing import Any
 
+from .retry import parse_retry_after
+
 __all__ = ["Body", "PresignedS3", "content_total", "forget_session", "http_probe", "no_hidden_retry"]
 
 
@@ -118,6 +120,7 @@ class PresignedS3:
             async with self.session.get(url, headers=headers) as resp:
                 status = resp.status
                 total = content_total(resp.headers.get("Content-Range"))
+                wait = resp.headers.get("Retry-After")
                 if status == 206 or (status == 200 and not headers):
                     async for piece in _pieces(resp):
                         body.keep(piece)
@@ -148,7 +151,9 @@ class PresignedS3:
         if status == 416:
             raise OSError(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it is "
                           "shorter than listed or changed")
-        raise OSError(f"{path}: HTTP {status} {detail}")
+        err = OSError(f"{path}: HTTP {status} {detail}")
+        err.retry_after = parse_retry_after(wait)  # type: ignore[attr-defined]  (a 503's, a 429's)
+        raise err
 
     async def close(self) -> None:
         await self.session.close()

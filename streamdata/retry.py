@@ -2,8 +2,9 @@
 
 ``classify`` tells a failure that another try can fix (and why: one of
 ``metrics.RETRY_REASONS``) from one it cannot (``None``: a missing object, refused
-credentials, a bad request); ``backoff_s`` is the sleep before a retry; ``Throttle`` is
-the reader's shared limit on concurrent requests.
+credentials, a bad request); ``backoff_s`` is the sleep before a retry, at least what a
+throttled answer's ``Retry-After`` asks (``retry_after``); ``Throttle`` is the reader's shared
+limit on concurrent requests.
 
 Invariant (READER-THROTTLE): every request a reader sends (a part's first try and each
 retry, every backend, and HEADs) holds one slot of its client's ``Throttle`` while it is
@@ -19,12 +20,14 @@ oldest part first, so the part the consumer waits for is not queued behind later
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import heapq
 import itertools
 import random
 import re
+import time
 
-__all__ = ["Throttle", "backoff_s", "classify"]
+__all__ = ["Throttle", "backoff_s", "classify", "parse_retry_after", "retry_after"]
 
 # S3 / GCS error codes that no retry can fix, as they appear in an answer body or an
 # exception's text (s3fs, botocore, our presigned GETs)
@@ -106,6 +109,43 @@ def backoff_s(attempt: int, base: float, cap: float) -> float:
     """The sleep before retry ``attempt`` (from 0), with full jitter:
     ``uniform(0, min(cap, base * 2**attempt))``."""
     return random.uniform(0.0, min(cap, base * 2.0 ** min(attempt, 60)))
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds: delta-seconds, or an HTTP date (the wait
+    until then, 0 if past); ``None`` for a missing or unreadable value."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isascii() and text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT; a zone-less one is read as such
+        import datetime
+
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_after(exc: BaseException | None) -> float | None:
+    """The wait a failed request's answer asked for (``Retry-After``, on a 503 or 429): our
+    presigned GETs set ``exc.retry_after``; aiohttp's status errors carry the answer's headers."""
+    for _ in range(3):
+        if exc is None:
+            return None
+        value = getattr(exc, "retry_after", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+        headers = getattr(exc, "headers", None)
+        if headers is not None and hasattr(headers, "get"):
+            found = parse_retry_after(headers.get("Retry-After"))
+            if found is not None:
+                return found
+        exc = exc.__cause__
+    return None
 
 
 class Throttle:

@@ -19,7 +19,7 @@ from benchmarks.faults import Fault, FaultProxy, s3_error_xml
 from streamdata.config import FetchConfig
 from streamdata.fetch import FetchItem, Prefetcher
 from streamdata.metrics import COUNTERS, RETRY_REASONS, Counters
-from streamdata.retry import Throttle, backoff_s, classify
+from streamdata.retry import Throttle, backoff_s, classify, parse_retry_after, retry_after
 from tests.helpers import make_samples, read_keys, tar_bytes, write_shards
 
 MiB = 1 << 20
@@ -147,6 +147,25 @@ def test_backoff_is_full_jitter_below_a_cap():
     assert max(backoff_s(30, 0.1, 10.0) for _ in range(200)) > 5.0  # capped, not 0.1 * 2**30
 
 
+def test_retry_after_is_read_as_seconds_or_an_http_date_from_our_errors_and_aiohttps():
+    import email.utils
+    from types import SimpleNamespace
+
+    assert parse_retry_after("3") == 3.0 and parse_retry_after(" 0 ") == 0.0
+    now = 1_700_000_000.0
+    assert parse_retry_after(email.utils.formatdate(now + 7, usegmt=True), now=now) == pytest.approx(7.0)
+    assert parse_retry_after(email.utils.formatdate(now - 60, usegmt=True), now=now) == 0.0  # past
+    assert [parse_retry_after(v) for v in (None, "", "soon", "-1", "1.5")] == [None] * 5
+    ours = OSError("b/k: HTTP 503 SlowDown")
+    ours.retry_after = 2.0
+    assert retry_after(ours) == 2.0
+    theirs = OSError("503")  # aiohttp's ClientResponseError keeps the answer's headers
+    theirs.headers = {"Retry-After": "4"}
+    assert retry_after(_caused(FileNotFoundError("x"), theirs)) == 4.0
+    assert retry_after(OSError("b/k: HTTP 503")) is None
+    assert retry_after(SimpleNamespace(retry_after=True, headers=None, __cause__=None)) is None
+
+
 def test_defaults_retry_by_deadline_and_waits_outlast_it():
     cfg = FetchConfig()
     assert (cfg.retry_deadline, cfg.retries, cfg.backoff, cfg.backoff_cap) == (300.0, None, 0.1, 10.0)
@@ -167,6 +186,30 @@ def test_a_file_shorter_than_listed_fails_fast_not_at_the_deadline(tmp_path):
 
 
 # ---- S3 through the fault proxy --------------------------------------------------------------
+
+@pytest.mark.parametrize("header", ["1", "http-date"])
+def test_a_throttled_answer_is_retried_no_sooner_than_its_retry_after(proxied, header):
+    """A 503 with ``Retry-After`` is tried again after at least that wait, even where the
+    back-off alone would have retried within milliseconds; the retry is counted as throttled."""
+    import email.utils
+
+    bucket, fs, proxy, options = proxied
+    blob = os.urandom(50_000)
+    fs.pipe_file(f"{bucket}/ra", blob)
+    items = [FetchItem(f"s3://{bucket}/ra", len(blob))]
+    wait = "1" if header == "1" else email.utils.formatdate(time.time() + 2, usegmt=True)
+    proxy.add(Fault("status", status=503, body=s3_error_xml("SlowDown", "Reduce your request rate"),
+                    match="get", times=1, headers={"Retry-After": wait}))
+    counters = Counters(COUNTERS)
+    began = time.monotonic()
+    data, fetcher = _read_all(items, options, FetchConfig(backoff=0.001, backoff_cap=0.002), counters)
+    took = time.monotonic() - began
+    assert data == [blob]
+    assert took >= 0.95  # an HTTP date is read to the second: at least 1 s of its 2 remain
+    assert fetcher.stats.waited_as_asked == 1 and fetcher.stats.retries == 1
+    retried = counters.snapshot("retried.")
+    assert retried["throttled"] == 1 and sum(retried.values()) == 1
+
 
 @pytest.mark.parametrize("mode", ["reset", "503"])
 def test_a_3s_outage_of_every_request_is_survived_exactly_once(proxied, mode):
