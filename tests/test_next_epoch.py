@@ -131,3 +131,18 @@ def test_a_loop_that_stops_early_then_goes_on_reads_every_sample_once(proxied):
         expected = [k for b in loader for k in b["__key__"]]
     assert sorted(first) == sorted(again) and len(again) == sum(COUNTS)
     assert again == expected
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5])
+def test_the_next_pass_is_queued_as_the_second_read_is_taken_or_at_the_end_of_a_shorter_pass(n):
+    """Planning the next pass (0.2 s for a million shuffled shards) waits until the first read
+    is under way, so it never delays an epoch's first batch."""
+    from streamdata.dataset import ShardedDataset
+
+    calls = []
+    opened = ShardedDataset._opened(list(range(n)), iter(range(n)), lambda: calls.append(len(taken)))
+    taken = []
+    for pair in opened:  # queued just before the second read is handed out (the first taken)
+        taken.append(pair)
+        assert calls == ([1] if len(taken) >= 2 else [])
+    assert calls == [min(n, 1)] and len(taken) == n  # a shorter pass: once it is all taken
