@@ -37,6 +37,7 @@ from .config import FetchConfig
 from .errors import StreamDataError
 from .metrics import Counters
 from .parts import FIRST_HOLD_MAX_S, Range, first_part_size, first_parts, split_parts
+from .tail import Tail
 from .tee import CacheTee
 from .urls import Shard, split_url
 
@@ -79,7 +80,7 @@ class Prefetcher:
     def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, where: str = "",
                  counters: Counters | None = None) -> None:
-        self.items = [_as_item(i) for i in items]
+        self.items = Tail(_as_item(i) for i in items)
         self.config = config or FetchConfig()
         self.where = where
         protocols = {split_url(i.url)[0] for i in self.items}
@@ -103,8 +104,7 @@ class Prefetcher:
                              key=self._endpoint or self.client.protocol)
         self._counters = counters
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
-        self._plans: list[concurrent.futures.Future[_Plan]] = [
-            concurrent.futures.Future() for _ in self.items]
+        self._plans: Tail = Tail(concurrent.futures.Future() for _ in self.items)
         self._consumer = 0
         self._fence = 0  # the first item ``extend`` queued last: past it, wait for the reader
         self._reserved = 0
@@ -129,11 +129,18 @@ class Prefetcher:
         same connections and within the same byte budget: the first of them as soon as every
         part before it is requested, the others once the reader has taken the item before them
         (a job that ends after this pass fetches one item it does not read, not a budget's worth).
+        The items before the last ``extend``'s, all taken, are let go (indices stay as they
+        were): a prefetcher that serves pass after pass holds two passes' items, not every
+        epoch's. Call it from the reader's thread: the only one besides the loop that reads
+        the lists, and it waits here while the loop changes them.
         """
-
         more = [_as_item(i) for i in items]
 
         def add() -> int:  # on the loop, where the scheduler reads the lists
+            if self._consumer >= self._fence and all(
+                    self._plans[i] is _DONE for i in range(self._plans.base, self._fence)):
+                self.items.drop_before(self._fence)
+                self._plans.drop_before(self._fence)
             start = len(self.items)
             self._plans.extend(concurrent.futures.Future() for _ in more)
             self.items.extend(more)

@@ -611,3 +611,42 @@ def test_items_queued_later_follow_in_order_and_wait_for_the_reader_past_the_fir
             assert next(readers, None) is None
     assert got == blobs
     assert not _streamdata_threads()
+
+
+def test_a_prefetcher_serving_pass_after_pass_lets_the_finished_passes_go(s3fs_fs):
+    """NEXT-EPOCH-EARLY: each ``extend`` (one per pass) lets go of the items and plans of the
+    passes before the current one, so a persistent worker's memory does not grow per epoch;
+    indices stay absolute."""
+    server, bucket, fs = s3fs_fs
+    blobs = [os.urandom(500 + i) for i in range(3)]
+    for i, blob in enumerate(blobs):
+        fs.pipe_file(f"{bucket}/p-{i}", blob)
+    shards = sd.expand_spec(f"s3://{bucket}/p-{{0..2}}", server.storage_options)
+    with Prefetcher(shards, server.storage_options) as fetcher:
+        start, held = 0, []
+        for _ in range(6):  # six passes over the same three objects
+            readers = fetcher.readers(start, start + 3)
+            got = [b"".join(next(readers).chunks())]
+            start = fetcher.extend(shards)  # as the pass is under way
+            got += [b"".join(reader.chunks()) for reader in readers]
+            assert got == blobs
+            held.append((fetcher.items.base, len(fetcher.items)))
+    assert held == [(0, 6), (3, 9), (6, 12), (9, 15), (12, 18), (15, 21)]
+    with pytest.raises(IndexError, match="not held"):
+        fetcher.items[2]
+
+
+def test_tail_keeps_absolute_indices():
+    from streamdata.tail import Tail
+
+    t = Tail("abcde")
+    t.drop_before(2)
+    t.extend("fg")
+    assert (len(t), t.base, t[2], t[6], list(t)) == (7, 2, "c", "g", list("cdefg"))
+    t[3] = "D"
+    t.drop_before(1)  # never backwards
+    assert list(t) == list("cDefg")
+    with pytest.raises(IndexError):
+        t[1]
+    with pytest.raises(IndexError):
+        t[7]
