@@ -127,8 +127,9 @@ class Prefetcher:
         """Queue ``items`` after those already given (NEXT-EPOCH-EARLY: the next pass of a
         persistent worker); the index of the first of them. They are fetched in order, on the
         same connections and within the same byte budget: the first of them as soon as every
-        part before it is requested, the others once the reader has taken the item before them
-        (a job that ends after this pass fetches one item it does not read, not a budget's worth).
+        part before it is requested, the others once the reader has taken the last item before
+        them (a job that ends after this pass fetches one item it does not read, not a budget's
+        worth).
         The items before the last ``extend``'s, all taken, are let go (indices stay as they
         were): a prefetcher that serves pass after pass holds two passes' items, not every
         epoch's. Call it from the reader's thread: the only one besides the loop that reads
