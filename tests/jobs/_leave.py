@@ -1,11 +1,18 @@
-"""How the torchrun test jobs end: every result is written before this is called."""
+"""How the torchrun test jobs end: every result is written before this is called; and, when
+another rank failed and torchrun stops this one (SIGTERM), where each of its threads was."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 import torch.distributed as dist
+
+# A rank that another rank waited for (a gloo timeout there) is stopped by torchrun with SIGTERM:
+# its threads' stacks go to stderr first, which the failing test shows (``helpers.torchrun``).
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 
 def leave() -> None:
