@@ -96,17 +96,26 @@ def delayed(s3_bucket):
         yield f"s3://{bucket}/ep/", {**server.storage_options, "endpoint_url": url}, proxy
 
 
-def test_later_epochs_read_on_the_connections_of_the_first(delayed):
+@pytest.mark.parametrize("how", ["sd.loader", "DataLoader"])
+def test_later_epochs_read_on_the_connections_of_the_first(delayed, how):
     """The next pass is queued in this pass's prefetcher: its requests go out on the connections
-    already open (no handshake per epoch), where a prefetcher of its own opened new ones."""
+    already open (no handshake per epoch), where a prefetcher of its own opened new ones. A
+    plain DataLoader with persistent workers gets it with ``early_next_epoch`` set."""
+    from torch.utils.data import DataLoader
+
     spec, options, proxy = delayed
-    ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None)
+    ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None, batch_size=4)
+    if how == "sd.loader":
+        loader = sd.loader(ds, num_workers=2)  # persistent: early on
+    else:
+        ds.early_next_epoch = True
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     opened = []
-    with sd.loader(ds, batch_size=4, num_workers=2) as loader:  # persistent: early on
-        for _ in range(4):
-            keys = [k for b in loader for k in b["__key__"]]
-            assert len(keys) == sum(COUNTS) == len(set(keys))
-            opened.append(proxy.connections)
+    for _ in range(4):
+        keys = [k for b in loader for k in b["__key__"]]
+        assert len(keys) == sum(COUNTS) == len(set(keys))
+        opened.append(proxy.connections)
+    getattr(loader, "close", lambda: loader._iterator._shutdown_workers())()
     assert opened[0] > 0
     assert opened[-1] == opened[0], opened  # epochs 2-4 opened none
 
