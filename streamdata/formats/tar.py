@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 import struct
+import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator
 
 from ..errors import FormatError
@@ -124,13 +125,20 @@ def _number(field: bytes, url: str, offset: int, what: str) -> int:
     return int(text, 8) if text else 0
 
 
+def _byte_sum(header: bytes) -> int:
+    """The sum of a 512-byte header's bytes, exactly: Adler-32's first half is 1 + the byte sum
+    modulo 65521, and a 256-byte half sums to at most 65280 (4x faster than ``sum``)."""
+    view = memoryview(header)
+    return (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
+
+
 def _checksum_ok(header: bytes) -> bool:
     """The stored checksum matches the unsigned sum, or the signed one some old tars used."""
     stored = header[148:156].split(b"\0", 1)[0].strip(b" ")
     if not stored or stored.translate(None, _OCTAL):
         return False
     want = int(stored, 8)
-    if want == sum(header) - sum(header[148:156]) + 8 * 32:  # unsigned: every tool since the 1990s
+    if want == _byte_sum(header) - sum(header[148:156]) + 8 * 32:  # unsigned: every tool since the 1990s
         return True
     return want == sum(struct.unpack_from("148b8x356b", header)) + 8 * 32
 
@@ -222,14 +230,15 @@ def _walk(stream: _Stream, url: str, total: int | None, accept_unterminated: boo
     while True:  # TAR-PROGRESS: each turn takes a 512-byte header, or ends
         at = stream.offset
         header = stream.take(_BLOCK)
-        if header is not None and header.count(0) == _BLOCK:
+        zero = header is not None and not header[0] and header.count(0) == _BLOCK  # a name: not zero
+        if zero:
             second = stream.take(_BLOCK)
             if second == bytes(_BLOCK) and long_name is None and not pax:
                 return at  # the end-of-archive marker: two zero blocks (what follows is padding)
             if second is not None:
                 raise _corrupt(url, at, "a zero block after an extended header, or followed by "
                                "data (a damaged header?)")
-        if header is None or header.count(0) == _BLOCK:  # the stream ended before a marker
+        if header is None or zero:  # the stream ended before a marker
             if stream.offset != at and header is None or long_name is not None or pax:
                 raise _truncated(url, at, "a header")
             _unterminated(url, at, accept_unterminated, on_unterminated)
