@@ -274,3 +274,17 @@ def test_truncated_shard_through_s3_is_a_format_error_or_accepted_and_counted(s3
     ds = sd.TarDataset(url, storage_options=server.storage_options, accept_unterminated=True)
     assert [s["__key__"] for s in ds] == [f"s{i:06d}" for i in range(25)]
     assert ds.counts["accepted.unterminated"] == 1 and ds.skipped["format"] == 0
+
+
+def test_the_header_byte_sum_is_exact_at_its_extremes():
+    """``_byte_sum`` (Adler-32 over two halves) equals ``sum`` for any 512 bytes, 0xff-filled
+    halves included (65280 each: the most a half can sum to, still below Adler's modulus)."""
+    import random
+
+    from streamdata.formats.tar import _byte_sum
+
+    rng = random.Random(7)
+    blocks = [bytes(512), b"\xff" * 512, b"\xff" * 256 + bytes(256), bytes(256) + b"\xff" * 256]
+    blocks += [bytes(rng.choice((0, 1, 254, 255)) for _ in range(512)) for _ in range(200)]
+    blocks += [rng.randbytes(512) for _ in range(200)]
+    assert [_byte_sum(b) for b in blocks] == [sum(b) for b in blocks]
