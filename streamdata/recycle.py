@@ -17,6 +17,15 @@ expired: the user dropped the batch, or the pinning thread copied it), and (c) t
 still holds that token (a restarted worker's slots carry other tokens).  Each side writes a
 slot only in the state the other side does not write, so plain loads and stores suffice.
 
+MAPPED-ONCE: a pooled storage crosses to the main process by descriptor once per allocation
+(torch's fd hand-over: a round trip to the worker's resource-sharer thread and an ``mmap``,
+per storage and batch); the main process keeps that mapping on the board (``Board.mapped``,
+by worker, slot and the storage's generation), and a later batch in the same storage carries
+only its slot, generation and each tensor's view (``_Ref``), rebuilt there on the mapping. So
+(b) above reads: nothing in the main process but that mapping holds the storage. A worker
+that lets a storage go tells the main process in its next batch (``forget``), which drops the
+mapping.
+
 A batch sent anywhere else than the main process (another ``multiprocessing`` queue) is
 not tracked: pass ``recycle_buffers=False`` to :func:`streamdata.loader` for such pipelines.
 """
@@ -33,7 +42,7 @@ import torch
 
 from ._fork import at_fork_in_child
 from .cuda import pin_batch
-from .tree import iter_tensors
+from .tree import iter_tensors, map_leaves, map_tensors
 
 __all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "lent_count", "reclaim", "unwrap"]
 
@@ -53,6 +62,8 @@ class Board:
     def __init__(self, num_workers: int, slots: int = SLOTS_PER_WORKER) -> None:
         self.id = random.getrandbits(62)
         self.states = torch.zeros((max(1, num_workers), slots), dtype=torch.int64).share_memory_()
+        # MAPPED-ONCE, main process: (worker, slot) -> (generation, the storage's mapping here)
+        self.mapped: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
         _BOARDS[self.id] = self  # the main process's registry, found by id when batches arrive
 
     def release(self, worker: int, slot: int, token: int) -> bool:
@@ -65,14 +76,37 @@ class Board:
 
     def close(self) -> None:
         _BOARDS.pop(self.id, None)
+        with _LOCK:
+            self.mapped.clear()
+
+    def __getstate__(self) -> dict:  # a spawned worker needs the states, not the mappings
+        return {**self.__dict__, "mapped": {}}
 
 
 class _Slot:
-    __slots__ = ("index", "last_used", "nbytes", "storage", "token")
+    __slots__ = ("gen", "index", "last_used", "nbytes", "sent", "storage", "token")
 
-    def __init__(self, index: int, storage: torch.UntypedStorage) -> None:
+    def __init__(self, index: int, storage: torch.UntypedStorage, gen: int) -> None:
         self.index, self.storage, self.nbytes, self.token = index, storage, storage.nbytes(), FREE
         self.last_used = 0  # the pool's request count when it was last handed out
+        self.gen = gen  # which allocation of this slot (MAPPED-ONCE)
+        self.sent = False  # crossed to the main process (by descriptor) already
+
+
+class _Ref:
+    """A tensor in a storage the main process has mapped already (MAPPED-ONCE): its view."""
+
+    __slots__ = ("dtype", "gen", "offset", "size", "slot", "stride")
+
+    def __init__(self, slot: _Slot, tensor: torch.Tensor) -> None:
+        self.slot, self.gen, self.dtype = slot.index, slot.gen, tensor.dtype
+        self.size, self.stride, self.offset = tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+
+    def __getstate__(self) -> tuple:
+        return self.slot, self.gen, self.dtype, self.size, self.stride, self.offset
+
+    def __setstate__(self, state: tuple) -> None:
+        self.slot, self.gen, self.dtype, self.size, self.stride, self.offset = state
 
 
 class BufferPool:
@@ -89,6 +123,8 @@ class BufferPool:
         self._pending: list[_Slot] = []  # handed out, not yet seen in a batch sent out
         self._incarnation = random.getrandbits(30) << 32
         self._counter = 0
+        self._allocations = 0
+        self._forgotten: list[tuple[int, int]] = []  # (slot, generation) let go, the main not told yet
         self.stats = {"reused": 0, "allocated": 0, "unpooled": 0, "dropped": 0}
 
     def storage(self, nbytes: int, allocate: Any) -> torch.UntypedStorage:
@@ -101,7 +137,8 @@ class BufferPool:
             if index is None:  # every slot is out with a batch: a storage of its own
                 self.stats["unpooled"] += 1
                 return allocate(nbytes)
-            slot = _Slot(index, allocate(nbytes))
+            self._allocations += 1
+            slot = _Slot(index, allocate(nbytes), self._incarnation | self._allocations)
             self._slots[index] = slot
             self.stats["allocated"] += 1
         self._counter += 1
@@ -134,7 +171,7 @@ class BufferPool:
             if slot is None or not self._idle(slot):
                 continue
             if self._counter - slot.last_used >= IDLE_REQUESTS:
-                self._slots[index] = None
+                self._let_go(index)
                 self.stats["dropped"] += 1
             elif (nbytes <= slot.nbytes <= nbytes * _REUSE_SLACK
                   and (best is None or slot.nbytes < best.nbytes)):
@@ -150,20 +187,26 @@ class BufferPool:
             if spare is None and self._row[index] == FREE:
                 spare = index
         if spare is not None:
-            self._slots[spare] = None  # its storage is unmapped here once nothing holds it
+            self._let_go(spare)  # its storage is unmapped here once nothing holds it
         return spare
+
+    def _let_go(self, index: int) -> None:
+        slot, self._slots[index] = self._slots[index], None
+        if slot is not None and slot.sent:  # the main process keeps its mapping till told
+            self._forgotten.append((index, slot.gen))
 
     def lend(self, batch: Any) -> Any:
         """Wrap ``batch`` with the tokens of the pooled storages its tensors use."""
         if not self._pending:
             return batch
         by_ptr = {slot.storage.data_ptr(): slot for slot in self._pending}
-        tickets, seen = [], set()
+        tickets, seen, slots = [], set(), []
         for position, tensor in enumerate(iter_tensors(batch)):
             slot = by_ptr.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
             if slot is not None and slot.index not in seen:
                 seen.add(slot.index)
-                tickets.append((position, slot.index, slot.token))
+                slots.append(slot)
+                tickets.append((position, slot.index, slot.token, slot.gen))
         still = []
         for slot in self._pending:
             if slot.index in seen:
@@ -173,26 +216,42 @@ class BufferPool:
             else:
                 still.append(slot)
         self._pending = still
-        return _Lent(batch, self.board_id, self.worker, tickets) if tickets else batch
+        if not tickets:
+            return batch
+        forget, self._forgotten = self._forgotten, []
+        return _Lent(batch, self.board_id, self.worker, tickets, slots, forget)
 
 
 class _Lent:
     """A batch crossing from a worker, with the pool slots its tensors live in.
 
-    Unpickling it in the main process registers the slots for release; :func:`unwrap`
-    returns the batch itself.  The DataLoader's pinning thread calls :meth:`pin_memory`.
+    Pickled (the worker's queue), a tensor in a slot the main process has mapped already goes
+    as a ``_Ref`` (MAPPED-ONCE); the others go by descriptor, and their slots count as mapped
+    from then on. Unpickling it in the main process rebuilds the tensors, keeps new mappings
+    and registers the slots for release; :func:`unwrap` returns the batch itself. The
+    DataLoader's pinning thread calls :meth:`pin_memory`.
     """
 
-    __slots__ = ("batch", "board_id", "tickets", "worker")
+    __slots__ = ("_slots", "batch", "board_id", "forget", "tickets", "worker")
 
-    def __init__(self, batch: Any, board_id: int, worker: int, tickets: list[tuple[int, int, int]]) -> None:
+    def __init__(self, batch: Any, board_id: int, worker: int, tickets: list[tuple[int, int, int, int]],
+                 slots: list[_Slot] | None = None, forget: list[tuple[int, int]] | None = None) -> None:
         self.batch, self.board_id, self.worker, self.tickets = batch, board_id, worker, tickets
+        self._slots, self.forget = slots or [], forget or []
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.batch, self.board_id, self.worker, self.tickets
+        batch = self.batch
+        if self._slots:  # in the worker, as the batch is pickled to be sent: MAPPED-ONCE
+            mapped = {slot.storage.data_ptr(): slot for slot in self._slots if slot.sent}
+            if mapped:
+                batch = map_tensors(lambda t: _as_ref(mapped, t), batch)
+            for slot in self._slots:
+                slot.sent = True
+        return batch, self.board_id, self.worker, self.tickets, self.forget
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.batch, self.board_id, self.worker, self.tickets = state
+        self.batch, self.board_id, self.worker, self.tickets, self.forget = state
+        self._slots = []
         _register(self)
 
     def pin_memory(self) -> Any:
@@ -234,7 +293,7 @@ def lend(batch: Any) -> Any:
 
 _BOARDS: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()  # the pinning thread registers while the main thread reclaims
-# lent slots: (board id, worker, slot, token) -> (weak ref to the storage, board); one record each
+# lent slots: (board id, worker, slot, token) -> (the storage's mapping here, board); one record each
 _OUT: dict[tuple[int, int, int, int], tuple[Any, Board]] = {}
 # _register reclaims when _OUT has grown to _prune_at (nobody calls reclaim when the batches
 # are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, so the
@@ -243,23 +302,50 @@ _PRUNE_MIN = 16
 _prune_at = _PRUNE_MIN
 
 
+def _as_ref(mapped: dict[int, _Slot], tensor: torch.Tensor) -> Any:
+    """Worker side: ``tensor`` as a ``_Ref`` if it lives in a slot the main process has mapped."""
+    if tensor.device.type != "cpu":
+        return tensor
+    slot = mapped.get(tensor.untyped_storage().data_ptr())
+    return tensor if slot is None else _Ref(slot, tensor)
+
+
+def _rebuilt(board: Board | None, worker: int, ref: _Ref) -> torch.Tensor:
+    """Main process: the tensor a ``_Ref`` stands for, on the board's mapping of its slot."""
+    held = board.mapped.get((worker, ref.slot)) if board is not None else None
+    if held is None or held[0] != ref.gen:
+        from .errors import StreamDataError
+
+        raise StreamDataError(
+            f"a batch from DataLoader worker {worker} refers to a shared-memory buffer (slot "
+            f"{ref.slot}) that this process has not received: batches of a recycling loader can "
+            "be unpickled only by the process that runs it; pass recycle_buffers=False to "
+            "sd.loader to send them elsewhere")
+    return torch.empty(0, dtype=ref.dtype).set_(held[1], ref.offset, ref.size, ref.stride)
+
+
 def _register(lent: _Lent) -> None:
     board = _BOARDS.get(lent.board_id)
-    if board is None:  # not unpickled by the loader that owns the board: never released
-        return
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    positions = {position: (slot, token) for position, slot, token in lent.tickets}
-    refs = []
-    for position, tensor in enumerate(iter_tensors(lent.batch)):
-        if position in positions and tensor.is_shared():
-            # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
-            # the batch that really lives in the slot may hold it out of the pool
-            slot, token = positions[position]
-            refs.append(((board.id, lent.worker, slot, token), StorageWeakRef(tensor.untyped_storage())))
     with _LOCK:
-        for key, ref in refs:
-            _OUT.setdefault(key, (ref, board))  # the same batch unpickled twice: one record is enough
+        lent.batch = map_leaves(lambda leaf: _rebuilt(board, lent.worker, leaf) if isinstance(leaf, _Ref)
+                                else leaf, lent.batch)
+        if board is None:  # not unpickled by the loader that owns the board: never released
+            return
+        for slot, gen in lent.forget:  # storages the worker let go: their mappings here too
+            if board.mapped.get((lent.worker, slot), (None,))[0] == gen:
+                del board.mapped[(lent.worker, slot)]
+        positions = {position: (slot, token, gen) for position, slot, token, gen in lent.tickets}
+        for position, tensor in enumerate(iter_tensors(lent.batch)):
+            if position not in positions or not tensor.is_shared():
+                # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
+                # the batch that really lives in the slot may hold it out of the pool
+                continue
+            slot, token, gen = positions[position]
+            held = board.mapped.get((lent.worker, slot))
+            if held is None or held[0] != gen:  # it came by descriptor: keep the mapping (MAPPED-ONCE)
+                held = board.mapped[(lent.worker, slot)] = (gen, tensor.untyped_storage())
+            # the same batch unpickled twice: one record is enough
+            _OUT.setdefault((board.id, lent.worker, slot, token), (held[1], board))
         grown = len(_OUT) >= _prune_at
     if grown:
         reclaim()
@@ -276,8 +362,8 @@ def reclaim() -> int:
     global _prune_at
     released = 0
     with _LOCK:
-        for key, (ref, board) in list(_OUT.items()):
-            if ref.expired():
+        for key, (storage, board) in list(_OUT.items()):
+            if torch._C._storage_Use_Count(storage._cdata) <= 1:  # nothing but the mapping holds it
                 released += board.release(*key[1:])
                 del _OUT[key]
         _prune_at = max(_PRUNE_MIN, 2 * len(_OUT))

@@ -163,10 +163,11 @@ def test_the_pool_shrinks_back_after_the_loop_held_many_batches():
     to hold them, and drops the storages it no longer reuses (IDLE_REQUESTS)."""
     n = 30 + 2 * recycle.IDLE_REQUESTS
     with loader(ReportsPool(8 * n), num_workers=1, pin_memory=False, batch_size=8) as feed:
-        held, reports = [], []
+        held, reports, mapped = [], [], []
         for k, batch in enumerate(feed):
             assert intact(batch)
             reports.append(int(batch["pool_bytes"].max()))
+            mapped.append(len(feed.board.mapped))
             if k < 30:
                 held.append(batch)
             elif k == 30:
@@ -175,6 +176,39 @@ def test_the_pool_shrinks_back_after_the_loop_held_many_batches():
     assert min(reports) >= 0
     assert max(reports) >= 25 * batch_bytes  # it grew: the held batches were out
     assert reports[-1] <= 8 * batch_bytes, reports[-20:]  # back to the few in flight
+    # MAPPED-ONCE: the main process let go of the mappings of the storages the worker dropped
+    assert max(mapped) >= 25 and mapped[-1] <= 8 + 2, mapped[-20:]
+
+
+def test_a_ref_is_rebuilt_on_the_boards_mapping_forgotten_on_request_and_refused_elsewhere(pool):
+    """MAPPED-ONCE, the main process's side: a ``_Ref`` becomes a view of the mapping the board
+    keeps for its worker and slot (that generation only); a batch's ``forget`` drops a mapping;
+    where the board is not known (a batch sent to another process) our error names the way out."""
+    import streamdata as sd
+
+    _, board, _, _ = pool
+    storage = torch.UntypedStorage(64).share_memory_()
+    torch.empty(0, dtype=torch.uint8).set_(storage, 0, (64,))[:] = torch.arange(64, dtype=torch.uint8)
+
+    def received(board_id, gen=7, forget=()):
+        ref = recycle._Ref.__new__(recycle._Ref)
+        ref.__setstate__((0, gen, torch.uint8, (4, 8), (8, 1), 16))  # rows 2-5 of 8 bytes
+        lent = recycle._Lent.__new__(recycle._Lent)
+        lent.__setstate__(({"x": ref}, board_id, 0, [(0, 0, 99, gen)], list(forget)))
+        return lent
+
+    board.mapped[(0, 0)] = (7, storage)
+    got = received(board.id).batch["x"]
+    assert got.untyped_storage().data_ptr() == storage.data_ptr() and got.is_shared()
+    assert got.tolist() == [list(range(r * 8, r * 8 + 8)) for r in range(2, 6)]
+    with pytest.raises(sd.StreamDataError, match="recycle_buffers=False"):
+        received(board.id, gen=8)  # another allocation of that slot: not this mapping
+    del got
+    recycle.reclaim()
+    recycle._Lent.__new__(recycle._Lent).__setstate__(({}, board.id, 0, [], [(0, 7), (1, 3)]))
+    assert board.mapped == {}  # slot 0's generation 7 forgotten (slot 1 held nothing)
+    with pytest.raises(sd.StreamDataError, match="recycle_buffers=False"):
+        received(board.id + 1)  # a board this process does not have
 
 
 def test_batches_read_from_the_dataloader_directly_are_still_released():
@@ -309,7 +343,7 @@ def test_lend_names_the_slots_in_the_batch_and_frees_storages_dropped_unsent(poo
     batch = {"x": used, "label": "cat"}
     lent = p.lend(batch)
     assert lent is not batch and lent.batch is batch and next(recycle.unwrap([lent])) is batch
-    assert [(pos, slot) for pos, slot, _ in lent.tickets] == [(0, 0)]
+    assert [(pos, slot) for pos, slot, _, _ in lent.tickets] == [(0, 0)]
     assert int(board.states[0][1]) == recycle.FREE and int(board.states[0][0]) != recycle.FREE
     plain = {"y": torch.zeros(2)}
     assert p.lend(plain) is plain  # nothing pending: no wrapper
@@ -364,3 +398,27 @@ def test_a_process_forked_from_a_worker_has_no_pool(monkeypatch):
         assert got is True and mine is not None and recycle.active_pool() is mine
     finally:
         board.close()
+
+
+def test_a_reused_storage_crosses_to_the_main_process_by_descriptor_once(monkeypatch):
+    """MAPPED-ONCE: the main process keeps each pooled storage's mapping, so a batch in a
+    storage it has seen carries no descriptor (torch's hand-over is a round trip to the
+    worker per storage and batch); kept batches stay intact all the same."""
+    from multiprocessing import resource_sharer
+
+    handed = []
+    real = resource_sharer.DupFd.detach
+    monkeypatch.setattr(resource_sharer.DupFd, "detach", lambda self: handed.append(1) or real(self))
+    n = 60
+    with make(n) as feed:
+        kept, mapped = [], 0
+        for k, batch in enumerate(feed):
+            assert intact(batch)
+            if k % 10 == 0:
+                kept.append(batch)  # out of the pool while kept: never written again
+            mapped = max(mapped, len(feed.board.mapped))
+        assert all(intact(batch) for batch in kept)
+    # "x" lives in the pool: one descriptor per storage allocated (``mapped``), not per batch;
+    # "i" (made from ints) is not pooled and goes by descriptor each time; without MAPPED-ONCE
+    # both would: 2 * n
+    assert 0 < mapped <= 2 * 12 and len(handed) <= n + mapped < 2 * n, (len(handed), mapped)
