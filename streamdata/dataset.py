@@ -310,14 +310,18 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 early.fetcher.close()
             reads, items = self._items(p, policy)
             fetcher, first = self._fetcher(items, p), 0
-        queued: list[_Early | None] = [None]
-        opened = self._opened(reads, fetcher.readers(first, first + len(reads)),
-                              lambda: queued.__setitem__(0, self._queue_next(fetcher, batch_size, drop_last)))
+        queued: _Early | None = None
+
+        def queue() -> None:  # NEXT-EPOCH-EARLY
+            nonlocal queued
+            queued = self._queue_next(fetcher, batch_size, drop_last)
+
+        opened = self._opened(reads, fetcher.readers(first, first + len(reads)), queue)
         records = policy.units(self._read(p, u, part, r) for (u, part), r in opened)
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
                             p.windows)
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
-                             keep=lambda: self._hand_on(queued[0]))
+                             keep=lambda: self._hand_on(queued))
 
     def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
         """One read's records; a shard-level split's counted per unit (``state.Position``)."""

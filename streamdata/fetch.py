@@ -137,7 +137,7 @@ class Prefetcher:
         """
         more = [_as_item(i) for i in items]
 
-        def add() -> int:  # on the loop, where the scheduler reads the lists
+        async def add() -> int:  # on the loop, where the scheduler reads the lists
             if self._consumer >= self._fence and all(
                     self._plans[i] is _DONE for i in range(self._plans.base, self._fence)):
                 self.items.drop_before(self._fence)
@@ -149,7 +149,7 @@ class Prefetcher:
             self._wake.set()
             return start
 
-        return wait_future(self._io.submit(_call(add)), self._wait_timeout(), what="queueing the next pass",
+        return wait_future(self._io.submit(add()), self._wait_timeout(), what="queueing the next pass",
                            url=more[0].url if more else "", check=self._check)
 
     def __enter__(self) -> Prefetcher:
@@ -213,6 +213,16 @@ class Prefetcher:
                 self._counters.add("budget.grown")
             self._wake.set()
 
+    def _due(self, index: int) -> bool:
+        """Item ``index`` may be scheduled: queued, in the reader's window, and not past a queued
+        pass's first item (``extend``) before the reader takes the last item ahead of it."""
+        return (index < min(len(self.items), self._consumer + self.config.window)
+                and (index <= self._fence or self._consumer >= self._fence - 1))
+
+    def _fits(self, need: int) -> bool:
+        """A part of ``need`` bytes fits the budget now (BYTE-BUDGET: or nothing is reserved)."""
+        return self._reserved == 0 or self._reserved + need <= self.budget.limit
+
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
             self._wake.clear()
@@ -235,8 +245,7 @@ class Prefetcher:
         cfg = self.config
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index in itertools.count():  # items may be added (``extend``): wait for them
-            await self._until(lambda index=index: index < min(len(self.items), self._consumer + cfg.window)
-                              and (index <= self._fence or self._consumer >= self._fence - 1))
+            await self._until(lambda index=index: self._due(index))
             item = self.items[index]
             try:
                 ranges = item.ranges
@@ -277,9 +286,9 @@ class Prefetcher:
                 # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
                 # delay, for no better first batch. READER-THROTTLE (``retry``): at most as many
                 # parts in flight as the reader's throttle allows (max_requests, unless throttled).
-                held = not (self._reserved == 0 or self._reserved + need <= self.budget.limit)
-                await self._until(lambda need=need: self._inflight < self.throttle.allowed and (
-                    self._reserved == 0 or self._reserved + need <= self.budget.limit))
+                held = not self._fits(need)
+                await self._until(lambda need=need: self._inflight < self.throttle.allowed
+                                  and self._fits(need))
                 self._reserved += need
                 self._inflight += 1
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
@@ -322,10 +331,6 @@ class Prefetcher:
         finally:
             self._inflight -= 1
             self._wake.set()
-
-
-async def _call(fn: Callable[[], int]) -> int:
-    return fn()
 
 
 def _as_item(item: FetchItem | Shard) -> FetchItem:

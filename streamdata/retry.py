@@ -20,12 +20,14 @@ oldest part first, so the part the consumer waits for is not queued behind later
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
 import heapq
 import itertools
 import random
 import re
 import time
+from collections.abc import Iterator
 
 __all__ = ["Throttle", "backoff_s", "classify", "parse_retry_after", "retry_after"]
 
@@ -45,23 +47,27 @@ _STATUS_IN_TEXT = re.compile(r"\b(?:HTTP|status(?: code)?)[ :=]*([1-5]\d\d)\b", 
 
 def _status(exc: BaseException | None) -> int | None:
     """The HTTP status ``exc`` (or its cause: s3fs wraps botocore's errors) carries, if any."""
-    for _ in range(3):
-        if exc is None:
-            return None
+    for err in _causes(exc):
         for name in ("status", "code", "status_code"):
-            value = getattr(exc, name, None)
+            value = getattr(err, name, None)
             if isinstance(value, int) and 100 <= value < 600:
                 return value
-        response = getattr(exc, "response", None)  # botocore ClientError
+        response = getattr(err, "response", None)  # botocore ClientError
         if isinstance(response, dict):
             value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(value, int):
                 return value
-        match = _STATUS_IN_TEXT.search(str(exc))
+        match = _STATUS_IN_TEXT.search(str(err))
         if match:
             return int(match.group(1))
-        exc = exc.__cause__
     return None
+
+
+def _causes(exc: BaseException | None, depth: int = 3) -> Iterator[BaseException]:
+    """``exc`` and its causes, ``depth`` at most (wrappers wrap the error that tells)."""
+    while exc is not None and depth > 0:
+        yield exc
+        exc, depth = exc.__cause__, depth - 1
 
 
 def classify(exc: BaseException) -> str | None:
@@ -124,8 +130,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:  # an HTTP date is GMT; a zone-less one is read as such
-        import datetime
-
         when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
@@ -133,18 +137,15 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 def retry_after(exc: BaseException | None) -> float | None:
     """The wait a failed request's answer asked for (``Retry-After``, on a 503 or 429): our
     presigned GETs set ``exc.retry_after``; aiohttp's status errors carry the answer's headers."""
-    for _ in range(3):
-        if exc is None:
-            return None
-        value = getattr(exc, "retry_after", None)
+    for err in _causes(exc):
+        value = getattr(err, "retry_after", None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
             return float(value)
-        headers = getattr(exc, "headers", None)
+        headers = getattr(err, "headers", None)
         if headers is not None and hasattr(headers, "get"):
             found = parse_retry_after(headers.get("Retry-After"))
             if found is not None:
                 return found
-        exc = exc.__cause__
     return None
 
 
