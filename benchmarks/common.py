@@ -170,7 +170,7 @@ def proxied_shards(
         upload_shards(server.boto3_client(), "bench", "tar/train", samples, shards, sample_kib * 1024 + 128)
         spec = shard_pattern("bench", "tar/train", shards)
         if index:
-            from streamdata.index import build_index
+            from streamdata.catalog.index import build_index
 
             build_index(spec, server.storage_options, progress=False)
         with LatencyProxy(*upstream(server.endpoint_url), delay_s=delay_ms / 1000) as proxy:

@@ -21,7 +21,7 @@ import time
 def _rank_main(steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
-    from streamdata.together import EndTogether
+    from streamdata.feed.together import EndTogether
 
     dist.init_process_group("gloo")
     together = EndTogether()

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import streamdata as sd  # noqa: E402
-from streamdata.cuda import CudaPrefetcher  # noqa: E402
+from streamdata.feed.cuda import CudaPrefetcher  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_feed.json"
 

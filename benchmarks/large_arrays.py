@@ -7,7 +7,7 @@ after a simulated 3.125 ms fetch; batches of 128 (154 MB); a 50 ms simulated tra
 * ``plain``:      the report's setup, ``collate_fn=lambda records: records``: every batch is a
                   list of NumPy arrays, pickled by the worker and unpickled by the main process.
 * ``streamdata``: ``sd.loader`` with the same settings: the worker stacks the samples into one
-                  tensor in shared memory (``streamdata.collate``); only a handle crosses.
+                  tensor in shared memory (``streamdata.batch.collate``); only a handle crosses.
 
 Prints seconds per batch (wall) and CPU seconds per batch (main process + workers), and writes
 ``benchmarks/results/large_arrays.json``.  About three minutes with the defaults.
@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, IterableDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamdata.collate import shared_memory_space  # noqa: E402
-from streamdata.presets import loader  # noqa: E402
+from streamdata.batch.collate import shared_memory_space  # noqa: E402
+from streamdata.feed.loader import loader  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "large_arrays.json"
 

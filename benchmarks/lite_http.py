@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import asyncio, json, resource, sys, time
 import torch  # a training job has it: asyncio, ssl and http.client come with it
-from streamdata.client import AsyncClient
+from streamdata.store.client import AsyncClient
 from streamdata.config import FetchConfig
 opts, urls, size, part = json.loads(sys.argv[1])
 def cpu():

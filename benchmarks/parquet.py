@@ -73,7 +73,7 @@ class PyarrowDatasetReader(torch.utils.data.IterableDataset):
 
 def _loader(method: str, urls: list[str], columns: list[str], options: dict, args: argparse.Namespace) -> Any:
     if method == "streamdata":
-        from streamdata.parquet import ParquetDataset
+        from streamdata.datasets.parquet import ParquetDataset
 
         prefix = urls[0].rsplit("/", 1)[0] + "/"  # one listing, as a user would write it
         ds: Any = ParquetDataset(prefix, columns, batch_size=args.batch, storage_options=options)
@@ -103,7 +103,7 @@ def _measure(method: str, urls: list[str], columns: list[str], options: dict, pr
 
 
 def _prepare(server: Any, args: argparse.Namespace) -> list[str]:
-    from streamdata.write import write_parquet
+    from streamdata.write.tables import write_parquet
 
     bucket = "bench-parquet"
     server.create_bucket(bucket)

@@ -1,4 +1,4 @@
-"""Time to plan one reader's exact epoch (``streamdata.plan.reader_span``): pure, no I/O.
+"""Time to plan one reader's exact epoch (``streamdata.epoch.plan.reader_span``): pure, no I/O.
 
     python -m benchmarks.plan                              # 1M shards x 4096 ranks x 8 workers
     python -m benchmarks.plan --shards 100000 --ranks 64 --workers 4
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from streamdata.plan import reader_span
-from streamdata.world import World
+from streamdata.epoch.plan import reader_span
+from streamdata.epoch.world import World
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,12 +27,12 @@ import random
 
 import numpy as np
 
-from streamdata.blocks import PIECES, block_reads, block_shuffled
-from streamdata.plan import reader_span
-from streamdata.rewind import rewind_point
-from streamdata.sharding import reader_seed
-from streamdata.stages import shuffled
-from streamdata.world import World
+from streamdata.epoch.blocks import PIECES, block_reads, block_shuffled
+from streamdata.epoch.buffer import shuffled
+from streamdata.epoch.plan import reader_span
+from streamdata.epoch.rewind import rewind_point
+from streamdata.epoch.sharding import reader_seed
+from streamdata.epoch.world import World
 
 WORLD = World(0, 1, 0, 1)
 

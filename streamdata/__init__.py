@@ -1,9 +1,14 @@
 """streamdata: stream WebDataset tar and Arrow/Parquet shards from cloud buckets into PyTorch."""
 
-from .config import FetchConfig
-from .cuda import CudaPrefetcher, PinAhead, pin_batch
-from .dataset import ShardedDataset
-from .errors import (
+from streamdata.catalog.index import build_index
+from streamdata.catalog.specs import expand_spec
+from streamdata.config import FetchConfig
+from streamdata.datasets.mix import Mix
+from streamdata.datasets.objects import ObjectDataset
+from streamdata.datasets.sharded import ShardedDataset
+from streamdata.datasets.tar import TarDataset
+from streamdata.epoch.world import World
+from streamdata.errors import (
     AccessDeniedError,
     BackendMissingError,
     DecodeError,
@@ -16,21 +21,17 @@ from .errors import (
     StaleIndexError,
     StreamDataError,
 )
-from .fetch import FetchItem, Prefetcher
-from .index import build_index
-from .mix import Mix
-from .objects import ObjectDataset
-from .presets import Loader, loader
-from .shardwriter import ShardWriter
-from .tarset import TarDataset
-from .urls import Shard, expand_spec
-from .world import World
+from streamdata.feed.cuda import CudaPrefetcher, PinAhead, pin_batch
+from streamdata.feed.loader import Loader, loader
+from streamdata.fetch.prefetcher import FetchItem, Prefetcher
+from streamdata.store.urls import Shard
+from streamdata.write.tar import ShardWriter
 
 __version__ = "0.1.0"
 
 # pyarrow-backed names load on first use, so `import streamdata` stays light
-_LAZY = {"ArrowDataset": "parquet", "ParquetDataset": "parquet",
-         "write_arrow": "write", "write_parquet": "write"}
+_LAZY = {"ArrowDataset": "datasets.parquet", "ParquetDataset": "datasets.parquet",
+         "write_arrow": "write.tables", "write_parquet": "write.tables"}
 
 
 def __getattr__(name: str):

@@ -44,8 +44,8 @@ import gc
 import sys
 import threading
 
-from . import config
-from ._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
+from streamdata import config
+from streamdata._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
 
 __all__ = ["freeze_inherited", "keep_freed_memory"]
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SpecError
+from streamdata.errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
            "env_str", "handover", "lite_http", "spare_connections"]
@@ -112,7 +112,7 @@ class FetchConfig:
     backoff_cap:  the longest back-off sleep.
     timeout:      seconds for one request before it counts as failed (and is retried).
     cache_dir:    a local directory where fetched shards (and Parquet/Arrow byte ranges) are
-                  kept as they stream, and read from on later epochs (``streamdata.cache``);
+                  kept as they stream, and read from on later epochs (``streamdata.fetch.cache``);
                   ``None`` (the default): no cache. Safe to share between every worker and
                   rank of a node.
     cache_limit:  bytes the cache directory may hold (least recently used entries are evicted);

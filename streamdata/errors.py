@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from .redact import redact, redact_exception, redact_url
+from streamdata.redact import redact, redact_exception, redact_url
 
 __all__ = [
     "AccessDeniedError",

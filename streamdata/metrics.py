@@ -29,9 +29,9 @@ RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other
 CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
 # every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
-# (drop_last), summed over epochs (streamdata.plan); resumed.reread: samples read again after a
-# resume to reach the position inside a partly read unit (streamdata.resume); budget.grown: times a
-# reader's byte budget grew (BUDGET-GROWTH, streamdata.budget)
+# (drop_last), summed over epochs (streamdata.epoch.plan); resumed.reread: samples read again after a
+# resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
+# reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
             *(f"cache.{e}" for e in CACHE_EVENTS))

@@ -14,9 +14,16 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from .errors import DecodeError, FetchTimeoutError, FormatError, ShardFetchError, SpecError, StreamDataError
-from .metrics import Counters
-from .redact import RedactFilter, redact
+from streamdata.errors import (
+    DecodeError,
+    FetchTimeoutError,
+    FormatError,
+    ShardFetchError,
+    SpecError,
+    StreamDataError,
+)
+from streamdata.metrics import Counters
+from streamdata.redact import RedactFilter, redact
 
 __all__ = ["ErrorPolicy", "skip_reason"]
 

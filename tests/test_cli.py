@@ -366,7 +366,7 @@ def test_entry_point_runs_and_never_prints_a_traceback(bucket):
 
 
 def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
-    from streamdata.index import read_index
+    from streamdata.catalog.index import read_index
 
     server, name, keys, opts = bucket
     spec = f"s3://{name}/d/"
@@ -395,8 +395,8 @@ def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
 
 
 def test_convert_writes_the_index_of_its_tar_shards(s3_bucket, tmp_path, capsys):
+    from streamdata.catalog.index import lookup
     from streamdata.formats.tar import samples_from_chunks
-    from streamdata.index import lookup
 
     server, name = s3_bucket
     _image_folder(tmp_path / "imgs", per_class=3)

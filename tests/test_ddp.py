@@ -57,7 +57,7 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
     write_shards(fs, f"{bucket}/tar", counts=UNEVEN)
     write_shards(fs, f"{bucket}/indexed", counts=UNEVEN)
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
 
     build_index(f"s3://{bucket}/indexed/", storage_options=server.storage_options, progress=False)
     for i in range(3):
@@ -164,7 +164,7 @@ def test_ddp_tar_with_an_index_exact_epochs(s3_bucket, tmp_path):
     through sd.loader; two epochs each."""
     import s3fs
 
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
 
     server, bucket = s3_bucket
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)

@@ -15,7 +15,7 @@ import pytest
 import s3fs
 
 import streamdata as sd
-from streamdata import recycle
+from streamdata.batch import recycle
 from tests.helpers import write_shards
 
 pytestmark = pytest.mark.slow

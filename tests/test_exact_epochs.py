@@ -67,7 +67,7 @@ def test_parquet_with_filter_falls_back_to_row_groups(parquet_files):
 
 def test_loader_batches_in_workers_with_the_plan(parquet_files, tmp_path):
     """sd.loader's in-worker batching asks the dataset for the plan's batch sizes."""
-    from streamdata.presets import _BatchedInWorkers
+    from streamdata.feed.loader import _BatchedInWorkers
 
     calls = []
 
@@ -95,7 +95,7 @@ TAR_CASES = {  # the issue's three: uneven, random 10-200, 17 equal shards (not 
 
 @pytest.fixture(params=sorted(TAR_CASES))
 def indexed_tars(request, tmp_path):
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
     from tests.helpers import make_samples, tar_bytes
 
     keys = []
@@ -145,7 +145,7 @@ def test_tar_spans_read_only_their_bytes(indexed_tars):
 
 
 def test_a_stale_index_is_refused_at_construction(tmp_path):
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
     from tests.helpers import make_samples, tar_bytes
 
     shards = make_samples([3, 4], floats=4)

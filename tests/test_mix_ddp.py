@@ -32,7 +32,7 @@ def _torchrun(tmp_path: Path, nproc: int, cfg: dict) -> list[dict]:
 def test_torchrun_mix_resumes_on_the_same_and_other_worlds(s3_bucket, tmp_path, mode):
     import s3fs
 
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
 
     server, bucket = s3_bucket
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pytest
 
 import streamdata as sd
-from streamdata import index as sdx
+from streamdata.catalog import index as sdx
+from streamdata.epoch.state import merge_states
 from streamdata.errors import SpecError
-from streamdata.state import merge_states
 from tests.helpers import rank_env, take, write_shards, write_tables
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11]  # 58 samples, uneven on purpose

@@ -39,7 +39,7 @@ def runs(s3_server, tmp_path_factory):
     for all formats: ``{kind: (everything, saved state, first run, {tag: restarted run})}``."""
     import s3fs
 
-    from streamdata.index import build_index
+    from streamdata.catalog.index import build_index
 
     bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
     s3_server.create_bucket(bucket)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import streamdata as sd
-from streamdata.client import AsyncClient
 from streamdata.config import FetchConfig
-from streamdata.presigned import content_total
+from streamdata.store.client import AsyncClient
+from streamdata.store.presigned import content_total
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.faults import FaultProxy  # noqa: E402
@@ -89,7 +89,7 @@ def test_lite_signatures_match_botocore() -> None:
     import boto3
     from botocore.config import Config
 
-    from streamdata.s3lite import LiteS3
+    from streamdata.store.s3lite import LiteS3
 
     def query(url: str) -> dict[str, str]:
         return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
@@ -166,7 +166,7 @@ def test_lite_expansion_means_what_s3fs_means(s3_bucket, spec) -> None:
     spec = [s.format(b=bucket) for s in spec] if isinstance(spec, list) else spec.format(b=bucket)
     lite = server.storage_options
     botocore = dict(server.storage_options, use_ssl=False)  # an option LITE-S3 leaves to s3fs
-    from streamdata.backends import lite_s3
+    from streamdata.store.backends import lite_s3
 
     assert lite_s3("s3", lite) is not None and lite_s3("s3", botocore) is None
 
@@ -230,7 +230,7 @@ def test_no_listing_refuses_what_needs_a_listing(spec, match: str) -> None:
 def test_lite_listing_follows_every_page(s3_bucket) -> None:
     """LITE-S3's listing reads all pages (continuation tokens), keys with odd characters
     included (encoding-type=url), over one connection."""
-    from streamdata.backends import lite_s3
+    from streamdata.store.backends import lite_s3
 
     server, bucket = s3_bucket
     s3 = server.boto3_client()
@@ -253,9 +253,9 @@ def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, m
     256 KiB doubling (each of those others would open a connection first)."""
     import os
 
-    from streamdata import handover
-    from streamdata.parts import WARM_FIRST_PART
-    from streamdata.s3lite import LiteS3
+    from streamdata.fetch.parts import WARM_FIRST_PART
+    from streamdata.store import handover
+    from streamdata.store.s3lite import LiteS3
 
     if not handed:
         monkeypatch.setenv("STREAMDATA_HANDOVER", "0")

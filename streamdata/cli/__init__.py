@@ -19,8 +19,8 @@ import sys
 import warnings
 from typing import NoReturn
 
-from . import benchmark, conversion, indexing, inspection, listing
-from .common import UsageError
+from streamdata.cli import benchmark, conversion, indexing, inspection, listing
+from streamdata.cli.common import UsageError
 
 __all__ = ["main"]
 
@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from streamdata.cli.demo import run_demo
 
     run_demo(shards=args.shards, per_shard=args.per_shard, num_workers=args.workers,
              batch_size=args.batch_size)
@@ -44,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .. import __version__
+    from streamdata import __version__
 
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--debug", action="store_true",
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(text: str) -> str:
-    from ..redact import redact
+    from streamdata.redact import redact
 
     return " ".join(redact(text).split())
 
@@ -85,7 +85,7 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 
 def _main(argv: list[str] | None, debug: bool) -> int:
-    from ..errors import StreamDataError
+    from streamdata.errors import StreamDataError
 
     try:
         args, extra = build_parser().parse_known_args(argv)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .common import (
+from streamdata.cli.common import (
     UsageError,
     add_common,
     add_format,
@@ -70,7 +70,7 @@ class _Measure:
     """The dataset's ``map`` for tar: a sample -> its raw bytes (decoded on the way, if asked)."""
 
     def __init__(self, decode: bool) -> None:
-        from ..decode import make_decoder
+        from streamdata.formats.decode import make_decoder
 
         self.decoder = make_decoder(True) if decode else None
 
@@ -102,7 +102,7 @@ def _count(batch: Any) -> tuple[int, int]:
 
 
 def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window: int) -> dict:
-    from ..presets import loader
+    from streamdata.feed.loader import loader
 
     measure = {"decode": False, "map": _Measure(args.decode), "collate_fn": _sizes} if fmt == "tar" else {}
     ds = dataset_class(fmt)(shards, storage_options=storage_options(args), batch_size=args.batch_size,
@@ -161,7 +161,7 @@ def _chart(results: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..redact import redact
+    from streamdata.redact import redact
 
     windows = sorted({r["window"] for r in results})
     workers = sorted({r["workers"] for r in results})

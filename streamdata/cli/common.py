@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..progress import progress
+from streamdata.progress import progress
 
 __all__ = ["FORMATS", "UsageError", "add_common", "add_format", "bar", "busy", "dataset_class",
            "fetch_options", "format_of", "human", "list_shards", "parse_size", "parse_storage_options",
@@ -134,10 +134,10 @@ def busy(args: argparse.Namespace, desc: str) -> Iterator[Any]:
 def dataset_class(fmt: str) -> type:
     """The dataset class reading ``fmt`` (its ``suffixes`` are the listing rules)."""
     if fmt == "tar":
-        from ..tarset import TarDataset
+        from streamdata.datasets.tar import TarDataset
 
         return TarDataset
-    from ..parquet import ArrowDataset, ParquetDataset
+    from streamdata.datasets.parquet import ArrowDataset, ParquetDataset
 
     return ParquetDataset if fmt == "parquet" else ArrowDataset
 
@@ -160,8 +160,8 @@ def list_shards(args: argparse.Namespace, spec: Sequence[str] | str, fmt: str = 
     that dataset's suffix rules. ``auto`` lists with every format's suffixes and takes the one
     format found (a listing holding two is a UsageError; names matching none are read as tar,
     as ``TarDataset`` reads any name it is given)."""
-    from ..config import FetchConfig
-    from ..urls import expand_spec
+    from streamdata.catalog.specs import expand_spec
+    from streamdata.config import FetchConfig
 
     options = storage_options(args)
     config = FetchConfig.resolve(None, **fetch_options(args))

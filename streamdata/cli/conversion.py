@@ -21,7 +21,16 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .common import UsageError, add_common, bar, fetch_options, human, parse_size, storage_options, write_out
+from streamdata.cli.common import (
+    UsageError,
+    add_common,
+    bar,
+    fetch_options,
+    human,
+    parse_size,
+    storage_options,
+    write_out,
+)
 
 __all__ = ["IMAGE_SUFFIXES", "add_parsers"]
 
@@ -76,8 +85,8 @@ class Source:
 
 
 def _open_source(src: str, options: dict) -> tuple[Any, Source]:
-    from ..backends import filesystem
-    from ..urls import split_url
+    from streamdata.store.backends import filesystem
+    from streamdata.store.urls import split_url
 
     protocol, path = split_url(src)
     fs = filesystem(protocol, options if protocol != "file" else None)
@@ -218,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                 urls, index = _write_parquet(samples, pattern, args, options), None
         elapsed = time.perf_counter() - start
     finally:
-        from ..backends import close_filesystem
+        from streamdata.store.backends import close_filesystem
 
         close_filesystem(fs)
     if source.classes:
@@ -230,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if source.skipped:
         write_out(f"skipped   {len(source.skipped)} files that are not images ({IMAGE_SUFFIXES[0]}, ...): "
                   f"{', '.join(source.skipped[:3])}{', ...' if len(source.skipped) > 3 else ''}")
-    from ..redact import redact_url
+    from streamdata.redact import redact_url
 
     if urls:
         write_out(f"first     {redact_url(urls[0])}")
@@ -250,8 +259,8 @@ def _keyed(samples: Iterator[dict], pbar: Any) -> Iterator[dict]:
 
 
 def _write_classes(pattern: str, classes: list[str], options: dict) -> None:
-    from ..backends import close_filesystem, filesystem
-    from ..urls import split_url
+    from streamdata.store.backends import close_filesystem, filesystem
+    from streamdata.store.urls import split_url
 
     protocol, path = split_url(pattern)
     fs = filesystem(protocol, options if protocol != "file" else None)
@@ -265,8 +274,8 @@ def _write_classes(pattern: str, classes: list[str], options: dict) -> None:
 def _write_tar(samples: Iterator[dict], pattern: str, args: argparse.Namespace,
                options: dict) -> tuple[list[str], str | None]:
     """Samples into ``sd.ShardWriter`` (uploads in the background, the sample index at close)."""
-    from ..index import default_index_url
-    from ..shardwriter import ShardWriter
+    from streamdata.catalog.index import default_index_url
+    from streamdata.write.tar import ShardWriter
 
     with ShardWriter(pattern, maxcount=args.maxcount, maxsize=args.maxsize, storage_options=options,
                      compress=args.compress, progress=False, **fetch_options(args)) as out:
@@ -281,7 +290,7 @@ def _write_parquet(samples: Iterator[dict], pattern: str, args: argparse.Namespa
                    options: dict) -> list[str]:
     import pyarrow as pa
 
-    from ..write import write_parquet
+    from streamdata.write.tables import write_parquet
 
     def tables() -> Iterator[pa.Table]:
         chunk: list[dict] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_common, busy, fetch_options, human, storage_options, write_out
+from streamdata.cli.common import add_common, busy, fetch_options, human, storage_options, write_out
 
 __all__ = ["add_parsers"]
 
@@ -29,8 +29,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..index import build_index, read_index
-    from ..redact import redact_url
+    from streamdata.catalog.index import build_index, read_index
+    from streamdata.redact import redact_url
 
     options = storage_options(args)
     fetch = fetch_options(args) | ({} if args.window is None else {"window": args.window})

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from .common import (
+from streamdata.cli.common import (
     UsageError,
     add_common,
     add_format,
@@ -118,7 +118,7 @@ def _tar_samples(args: argparse.Namespace, shards: list, window: int = 1) -> Ite
     """Raw tar samples in order: one shard at a time with ``window`` 1 (nothing fetched beyond
     need), else one pass over all of them with that many shards in flight (a search). Whole
     shards, without the sample index (``index=None``: no GET for it per dataset)."""
-    from ..tarset import TarDataset
+    from streamdata.datasets.tar import TarDataset
 
     options = storage_options(args)
     for group in [shards] if window > 1 else [[shard] for shard in shards]:
@@ -185,7 +185,7 @@ def _merge(kinds: list[tuple[str, tuple[int, ...] | None]]) -> str:
 
 
 def _field_table(first: list[dict], raw_bytes: dict[str, int], counted: int, what: str) -> None:
-    from ..decode import make_decoder
+    from streamdata.formats.decode import make_decoder
 
     decode = make_decoder(True) if what == "tar" else None
     kinds: dict[str, list] = {}
@@ -273,9 +273,9 @@ def _inspect_table(args: argparse.Namespace, fmt: str, shards: list) -> None:
 def _index_status(args: argparse.Namespace, shards: list) -> tuple[str, int | None]:
     """``(status line, samples or None)`` from the sample index, when one exists, read once for
     both the line and the counts (the counts: when it covers every shard and none is stale)."""
-    from .. import index as sdindex
-    from ..config import FetchConfig
-    from ..errors import StreamDataError
+    from streamdata.catalog import index as sdindex
+    from streamdata.config import FetchConfig
+    from streamdata.errors import StreamDataError
 
     options = storage_options(args)
     config = FetchConfig.resolve(None, **fetch_options(args))
@@ -354,8 +354,8 @@ def _write_field(sample: dict, field: str) -> None:
 
 
 def _print_sample(sample: dict, fmt: str) -> None:
-    from ..decode import make_decoder
-    from ..redact import redact_url
+    from streamdata.formats.decode import make_decoder
+    from streamdata.redact import redact_url
 
     decoded = make_decoder(True)(dict(sample)) if fmt == "tar" else sample
     names = sorted(k for k in sample if _is_field(k))

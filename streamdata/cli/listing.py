@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import add_common, add_format, human, list_shards, write_out
+from streamdata.cli.common import add_common, add_format, human, list_shards, write_out
 
 __all__ = ["add_parsers"]
 
@@ -29,7 +29,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..redact import redact_url
+    from streamdata.redact import redact_url
 
     fmt, shards = list_shards(args, args.spec, args.format)
     known = [s.size for s in shards if s.size is not None]

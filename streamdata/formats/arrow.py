@@ -12,7 +12,7 @@ raises ``FormatError`` instead of reaching for the network.
   Each batch's row count is in its message header, read alone (``ipc_batch_rows``).
 - Arrow IPC stream: read sequentially from the fetcher's parts, one message at a time.
 
-Tables become tensors in :mod:`streamdata.tables`.
+Tables become tensors in :mod:`streamdata.batch.tables`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import FormatError, SpecError
+from streamdata.errors import FormatError, SpecError
 
 __all__ = [
     "ChunkFile",

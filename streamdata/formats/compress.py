@@ -25,7 +25,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Iterator
 
-from ..errors import FormatError
+from streamdata.errors import FormatError
 
 __all__ = ["GZIP_MAGIC", "OUT_CHUNK", "TAR_SUFFIXES", "ZSTD_MAGIC", "codec_from_suffix", "decompressed",
            "sniff"]

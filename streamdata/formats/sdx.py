@@ -16,7 +16,7 @@ not increase within a shard, or pass its size, are ``FormatError``.
 
 A WebDataset/wids shard list (``{"shardlist": [{"url", "nsamples", "filesize"?}, ...]}``) is
 read as an index too: counts, no offsets. Where they are stored and how they are looked up:
-``streamdata.index``.
+``streamdata.catalog.index``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import FormatError, SpecError
-from ..redact import redact_url
-from .tar import sample_offsets
+from streamdata.errors import FormatError, SpecError
+from streamdata.formats.tar import sample_offsets
+from streamdata.redact import redact_url
 
 __all__ = ["FORMAT", "MAGIC", "REBUILD", "VERSION", "ShardEntry", "decode_index", "encode_index",
            "tar_sample_offsets"]

@@ -38,7 +38,7 @@ import struct
 import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator
 
-from ..errors import FormatError
+from streamdata.errors import FormatError
 
 __all__ = ["group_samples", "iter_members", "member_offsets", "sample_offsets", "samples_from_chunks",
            "split_key"]

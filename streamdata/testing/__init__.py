@@ -18,11 +18,11 @@ Run a server by hand with ``python -m streamdata.testing {s3,gcs,http} --help``.
 # s3_from_env; _moto is the server child's side), gcs (GCSServer, gcs_from_env), http
 # (HTTPServer), cli (the command line), _process (subprocess, port and readiness helpers).
 
-from ._process import ServerError, free_port
-from .cli import main as main  # the CLI entry point (not in __all__, as before)
-from .gcs import GCSServer, gcs_from_env
-from .http import HTTPServer
-from .s3 import S3Endpoint, S3Server, s3_from_env
+from streamdata.testing._process import ServerError, free_port
+from streamdata.testing.cli import main as main  # the CLI entry point (not in __all__, as before)
+from streamdata.testing.gcs import GCSServer, gcs_from_env
+from streamdata.testing.http import HTTPServer
+from streamdata.testing.s3 import S3Endpoint, S3Server, s3_from_env
 
 __all__ = [
     "GCSServer",

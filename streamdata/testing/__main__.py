@@ -1,5 +1,5 @@
 """``python -m streamdata.testing {s3,gcs,http}``: run one test server in the foreground."""
 
-from . import main
+from streamdata.testing import main
 
 main()

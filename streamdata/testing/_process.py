@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendMissingError, StreamDataError
+from streamdata.errors import BackendMissingError, StreamDataError
 
 _INSTALL_HINT = "pip install 'streamdata[test]'"
 _READY_TIMEOUT_S = 20.0

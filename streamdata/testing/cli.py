@@ -10,10 +10,10 @@ import sys
 import threading
 import time
 
-from ._moto import _serve_s3
-from ._process import _Managed
-from .gcs import GCSServer
-from .http import HTTPServer
+from streamdata.testing._moto import _serve_s3
+from streamdata.testing._process import _Managed
+from streamdata.testing.gcs import GCSServer
+from streamdata.testing.http import HTTPServer
 
 
 def _watch_stdin_then_exit() -> None:

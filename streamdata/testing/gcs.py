@@ -12,9 +12,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..config import env_setdefault, env_str
-from ..errors import BackendMissingError
-from ._process import _INSTALL_HINT, ServerError, _http_status, _ServerProcess, _Subprocess, free_port
+from streamdata.config import env_setdefault, env_str
+from streamdata.errors import BackendMissingError
+from streamdata.testing._process import (
+    _INSTALL_HINT,
+    ServerError,
+    _http_status,
+    _ServerProcess,
+    _Subprocess,
+    free_port,
+)
 
 
 def _fake_gcs_binary() -> str:

@@ -15,7 +15,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._process import _POLL_S, _STOP_TIMEOUT_S, ServerError, _Managed
+from streamdata.testing._process import _POLL_S, _STOP_TIMEOUT_S, ServerError, _Managed
 
 _COPY_CHUNK = 1 << 20
 

@@ -8,9 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..config import env_str
-from ..errors import BackendMissingError
-from ._process import (
+from streamdata.config import env_str
+from streamdata.errors import BackendMissingError
+from streamdata.testing._process import (
     _INSTALL_HINT,
     ServerError,
     _cli_argv,

@@ -1,0 +1,242 @@
+"""Arrow tables -> what a reader yields: a row-level shuffle, batches of exactly N rows by
+slicing, and dicts of tensors (numeric columns zero-copy; the mapping is in docs/arrow.md).
+No per-row Python anywhere but ``to_rows`` (``batch_size=None``) and user ``decoders``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from streamdata.errors import DecodeError, SpecError
+from streamdata.formats.arrow import table_url, tag_url
+
+__all__ = ["TensorOptions", "rebatch", "shuffle_rows", "to_rows", "to_tensors"]
+
+
+# ---- table stages (Arrow slicing) ---------------------------------------------------------
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        whole = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise SpecError(f"objects with incompatible schemas cannot share a batch: {exc}") from exc
+    urls = list(dict.fromkeys(u for u in map(table_url, tables) if u))
+    return tag_url(whole, ", ".join(urls)) if len(urls) > 1 else whole
+
+
+def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False,
+            sizes: Iterable[int] | None = None) -> Iterator[pa.Table]:
+    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``);
+    the first ones of the planned ``sizes`` instead, when given (EQUAL-STEPS, ``plan``)."""
+    targets = iter(sizes if sizes is not None else ())
+    pending: list[pa.Table] = []
+    have, want = 0, next(targets, batch_size)
+    for table in tables:
+        start = 0
+        while start < table.num_rows:
+            take = min(want - have, table.num_rows - start)
+            pending.append(table.slice(start, take))
+            have += take
+            start += take
+            if have == want:
+                yield _concat(pending)
+                pending, have, want = [], 0, next(targets, batch_size)
+    if have and not drop_last:
+        yield _concat(pending)
+
+
+def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int,
+                 rng: np.random.Generator) -> Iterator[pa.Table]:
+    """A row-level shuffle buffer: gather at least ``buffer_rows`` rows, permute them, emit all but
+    half a buffer, keep the rest to mix with what comes next.  A buffer of 0 or 1 passes through."""
+    if buffer_rows <= 1:
+        yield from tables
+        return
+    buf: list[pa.Table] = []
+    have = 0
+    for table in tables:
+        if not table.num_rows:
+            continue
+        buf.append(table)
+        have += table.num_rows
+        if have >= buffer_rows:
+            whole, perm, keep = _concat(buf), rng.permutation(have), buffer_rows // 2
+            yield whole.take(perm[keep:])
+            buf, have = [whole.take(perm[:keep])], keep
+    if have:
+        yield _concat(buf).take(rng.permutation(have))
+
+
+# ---- tables -> tensors --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    """How columns become tensors.
+
+    lists:     ``"padded"``: a variable-length list column ``x`` becomes ``x`` [rows, longest, ...]
+               padded with ``pad_value``, plus ``x_lengths`` (int64 [rows]); ``"offsets"``: ``x``
+               holds the values of all rows [total, ...] and ``x_offsets`` (int64 [rows + 1]) where
+               each row starts.
+    fill_null: a value (or ``{column: value}``) for nulls in integer/bool columns, which have no
+               NaN; without one such nulls raise ``DecodeError``.  Float nulls become NaN.
+    decoders:  ``{column: f}``; ``f(value)`` is applied to each value of the column (e.g. image
+               bytes -> tensor); equal-shaped tensor results are stacked.
+    """
+
+    lists: str = "padded"
+    pad_value: float = 0
+    fill_null: Any = None
+    decoders: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lists not in ("padded", "offsets"):
+            raise SpecError(f"lists must be 'padded' or 'offsets', got {self.lists!r}")
+
+    def null_fill(self, name: str) -> Any:
+        if isinstance(self.fill_null, Mapping):
+            return self.fill_null.get(name)
+        return self.fill_null
+
+
+def _is_numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) \
+        or pa.types.is_temporal(t)
+
+
+def _numeric(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor:
+    """A flat numeric (or temporal, as its integer) array -> 1-D tensor; zero-copy when no nulls."""
+    t = arr.type
+    if pa.types.is_temporal(t):
+        arr = arr.view(pa.int64() if t.bit_width == 64 else pa.int32())
+    if arr.null_count and not pa.types.is_floating(arr.type):
+        fill = opts.null_fill(name)
+        if fill is None:
+            raise DecodeError(f"column {name!r} has {arr.null_count} nulls and {arr.type} has no "
+                              f"NaN: pass fill_null={{{name!r}: value}}", key=name)
+        arr = pc.fill_null(arr, pa.scalar(fill, arr.type))
+    values = arr.to_numpy(zero_copy_only=False)
+    with warnings.catch_warnings():  # Arrow memory is read-only to numpy; the tensor aliases it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+def _dense(arr: pa.Array, name: str, opts: TensorOptions) -> torch.Tensor | None:
+    """Numeric, or (nested) fixed-size lists of numeric -> tensor [n, k, ...]; None otherwise."""
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        return _dense(arr.dictionary_decode(), name, opts)
+    if _is_numeric(t):
+        return _numeric(arr, name, opts)
+    if pa.types.is_fixed_size_list(t):
+        if arr.null_count:
+            raise DecodeError(f"column {name!r} has {arr.null_count} null fixed-size lists; "
+                              "fill them before writing, or read it with a decoder", key=name)
+        k = t.list_size
+        inner = _dense(arr.values.slice(arr.offset * k, len(arr) * k), name, opts)
+        return None if inner is None else inner.reshape(len(arr), k, *inner.shape[1:])
+    return None
+
+
+def _ragged(arr: pa.Array, name: str, opts: TensorOptions) -> dict[str, torch.Tensor] | None:
+    """A variable-length list column -> padded + lengths, or values + offsets; None if not numeric."""
+    lengths_arr = pc.fill_null(pc.list_value_length(arr), 0)
+    values = _dense(arr.flatten(), name, opts)
+    if values is None:
+        return None
+    lengths = torch.from_numpy(lengths_arr.to_numpy(zero_copy_only=False).astype(np.int64))
+    if opts.lists == "offsets":
+        offsets = torch.zeros(len(arr) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return {name: values, f"{name}_offsets": offsets}
+    n, longest = len(arr), int(lengths.max()) if len(arr) else 0
+    padded = torch.full((n, longest, *values.shape[1:]), opts.pad_value, dtype=values.dtype)
+    rows = torch.repeat_interleave(torch.arange(n), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(len(values)) - torch.repeat_interleave(starts, lengths)
+    padded[rows, cols] = values
+    return {name: padded, f"{name}_lengths": lengths}
+
+
+def _decoded(values: list, name: str) -> Any:
+    if values and all(isinstance(v, torch.Tensor) for v in values) \
+            and len({tuple(v.shape) for v in values}) == 1:
+        return torch.stack(values)
+    return values
+
+
+def _column(arr: pa.Array, name: str, opts: TensorOptions, out: dict[str, Any]) -> None:
+    """Convert one column into ``out`` (one key, two for list columns, one per struct field)."""
+    t = arr.type
+    if name in opts.decoders:
+        decode = opts.decoders[name]
+        try:
+            out[name] = _decoded([decode(v) for v in arr.to_pylist()], name)
+        except Exception as exc:
+            raise DecodeError(f"decoder for column {name!r} failed: {type(exc).__name__}: {exc}",
+                              key=name) from exc
+        return
+    if pa.types.is_struct(t):
+        for i in range(t.num_fields):
+            _column(pc.struct_field(arr, [i]), f"{name}.{t.field(i).name}", opts, out)
+        return
+    dense = _dense(arr, name, opts)
+    if dense is not None:
+        out[name] = dense
+        return
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        ragged = _ragged(arr, name, opts)
+        if ragged is not None:
+            for key in ragged:
+                if key in out:
+                    raise DecodeError(f"column {name!r} would write {key!r}, which already exists; "
+                                      "rename the column or use a decoder", key=name)
+            out.update(ragged)
+            return
+    out[name] = arr.to_pylist()  # strings, binary, decimals, nested ragged lists: Python values
+
+
+def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> dict[str, Any]:
+    """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md."""
+    opts = options or TensorOptions()
+    out: dict[str, Any] = {}
+    url = table_url(table)
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        try:
+            if isinstance(col, pa.ChunkedArray):
+                col = col.chunk(0) if col.num_chunks == 1 else (
+                    col.combine_chunks() if col.num_chunks else pa.array([], col.type))
+            _column(col, name, opts, out)
+        except DecodeError as exc:
+            exc.url = exc.url or url
+            raise
+        except (ValueError, OverflowError, pa.ArrowException) as exc:  # UnicodeDecodeError too
+            raise DecodeError(f"column {name!r} ({col.type}) of {url or 'a table'} cannot be "
+                              f"converted: {type(exc).__name__}: {exc}", url=url, key=name) from exc
+    return out
+
+
+def to_rows(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> Iterator[dict]:
+    """One dict per row (list columns as unpadded 1-D tensors); the slow, per-row path."""
+    opts = options or TensorOptions()
+    cols = to_tensors(table, TensorOptions("offsets", opts.pad_value, opts.fill_null, opts.decoders))
+    ragged = {k[:-len("_offsets")]: v.tolist() for k, v in cols.items()
+              if k.endswith("_offsets") and k[:-len("_offsets")] in cols}
+    plain = [(k, v) for k, v in cols.items() if k not in ragged and not
+             (k.endswith("_offsets") and k[:-len("_offsets")] in ragged)]
+    for i in range(table.num_rows):
+        row = {k: v[i] for k, v in plain}
+        for k, offsets in ragged.items():
+            row[k] = cols[k][offsets[i]:offsets[i + 1]]
+        yield row

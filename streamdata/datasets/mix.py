@@ -1,0 +1,418 @@
+"""``sd.Mix``: weighted sampling from several sharded datasets, exact per source, resumable.
+
+Each reader (rank x worker) reads its own share of every source's epoch (the sources' plans,
+EXACTLY-ONCE / EQUAL-STEPS) and interleaves them by a seeded sequence of choices that is the same
+on every rank (MIX-CHOICES in ``mixplan``). The epoch ends by ``stop``:
+
+- ``"first"``: when a source runs out on the reader: with sample counts known, at the reader's
+  quota of it, the fewest any rank's reader of that worker index holds, so every rank stops at
+  the same step; what the other sources did not deliver is counted (``mix.undelivered.K``);
+- ``"all"``: a source that runs out starts its next epoch (counted, ``mix.cycled.K``) until every
+  source has delivered its share once (with counts: as many as the rank with most);
+- ``samples=N``: N samples per epoch over the whole job, cycling sources as needed.
+
+The state (``mixplan``) is every source's position plus the number of choices taken, per reader,
+in the dataset state format, so torchdata's ``StatefulDataLoader`` and ``sd.loader`` save and
+restore it as they do a dataset's; a restart on another world shape re-divides what each source
+has left (RESUME-ELASTIC) and starts a new choice sequence for the new stage. See docs/mix.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from streamdata.batch.batches import batches
+from streamdata.datasets.passes import EpochIterator
+from streamdata.datasets.sharded import ShardedDataset
+from streamdata.epoch.blocks import with_mode
+from streamdata.epoch.mix import (
+    CYCLE_STRIDE,
+    choices,
+    counts_before,
+    entry_of,
+    mix_fingerprint,
+    parse_entry,
+    quotas,
+    source_stages,
+    split_budget,
+)
+from streamdata.epoch.resume import Stage
+from streamdata.epoch.state import STATE_FORMAT, check_header, dataset_key, stages_json, start_state
+from streamdata.epoch.world import World
+from streamdata.errors import SpecError, StreamDataError
+from streamdata.metrics import Counters
+
+__all__ = ["Mix"]
+
+_EMPTY_CYCLES = 3  # a source that yields nothing this many cycles in a row: an error, not a hang
+
+
+class Mix(torch.utils.data.IterableDataset):
+    """Samples drawn from ``sources`` (streamdata sharded datasets) with probabilities ``weights``.
+
+    ``seed`` seeds the choices (per epoch, stage and worker index; never per rank). ``stop``:
+    ``"first"`` (default) or ``"all"``; ``samples=N`` instead: N samples per epoch over the job.
+    ``batch_size`` / ``drop_last`` / ``collate_fn`` batch the mixed samples in the reader (the
+    sources must not batch). ``set_epoch``, ``state_dict`` / ``load_state_dict`` as the datasets.
+    """
+
+    state_format = STATE_FORMAT  # sd.loader's Loader gathers these states (``checkpoint``)
+
+    def __init__(self, sources: Sequence[ShardedDataset], weights: Sequence[float] | None = None, *,
+                 seed: int = 0, stop: str | None = None, samples: int | None = None,
+                 batch_size: int | None = None, drop_last: bool = False,
+                 collate_fn: Callable[[list], Any] | None = None) -> None:
+        super().__init__()
+        self.sources = list(sources)
+        _check_sources(self.sources)
+        weights = [1.0] * len(self.sources) if weights is None else list(weights)
+        if len(weights) != len(self.sources):
+            raise SpecError(f"{len(weights)} weights for {len(self.sources)} sources: one weight per source")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            raise SpecError(f"weights must be finite numbers > 0, got {weights}")
+        if samples is not None and stop is not None:
+            raise SpecError("give either stop= ('first' or 'all') or samples=N, not both")
+        if samples is not None and (not isinstance(samples, int) or samples < 1):
+            raise SpecError(f"samples must be an int >= 1, got {samples!r}")
+        stop = "first" if stop is None and samples is None else stop
+        if stop not in ("first", "all", None):
+            raise SpecError(f"stop must be 'first' or 'all', got {stop!r}")
+        if batch_size is not None and batch_size < 1:
+            raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if not isinstance(seed, int) or seed < 0:
+            raise SpecError(f"seed must be an int >= 0, got {seed!r}")
+        self.weights = [float(w) for w in weights]
+        self.probs = np.asarray(self.weights) / sum(self.weights)
+        self.seed, self.stop, self.samples = seed, stop, samples
+        self.batch_size, self.drop_last, self.collate_fn = batch_size, drop_last, collate_fn
+        k = range(len(self.sources))
+        self._counters = Counters([*(f"mix.taken.{i}" for i in k), *(f"mix.cycled.{i}" for i in k),
+                                   *(f"mix.undelivered.{i}" for i in k), "mix.left_out"])
+        self._epoch, self._passes = 0, 0
+        self._resume: tuple[int, list[Stage]] | None = None
+        self._live: _Run | None = None
+        if stop != "first":
+            empty = [i for i, s in enumerate(self.sources) if _total(s) == 0]
+            if empty:
+                raise SpecError(f"sources {empty} have no samples: they cannot be cycled (stop='all' or "
+                                "samples=N); remove them from the mix")
+
+    # ---- epochs and counts ------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch to read next; in a worker it also advances by one per pass (as the datasets)."""
+        self._epoch, self._passes, self._live = int(epoch), 0, None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch + self._passes
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The mix's counters (``mix.taken.K``, ``mix.cycled.K``, ``mix.undelivered.K``,
+        ``mix.left_out``) and every source counter summed over the sources, over every worker."""
+        out = self._counters.snapshot()
+        for source in self.sources:
+            for name, n in source.counts.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """The sources' skips under ``on_error``, per reason, summed."""
+        return _summed(s.skipped for s in self.sources)
+
+    @property
+    def retried(self) -> dict[str, int]:
+        """The sources' retried requests, per reason, summed."""
+        return _summed(s.retried for s in self.sources)
+
+    # ---- the state -------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What a state must match: each source's fingerprint and split, weights, seed, stop, samples."""
+        keys = [dataset_key(s) for s in self.sources]
+        return {"sources": [k[0] for k in keys], "splits": [k[1] for k in keys], "weights": self.weights,
+                "seed": self.seed, "stop": self.stop, "samples": self.samples}
+
+    def _head(self, epoch: int, stages: list) -> dict:
+        describe = self.describe()
+        return {**start_state(mix_fingerprint(describe), epoch, "mix"), "mix": describe,
+                "batching": [self.batch_size, bool(self.drop_last and self.batch_size is not None)],
+                "stages": stages}
+
+    def state_dict(self) -> dict:
+        """Where this reader stands (in a worker: what it yielded); else the state loaded, or the
+        epoch's start. Every source's position and the choices taken (docs/mix.md)."""
+        if self._live is not None:
+            run = self._live
+            return self._head(run.epoch, stages_json([*run.before, Stage.own(run.world, run.entry())]))
+        if self._resume is not None and self._resume[0] == self.epoch:
+            return self._head(self._resume[0], stages_json(self._resume[1]))
+        return self._head(self.epoch, [])
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next pass resumes the saved epoch where it stood; a state of another mix or of a
+        plain dataset is refused (SpecError naming what differs). Call it before iterating."""
+        check_header(state)
+        if state.get("split") != "mix":
+            raise SpecError(f"this is the state of a single dataset (split {state.get('split')!r}), not of a "
+                            "Mix: load it into that dataset, or give this Mix a state its state_dict() made")
+        mine, saved = self.describe(), state.get("mix") or {}
+        if state.get("fingerprint") != mix_fingerprint(mine) or saved != mine:
+            raise SpecError("this state belongs to another Mix: " + _differences(saved, mine, self.sources))
+        splits = mine["splits"]
+        try:
+            stages = [Stage(*s["world"], [parse_entry(e, splits) for e in s["delivered"]])
+                      for s in state["stages"]]
+            self._resume = (int(state["epoch"]), stages)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise SpecError(f"a malformed Mix state: {type(exc).__name__}: {exc}") from exc
+        self._epoch, self._passes, self._live = self._resume[0], 0, None
+
+    # ---- the pass ----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn)
+
+    def iter_batches(self, batch_size: int | None, *, drop_last: bool = False,
+                     collate_fn: Callable[[list], Any] | None = None,
+                     in_flight: int | None = None) -> EpochIterator:
+        """This reader's pass of the mix, batched by ``batch_size`` (None: samples); ``sd.loader``
+        calls it to batch in the worker."""
+        run = self._begin()
+        samples: Iterator[Any] = self._mixed(run)
+        if batch_size is not None:
+            samples = batches(_tail_counted(samples, batch_size, drop_last, self._counters), batch_size,
+                              collate_fn=collate_fn, drop_last=drop_last, in_flight=in_flight)
+        return EpochIterator(samples, run.close)
+
+    def _begin(self) -> _Run:
+        world, epoch = World.current(), self.epoch
+        resume, self._resume = self._resume, None
+        stages = resume[1] if resume is not None and resume[0] == epoch else []
+        go_on = bool(stages) and stages[-1].same_shape(world)
+        before = stages[:-1] if go_on else stages
+        entry = stages[-1].delivered[world.slot] if go_on else None
+        if go_on and entry is None:
+            raise SpecError(f"the saved Mix state has no entry for {world.describe()}")
+        splits = [dataset_key(s)[1] for s in self.sources]
+        entry = entry or parse_entry(0, splits)
+        for stage in before:
+            if any(e is None for e in stage.delivered):
+                missing = [i for i, e in enumerate(stage.delivered) if e is None][:8]
+                raise SpecError(f"the saved Mix state lacks readers {missing} of its {stage.world_size} "
+                                f"ranks x {stage.num_workers} workers: it resumes only on that world shape; "
+                                "save every reader's position (sd.loader's Loader.state_dict()) to resume "
+                                "on another")
+        run = _Run(self, world, epoch, before, entry)
+        try:
+            for k in range(len(self.sources) if not run.ended else 0):  # (an ended reader reads nothing)
+                cycle, position = entry["sources"][k]
+                run.open(k, cycle, source_stages(stages, k, splits[k]) if cycle == 0 else
+                         [Stage.own(world, position)])
+        except BaseException:
+            run.close()
+            raise
+        self._live = run
+        if torch.utils.data.get_worker_info() is not None:
+            self._passes += 1  # a persistent worker's copy cannot see set_epoch: count passes
+        return run
+
+    def _mixed(self, run: _Run) -> Iterator[Any]:
+        """The reader's samples: choose, take (cycling as ``stop`` says), until the epoch ends. The
+        end is known before the last sample goes (the next choice is drawn first), so the state
+        taken after the last batch says it (``end``: a restart on another world then hands that
+        reader's leftovers to no one; they were counted as undelivered)."""
+        chosen = choices(self.probs, self.seed, run.epoch, len(run.before), run.world.worker, run.t)
+        k = next(chosen)
+        started_ended = run.ended = run.ended or run.over(k)
+        try:
+            while not run.ended:
+                sample = run.take(k)
+                if sample is _END:
+                    break
+                run.t += 1
+                run.chosen[k] += 1
+                self._counters.add(f"mix.taken.{k}")
+                if run.cycles[k]:
+                    self._counters.add(f"mix.cycled.{k}")
+                k = next(chosen)
+                run.ended = run.over(k)
+                yield sample
+            run.ended = True
+            if not started_ended:
+                run.finish()
+        finally:
+            run.close()
+
+    def __repr__(self) -> str:
+        ends = f"samples={self.samples}" if self.samples is not None else f"stop={self.stop!r}"
+        return (f"Mix({[type(s).__name__ for s in self.sources]}, weights={self.weights}, seed={self.seed}, "
+                f"{ends}, batch_size={self.batch_size})")
+
+
+_END = object()
+
+
+class _Run:
+    """One reader's pass of a mix: its sources' iterators, cycles, quotas and position."""
+
+    def __init__(self, mix: Mix, world: World, epoch: int, before: list[Stage], entry: dict) -> None:
+        self.mix, self.world, self.epoch, self.before = mix, world, epoch, before
+        n = len(mix.sources)
+        self.t, self.ended, self.saved = entry["t"], bool(entry.get("end")), entry
+        self.cycles = [c for c, _ in entry["sources"]]
+        self.iters: list[Any] = [None] * n
+        self.empty = [0] * n
+        self.chosen = counts_before(mix.probs, mix.seed, epoch, len(before), world.worker, self.t)
+        shape = (world.world_size, world.num_workers)
+        self.budget: int | None = None
+        if mix.samples is not None:
+            left = mix.samples  # each earlier stage gave out what its ranks could share equally
+            for stage in before:
+                left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.delivered)
+            self.budget, lost = split_budget(left, shape, world.worker)
+            if lost and world.slot == 0 and self.t == 0:
+                mix._counters.add("mix.left_out", lost)
+        self.quotas: list[int] | None = None
+        self.own: list[int] | None = None
+        counts = [s.sample_counts() for s in mix.sources]
+        if mix.samples is None and all(c is not None for c in counts):
+            per_rank = [quotas(c, source_stages(before, k, "samples"), shape, world.worker, seed=s.seed,
+                               epoch=epoch, shuffle=s.shuffle)
+                        for k, (s, c) in enumerate(zip(mix.sources, counts, strict=True))]
+            agg = min if mix.stop == "first" else max
+            self.quotas = [agg(q) for q in per_rank]
+            self.own = [q[world.rank] for q in per_rank]
+
+    def over(self, k: int) -> bool:
+        """Whether the epoch ends before taking the choice ``k`` (with a budget, or quotas)."""
+        if self.budget is not None:
+            return self.t >= self.budget
+        if self.quotas is None:
+            return False
+        if self.mix.stop == "all":
+            return all(c >= q for c, q in zip(self.chosen, self.quotas, strict=True))
+        return self.chosen[k] >= self.quotas[k]
+
+    def open(self, k: int, cycle: int, stages: list[Stage]) -> None:
+        """Source ``k``'s pass of its epoch in cycle ``cycle``, resumed at ``stages``' position."""
+        source = self.mix.sources[k]
+        epoch = self.epoch + cycle * CYCLE_STRIDE
+        if stages:
+            fp, split = dataset_key(source)
+            state = {**start_state(fp, epoch, split), "stages": stages_json(stages),
+                     "batching": [None, False]}
+            source.load_state_dict(with_mode(state, source.block_window()))  # BLOCK-SHUFFLE's tag
+        else:
+            source.set_epoch(epoch)
+        old, self.iters[k] = self.iters[k], source.iter_batches(None)
+        if old is not None:
+            old.close()
+
+    def take(self, k: int) -> Any:
+        """The next sample of source ``k``; ``_END`` when the epoch ends there (``stop``)."""
+        while True:
+            try:
+                sample = next(self.iters[k])
+                self.empty[k] = 0
+                return sample
+            except StopIteration:
+                pass
+            if self.mix.stop == "first":
+                return _END
+            if self.quotas is None and self.mix.samples is None and all(
+                    c or i == k for i, c in enumerate(self.cycles)):
+                return _END  # stop="all" without counts: the last source to run out ends the epoch
+            self.empty[k] += 1
+            if self.empty[k] > _EMPTY_CYCLES:
+                raise StreamDataError(f"source {k} of the mix ({type(self.mix.sources[k]).__name__}) gave "
+                                      f"{self.world.describe()} no sample in {_EMPTY_CYCLES} epochs in a "
+                                      "row; give it more samples than readers, or leave it out")
+            self.cycles[k] += 1
+            self.open(k, self.cycles[k], [])
+
+    def entry(self) -> dict:
+        """This reader's entry in the state: choices taken, and each source's cycle and position."""
+        if self.iters[0] is None:  # it ended before this pass: nothing was opened
+            return self.saved
+        positions = [s.state_dict()["stages"][-1]["delivered"][self.world.slot] for s in self.mix.sources]
+        return entry_of(self.t, self.cycles, positions, self.ended)
+
+    def finish(self) -> None:
+        """Count what ``stop="first"`` left undelivered of this reader's share of each source."""
+        if self.mix.stop != "first" or self.own is None:
+            return
+        for k, (own, chosen) in enumerate(zip(self.own, self.chosen, strict=True)):
+            if own > chosen:
+                self.mix._counters.add(f"mix.undelivered.{k}", own - chosen)
+
+    def close(self) -> None:
+        for it in self.iters:
+            if it is not None:
+                it.close()
+
+
+def _tail_counted(samples: Iterator[Any], batch_size: int, drop_last: bool,
+                  counters: Counters) -> Iterator[Any]:
+    """``samples``; with ``drop_last``, the short last batch's samples are counted as left out."""
+    n = 0
+    for sample in samples:
+        n += 1
+        yield sample
+    if drop_last and n % batch_size:
+        counters.add("mix.left_out", n % batch_size)
+
+
+def _total(source: ShardedDataset) -> int | None:
+    counts = source.sample_counts()
+    return None if counts is None else int(np.sum(counts))
+
+
+def _summed(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for name, n in d.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def _check_sources(sources: list) -> None:
+    if not sources:
+        raise SpecError("a Mix needs at least one source")
+    for i, source in enumerate(sources):
+        if not isinstance(source, ShardedDataset):
+            raise SpecError(f"source {i} is a {type(source).__name__}: a Mix mixes streamdata's sharded "
+                            "datasets (TarDataset, ParquetDataset, ArrowDataset)")
+        if source.batch_size is not None:
+            raise SpecError(f"source {i} ({type(source).__name__}) batches itself (batch_size="
+                            f"{source.batch_size}): a Mix mixes samples; leave the sources' batch_size unset "
+                            "and give it to the Mix (sd.Mix(..., batch_size=N)) or to sd.loader")
+        if any(source is other for other in sources[:i]):
+            raise SpecError(f"source {i} is the same dataset object as an earlier one: build one dataset "
+                            "per source (weights say how often each is chosen)")
+
+
+def _differences(saved: dict, mine: dict, sources: Sequence[ShardedDataset]) -> str:
+    if not saved:
+        return "the state has no mix description (saved by another streamdata?)"
+    out = []
+    if len(saved.get("sources", [])) != len(mine["sources"]):
+        out.append(f"{len(saved.get('sources', []))} sources saved, {len(mine['sources'])} here")
+    else:
+        for i, (a, b) in enumerate(zip(saved["sources"], mine["sources"], strict=True)):
+            if a != b:
+                out.append(f"source {i} ({type(sources[i]).__name__}) differs (its shards, sizes, sample "
+                           "counts, seed or shuffle)")
+    for key in ("splits", "weights", "seed", "stop", "samples"):
+        if key != "splits" and saved.get(key) != mine[key]:
+            out.append(f"{key} {saved.get(key)!r} saved, {mine[key]!r} here")
+    if saved.get("splits") != mine["splits"] and not out:
+        out.append(f"splits {saved.get('splits')} saved, {mine['splits']} here (an index added or removed?)")
+    return "; ".join(out or ["its fingerprint differs"]) + ": load it into the Mix it was saved from"

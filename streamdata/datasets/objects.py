@@ -1,0 +1,138 @@
+"""``ObjectDataset``: a map-style dataset of one object per sample, fetched a batch at a time."""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from streamdata.catalog.specs import Spec, expand_spec
+from streamdata.config import OBJECT_MAX_REQUESTS, FetchConfig
+from streamdata.epoch.state import fingerprint, parse_state, start_state
+from streamdata.fetch.cache import Cache, cached_object
+from streamdata.formats.decode import DecodeSpec, make_decoder
+from streamdata.metrics import COUNTERS, Counters
+from streamdata.redact import redact_url
+from streamdata.store.urls import split_url
+
+__all__ = ["ObjectDataset"]
+
+
+class ObjectDataset(torch.utils.data.Dataset):
+    """A map-style dataset of one object per sample; ``__getitems__`` fetches a batch's objects
+    concurrently, so a ``DataLoader(batch_size=32)`` pays about one round trip per batch.
+
+    A sample is ``{"__key__": name without extension, "__url__": url, ext: decoded value}``
+    (``__url__`` without its password or signature: ``redact.redact_url``).
+    Fetch options (``max_requests``, ``timeout``, ``retry_deadline``, ...) as for the sharded
+    datasets; retries are counted per reason in ``retried``, over every worker.
+    """
+
+    fetch_defaults = {"max_requests": OBJECT_MAX_REQUESTS}
+
+    def __init__(self, urls: Spec, *, storage_options: dict | None = None, decode: DecodeSpec = True,
+                 map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
+                 **fetch_options: Any) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self.shards = expand_spec(urls, self.storage_options, config=self.fetch_config)
+        self.protocol = split_url(self.shards[0].url)[0]
+        self.decode = decode
+        self._decoder = make_decoder(decode)
+        self.map = map
+        self._counters = Counters(COUNTERS)
+        self._client: Any = None
+        self._cache: Cache | None = None
+
+    @property
+    def retried(self) -> dict[str, int]:
+        """Requests tried again so far, per reason, over every worker (``metrics.RETRY_REASONS``)."""
+        return self._counters.snapshot("retried.")
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Every counter (``retried.*``, ``cache.*``), over every worker."""
+        return self._counters.snapshot()
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        import asyncio
+
+        client = self._get_client()
+        shards = [self.shards[i] for i in indices]
+        urls = [s.url for s in shards]
+        cache = self._cache
+
+        async def fetch_all() -> list[bytes]:
+            sem = asyncio.Semaphore(self.fetch_config.max_requests)
+
+            async def get(url: str) -> bytes:
+                async with sem:
+                    return await client.get(url)
+
+            async def one(shard: Any) -> bytes:  # from the local cache when there (cache_dir)
+                return await cached_object(cache, shard.url, shard.size, getattr(shard, "etag", None),
+                                           lambda: get(shard.url))
+
+            return await asyncio.gather(*(one(s) for s in shards))
+
+        cfg = self.fetch_config
+        datas = client.io.run(fetch_all(), cfg.wait_limit(), what="a batch of objects")
+        return [self._sample(url, data) for url, data in zip(urls, datas, strict=True)]
+
+    def _sample(self, url: str, data: bytes) -> Any:
+        name = posixpath.basename(split_url(url)[1])
+        key, dot, ext = name.partition(".")
+        sample = {"__key__": key, "__url__": redact_url(url), (ext.lower() if dot else "data"): data}
+        if self._decoder is not None:
+            sample = self._decoder(sample)
+        return self.map(sample) if self.map is not None else sample
+
+    def _get_client(self) -> Any:
+        from streamdata.store.client import AsyncClient
+
+        if self._client is None or self._client.io.inherited:  # forked: FORK-RESET closed it
+            self._client = AsyncClient(self.protocol, self.storage_options, self.fetch_config,
+                                       counters=self._counters,
+                                       name="objects", url=self.shards[0].url)
+            cfg = self.fetch_config
+            self._cache = Cache(cfg.cache_dir, cfg.cache_limit, self._counters) if cfg.cache_dir else None
+        return self._client
+
+    # ---- the state (``state``; docs/resume.md) ------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The state protocol's record for a map-style dataset: no position of its own (which
+        indices come next is the sampler's, saved by ``StatefulDataLoader``), only what ties a
+        checkpoint to this dataset (its objects and sizes), so another dataset's is refused."""
+        return start_state(self._fingerprint, 0, "objects")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check that ``state`` was saved from this dataset (SpecError if not); nothing to seek."""
+        parse_state(state, self._fingerprint, "objects")
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        """Worked out once (the objects are fixed): StatefulDataLoader's workers ask for the
+        state after every batch, and the digest reads every object's URL and size."""
+        return fingerprint(self.shards, None, seed=0, shuffle=False)
+
+    def close(self) -> None:
+        """Close this process's connections and I/O thread (workers close theirs at exit)."""
+        client, self._client = self._client, None
+        if client is not None and not client.io.inherited:
+            client.close()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_client"] = None  # never inherit a loop (LOOP-AFTER-FORK)
+        state["_cache"] = None  # made again with the client, in the process that reads
+        return state

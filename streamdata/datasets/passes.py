@@ -1,0 +1,126 @@
+"""What one reader's pass is made of: its plan (``ReaderPass``), its batching, its iterator.
+
+Plain data and one small iterator, shared by the pass in :mod:`streamdata.datasets.sharded` and the
+formats (:mod:`streamdata.datasets.tar`, :mod:`streamdata.datasets.parquet`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from streamdata.epoch.plan import Span, batch_sizes
+from streamdata.epoch.sharding import reader_seed
+from streamdata.epoch.world import World
+from streamdata.errors import FormatError
+from streamdata.fetch.prefetcher import Prefetcher
+from streamdata.redact import redact_url
+
+__all__ = ["Batching", "EpochIterator", "ReaderPass", "stale_count"]
+
+
+def stale_count(url: str, seen: int, expected: int) -> FormatError:
+    """A unit whose samples do not match its count (the sample index, or footers)."""
+    return FormatError(f"{redact_url(url)} does not match its sample count: {seen} samples found where "
+                       f"the count says {expected}; the shard changed after its index was built: run "
+                       "`streamdata index SPEC` again", url=url)
+
+
+class EpochIterator:
+    """One reader's pass over its share of an epoch; creating it starts the fetch.
+
+    Closing it (explicitly, at exhaustion, on error, or when garbage-collected after an
+    early ``break``) closes the prefetcher: no thread, task or connection is left behind.
+    Only at exhaustion, ``keep()`` may say that the prefetcher goes on serving the next pass
+    (NEXT-EPOCH-EARLY in ``dataset``): then it is not closed here.
+    """
+
+    def __init__(self, items: Iterator[Any], close: Callable[[], None], *,
+                 keep: Callable[[], bool] | None = None) -> None:
+        self._items = items
+        self._close: Callable[[], None] | None = close
+        self._keep = keep
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._close is None:
+            raise StopIteration
+        try:
+            return next(self._items)
+        except StopIteration:
+            self.close(finished=True)
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self, finished: bool = False) -> None:
+        """End the pass; ``finished``: it ran to its end (only then may ``keep`` keep the fetch)."""
+        close, self._close = self._close, None
+        if close is not None:
+            getattr(self._items, "close", lambda: None)()
+            if not (finished and self._keep is not None and self._keep()):
+                close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ReaderPass:
+    """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
+
+    ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
+    shard-level split, EXACTLY-ONCE in ``sharding``), ``(start, stop, count)`` from an exact
+    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit of
+    ``count`` samples), or ``(skip, None, None)``: all but the first ``skip`` (a shard-level
+    split resumed, ``resume``).
+    A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
+    saved position in it is all a resume needs.
+    """
+
+    world: World
+    epoch: int
+    reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
+    span: Span | None = None
+    windows: Any = None  # BLOCK-SHUFFLE: how the reads are put out (``blocks.Windows``), else None
+
+    @property
+    def units(self) -> list[Any]:
+        return [unit for unit, _ in self.reads]
+
+    def seed(self, seed: int) -> list[int]:
+        """Seed material for this reader's shuffle in this pass."""
+        return reader_seed(self.world, seed=seed, epoch=self.epoch)
+
+    def batch_sizes(self, batch_size: int | None) -> list[int] | None:
+        """The planned size of each batch this reader yields (an exact epoch), else None."""
+        if self.span is None or batch_size is None:
+            return None
+        return batch_sizes(self.span, batch_size)
+
+
+@dataclass(frozen=True)
+class _Early:
+    """A pass queued in the prefetcher of the pass before it, from item ``first`` on
+    (NEXT-EPOCH-EARLY): its requests go out as soon as that pass's last part is requested."""
+
+    p: ReaderPass
+    reads: list
+    fetcher: Prefetcher
+    first: int
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a pass groups its samples: ``batch_size`` None yields samples one by one."""
+
+    batch_size: int | None
+    drop_last: bool = False
+    collate_fn: Callable[[list], Any] | None = None
+    in_flight: int | None = None
+    sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
+    windows: Any = None  # the block shuffle's windows (``blocks.Windows``), else a buffer's shuffle

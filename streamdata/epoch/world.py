@@ -1,0 +1,54 @@
+"""Where this process stands: DDP rank and world size, DataLoader worker and worker count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamdata.config import env_int
+from streamdata.errors import SpecError
+
+__all__ = ["World"]
+
+
+@dataclass(frozen=True)
+class World:
+    """One reader's place among all readers of an epoch.
+
+    ``num_workers`` is at least 1: ``DataLoader(num_workers=0)`` reads in the main process,
+    which counts as the single worker 0.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size) or not (0 <= self.worker < self.num_workers):
+            raise SpecError(f"inconsistent world: {self}")
+
+    @property
+    def slot(self) -> int:
+        """This reader's index among all ``world_size * num_workers`` readers."""
+        return self.rank * self.num_workers + self.worker
+
+    @property
+    def slots(self) -> int:
+        return self.world_size * self.num_workers
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size}, worker {self.worker}/{self.num_workers}"
+
+    @classmethod
+    def current(cls) -> World:
+        """Derive the world once: torch.distributed if initialised, else RANK/WORLD_SIZE, else 1."""
+        import torch.distributed as dist
+        from torch.utils.data import get_worker_info
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return cls(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers)

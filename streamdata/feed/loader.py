@@ -1,0 +1,347 @@
+"""``sd.loader``: a DataLoader preset choosing workers, prefetch, pinning and the GPU feed together."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from torch.utils.data import DataLoader, IterableDataset
+
+from streamdata._alloc import keep_freed_memory
+from streamdata.batch import recycle
+from streamdata.batch.batches import batches
+from streamdata.batch.collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
+from streamdata.epoch.state import STATE_FORMAT
+from streamdata.errors import SpecError
+from streamdata.feed.checkpoint import Positioned, Positions, Stripped
+from streamdata.feed.cuda import CudaPrefetcher
+from streamdata.feed.together import EndTogether
+from streamdata.store.handover import share_among
+
+__all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
+
+_MAX_DEFAULT_WORKERS = 4
+_JOIN_TIMEOUT = 10.0  # seconds close() waits for each worker that is still ending
+_UNSET: Any = object()
+
+
+def default_num_workers() -> int:
+    """Workers used when the caller does not say: one per usable CPU core, at most four."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return min(_MAX_DEFAULT_WORKERS, cpus)
+
+
+class _WorkerInit:
+    """A picklable ``worker_init_fn``: freeze what the worker inherited from the collector and
+    keep freed memory (WORKER-MEMORY), set the sharing
+    strategy, install the buffer pool, then call the user's function.
+
+    The strategy is set in every worker because spawned (and forkserver) workers start with
+    the default one, and the strategy that matters is the sending worker's.
+    """
+
+    def __init__(self, strategy: str | None, user_fn: Callable[[int], None] | None,
+                 board: recycle.Board | None = None, keep_memory: bool = False) -> None:
+        self.strategy, self.user_fn, self.board, self.keep_memory = strategy, user_fn, board, keep_memory
+
+    def __call__(self, worker_id: int) -> None:
+        if self.keep_memory:
+            # for spawned / forkserver workers, what INHERITED-HEAP (``_alloc``) does at a fork:
+            # what the worker has imported so far is out of its collector's sight (O(1))
+            gc.freeze()
+            keep_freed_memory()
+        if self.strategy is not None:
+            torch.multiprocessing.set_sharing_strategy(self.strategy)
+        if self.board is not None:
+            recycle.install(self.board, worker_id)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class _Lending:
+    """A picklable ``collate_fn``: the caller's, its batch then wrapped with its pool slots."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: Any) -> Any:
+        return recycle.lend(self.collate_fn(samples))
+
+
+class _BatchedInWorkers(IterableDataset):
+    """A per-sample IterableDataset batched inside each worker, each sample collated into
+    the batch as it arrives (:mod:`streamdata.batch.batches`): what ``sd.loader`` hands the
+    DataLoader (with ``batch_size=None``) when the caller keeps the default collation."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, drop_last: bool,
+                 in_flight: int) -> None:
+        self.dataset, self.batch_size, self.drop_last, self.in_flight = (
+            dataset, batch_size, drop_last, in_flight)
+
+    def __getattr__(self, name: str) -> Any:  # worker_init_fn may read the user's dataset's
+        try:  # attributes through get_worker_info().dataset
+            dataset = self.__dict__["dataset"]
+        except KeyError:  # while unpickling (spawn), before __dict__ is filled
+            raise AttributeError(name) from None
+        return getattr(dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # ... and set them (start/end splits)
+        if name in ("dataset", "batch_size", "drop_last", "in_flight"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __iter__(self) -> Iterator[Any]:
+        iter_batches = getattr(self.dataset, "iter_batches", None)
+        if iter_batches is not None:  # a sharded dataset batches with its plan (EQUAL-STEPS)
+            return iter_batches(self.batch_size, drop_last=self.drop_last, in_flight=self.in_flight)
+        return batches(iter(self.dataset), self.batch_size, drop_last=self.drop_last,
+                       in_flight=self.in_flight)
+
+    def __len__(self) -> int:  # as DataLoader counts batches of an IterableDataset
+        n = len(self.dataset)  # type: ignore[arg-type]  # TypeError when it has no len
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class _Unwrapped:
+    """The DataLoader's batches as the user sees them (see :func:`recycle.unwrap`).
+
+    Without persistent workers every iterator starts new worker processes, and two
+    iterators may be alive at once (``zip(loader, loader)``): each set of workers gets a
+    board of its own, made here before the iterator starts them (RECYCLE-HANDOFF).
+    """
+
+    def __init__(self, dataloader: DataLoader, init: _WorkerInit) -> None:
+        self.dataloader, self.init = dataloader, init
+        self.boards = [init.board]  # every board made for this loader, closed with it
+        self._started = False
+
+    def __iter__(self) -> Iterator[Any]:
+        new_workers = (not self.dataloader.persistent_workers
+                       or getattr(self.dataloader, "_iterator", None) is None)
+        if new_workers and self._started:
+            self.init.board = recycle.Board(self.dataloader.num_workers)
+            self.boards.append(self.init.board)
+        self._started = True
+        return recycle.unwrap(self.dataloader)
+
+    def close(self) -> None:
+        for board in self.boards:
+            board.close()
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+
+class Loader:
+    """What :func:`loader` returns: iterate it once per epoch.
+
+    ``len()`` works when the DataLoader's does; ``set_epoch`` reaches the dataset in this
+    process (persistent workers hold their own copy: the dataset must make the epoch reach
+    them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
+    """
+
+    def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
+                 batches: _Unwrapped | None = None, *, dataset: Any = None,
+                 end_together: bool = True, positions: Positions | None = None) -> None:
+        self.dataloader = dataloader
+        self.dataset = dataloader.dataset if dataset is None else dataset
+        self.prefetcher = feed
+        self._batches = batches  # with recycled buffers: unwraps, and owns the boards
+        self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
+        self._together = EndTogether() if end_together else None
+        self._positions, self._started = positions, False  # mid-epoch resume (``checkpoint``)
+
+    @property
+    def board(self) -> recycle.Board | None:
+        """The board of the workers started last (``None`` without recycled buffers)."""
+        return self._batches.init.board if self._batches is not None else None
+
+    def __iter__(self) -> Iterator[Any]:
+        self._started = True
+        loader = self.dataloader
+        if loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None):
+            share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
+        source = iter(self._source)
+        if self._positions is not None:
+            source = self._positions.deliver(source)
+        if self._together is not None and self._together.active():
+            return self._together.wrap(source)  # END-TOGETHER
+        return source
+
+    def state_dict(self) -> dict:
+        """Every reader's position in the epoch, as plain data: with torch.distributed, every
+        rank's (a collective: call it on every rank), so one rank's saved state restarts any
+        world size (docs/resume.md)."""
+        if self._positions is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no state_dict()")
+        return self._positions.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the saved epoch at the saved position: call it before the first iteration."""
+        if self._positions is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no load_state_dict()")
+        self._positions.load_state_dict(state, self._started)
+
+    @property
+    def undelivered(self) -> int:
+        """Samples of the last epoch this rank read but did not deliver because another rank
+        had run out (END-TOGETHER); 0 in a single-process job."""
+        return self._together.undelivered if self._together is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """The dataset's skips under ``on_error`` per reason, over every worker (``{}`` for a
+        dataset that does not count them)."""
+        return dict(getattr(self.dataset, "skipped", {}))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch to ``dataset.set_epoch``; call it before iterating the epoch."""
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is None:
+            raise AttributeError(f"{type(self.dataset).__name__} has no set_epoch()")
+        set_epoch(epoch)
+        if self._positions is not None:
+            self._positions.reset()
+
+    def close(self) -> None:
+        """Stop the prefetcher's thread and shut the DataLoader's persistent workers down."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self._batches is not None:
+            self._batches.close()
+        iterator = getattr(self.dataloader, "_iterator", None)  # torch keeps persistent workers here
+        if iterator is not None:
+            self.dataloader._iterator = None
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except RuntimeError as exc:
+                    # A spawned worker stopped mid-epoch can abort in its own interpreter
+                    # teardown ("killed by signal: Aborted"); it was ending anyway, as in
+                    # DataLoader's __del__, which ignores this too.
+                    if "killed by signal" not in str(exc):
+                        raise
+                    for worker in getattr(iterator, "_workers", ()):  # reap the rest
+                        worker.join(timeout=_JOIN_TIMEOUT)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def loader(
+    dataset: Any,
+    *,
+    batch_size: int | None = _UNSET,
+    num_workers: int | None = None,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[Any], Any] | None = None,
+    sharing_strategy: str | None = None,
+    device: str | torch.device | None = None,
+    depth: int = 1,
+    transform: Callable[[Any], Any] | None = None,
+    recycle_buffers: bool = True,
+    reuse_worker_memory: bool = True,
+    end_together: bool = True,
+    **dataloader_kwargs: Any,
+) -> Loader:
+    """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
+
+    Defaults: ``num_workers`` one per core (at most 4); with workers, ``persistent_workers`` and
+    ``prefetch_factor=2``; ``pin_memory`` when CUDA is available; ``batch_size=None`` when the
+    dataset batches itself (a ``batch_size`` attribute that is not ``None``), else DataLoader's
+    1; a ``collate_fn`` that builds tensors in the workers' shared memory and checks
+    ``/dev/shm`` first (with workers, a per-sample IterableDataset is batched in the workers,
+    each sample copied into its batch as it arrives: :func:`streamdata.batch.batches.batches`;
+    ``loader.dataloader`` then has ``batch_size=None``).  ``sharing_strategy="file_system"``
+    sets that strategy here and in every worker.  ``device`` wraps the loader in a
+    :class:`CudaPrefetcher` (``depth``, ``transform``).  ``recycle_buffers`` (with workers): a
+    worker reuses the shared memory of batches the main process has dropped
+    (:mod:`streamdata.batch.recycle`); iterate the returned ``Loader``, not its ``dataloader``.
+    ``reuse_worker_memory`` (with workers, glibc): a worker keeps the memory it frees for the
+    next epoch instead of giving it back to the OS and page-faulting it in again
+    (:mod:`streamdata._alloc`).  ``end_together`` (a multi-rank job): every rank ends an
+    epoch at the step where the first rank runs out of batches, so DDP never hangs on uneven
+    data; what the other ranks did not deliver is counted in ``loader.undelivered``
+    (:mod:`streamdata.feed.together`).  Other keyword arguments go to ``DataLoader`` unchanged.
+    """
+    if batch_size is _UNSET:
+        batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if num_workers > 0:
+        prefetch_factor = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
+        persistent_workers = True if persistent_workers is None else persistent_workers
+    else:
+        persistent_workers = bool(persistent_workers)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    served = dataset
+    if collate_fn is None:
+        in_flight = max(1, num_workers * (prefetch_factor or 0))
+        if batch_size is not None and num_workers > 0 and isinstance(dataset, IterableDataset):
+            served = _BatchedInWorkers(dataset, batch_size,
+                                       bool(dataloader_kwargs.pop("drop_last", False)), in_flight)
+            batch_size, collate_fn = None, _as_is
+        else:
+            collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
+                                           in_flight=in_flight)
+    if sharing_strategy is not None:
+        if sharing_strategy not in torch.multiprocessing.get_all_sharing_strategies():
+            raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "
+                            f"{sorted(torch.multiprocessing.get_all_sharing_strategies())}")
+        torch.multiprocessing.set_sharing_strategy(sharing_strategy)
+    positions = None
+    if getattr(dataset, "state_format", None) == STATE_FORMAT:  # positions to resume (``checkpoint``)
+        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers)
+    board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
+    if board is not None:
+        collate_fn = _Lending(collate_fn)
+    init = None
+    if num_workers > 0 and (sharing_strategy is not None or board is not None or reuse_worker_memory):
+        user_init = dataloader_kwargs.pop("worker_init_fn", None)
+        init = dataloader_kwargs["worker_init_fn"] = _WorkerInit(sharing_strategy, user_init, board,
+                                                                 reuse_worker_memory)
+    if persistent_workers and num_workers > 0 and hasattr(dataset, "early_next_epoch"):
+        dataset.early_next_epoch = True  # workers start the next epoch's requests (NEXT-EPOCH-EARLY)
+    dataloader = DataLoader(
+        served,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+        **dataloader_kwargs,
+    )
+    unwrapped = _Unwrapped(dataloader, init) if init is not None and init.board is not None else None
+    source = unwrapped if unwrapped is not None else dataloader
+    # a DataLoader with workers that pins does so in a thread of its own: the prefetcher then needs
+    # none; without workers (everything in this thread) its thread keeps the pass off the loop
+    own_thread = not (pin_memory and num_workers > 0)
+    feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
+                           transform, thread=own_thread) if device is not None else None)
+    return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
+                  positions=positions)

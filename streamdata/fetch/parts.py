@@ -1,0 +1,89 @@
+"""How an item's byte ranges are cut into the parts a reader requests, and which of them the
+rest of the window waits for.
+
+Invariant (FIRST-BYTES-FIRST): a reader's first shard (sized, not a range of an index) starts
+with a small part, each next one twice as big up to ``part_size``, and the rest of the window
+waits, at most FIRST_HOLD_MAX_S, until the parts that start in its first FIRST_HOLD_BYTES
+(by default 256 KiB, 512 KiB, 1 MiB, 2 MiB: 3.75 MiB, a first batch) have arrived. Sent beside
+the window, those parts shared the server's (or the link's) bandwidth with every request in
+flight (measured: benchmarks/README.md, "Start-up"). The wait is short (0.1 s) on purpose:
+it matters where those parts arrive fast (a short round trip); beyond it, the window's new
+connections (two round trips) keep their bytes behind them anyway, and a longer wait only
+delays the window (0.1 against 0.5 s at 100 ms one-way delay: whole run 1.03×, near noise). The
+wait holds no reference to their
+bytes (BYTE-BUDGET, ``fetch``). With a connection handed over to the reader (WARM-HANDOVER,
+``handover``) those bytes are one GET on it (``first_part_size``): one round trip, where each
+of the small parts but one would open a connection of its own first.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Sequence
+
+from streamdata.store.handover import waiting
+
+__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Range", "WARM_FIRST_PART", "first_part_size",
+           "first_parts", "split_parts"]
+
+Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
+
+FIRST_HOLD_BYTES = 2 << 20
+FIRST_HOLD_MAX_S = 0.1
+WARM_FIRST_PART = 4 << 20  # the first part on a handed-over connection: what the hold covers
+
+
+def first_part_size(configured: int, endpoint: tuple[str, str, int] | None) -> int:
+    """The reader's first shard's first part: ``configured`` (the config's ``first_part``), or,
+    with a handed-over connection to its ``endpoint`` waiting (WARM-HANDOVER), the bytes the
+    hold covers as one GET on it: one round trip, where the small parts' others would each
+    open a connection first (two)."""
+    return max(configured, WARM_FIRST_PART) if waiting(endpoint) else configured
+
+
+class _Arrivals:
+    """Whether the parts that start in an item's first FIRST_HOLD_BYTES have all arrived
+    (FIRST-BYTES-FIRST); holds no reference to their bytes (BYTE-BUDGET)."""
+
+    def __init__(self, futures: list[concurrent.futures.Future]) -> None:
+        self._count = len(futures)
+        self._arrived: list[None] = []  # appended by a callback on any thread: atomic
+        for fut in futures:
+            fut.add_done_callback(lambda _: self._arrived.append(None))
+
+    @property
+    def count(self) -> int:
+        """How many parts it watches."""
+        return self._count
+
+    @property
+    def done(self) -> bool:
+        return len(self._arrived) >= self._count
+
+
+def first_parts(todo: collections.deque) -> _Arrivals:
+    """Watch ``todo``'s ((start, end), future) parts that start in its first FIRST_HOLD_BYTES."""
+    futures, at = [], 0
+    for (start, end), fut in todo:
+        if at >= FIRST_HOLD_BYTES:
+            break
+        futures.append(fut)
+        at += FIRST_HOLD_BYTES if end is None else end - start
+    return _Arrivals(futures)
+
+
+def split_parts(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:
+    """Cut ranges into parts of at most ``part_size``; with ``first_part``, the parts start at
+    that size and double up to ``part_size`` (the first batch needs only the first bytes)."""
+    parts: list[Range] = []
+    size = min(first_part or part_size, part_size)
+    for start, end in ranges:
+        if end is None:
+            parts.append((start, None))
+            continue
+        while start < end:
+            parts.append((start, min(start + size, end)))
+            start += size
+            size = min(size * 2, part_size)
+    return parts

@@ -1,0 +1,456 @@
+"""The per-worker prefetcher: keeps upcoming shards and byte ranges in flight.
+
+One ``Prefetcher`` serves one reader (a DataLoader worker, or the main process with
+``num_workers=0``).  It owns a ``LoopThread`` and a fresh async filesystem bound to it
+(LOOP-AFTER-FORK, see ``_aio``), and fetches the items it is given *in the order they will
+be consumed*, as parts of at most ``part_size`` bytes, so that remote first-byte latency
+overlaps parsing, decoding and training.
+
+Invariant (BYTE-BUDGET): ``reserved`` counts bytes requested or fetched but not yet
+released by the consumer.  A part is requested only while ``reserved + part <= budget``
+or when nothing at all is reserved, so the fetcher never holds more than
+``max(budget, one part)`` bytes. The budget starts at ``byte_budget`` and grows, up to
+``byte_budget_max``, only where it held back a part the reader then waited for
+(BUDGET-GROWTH, ``budget``).  Parts are requested in consumption order, so the
+part the consumer waits for is never queued behind later ones (no deadlock).
+
+With ``cache_dir`` (``streamdata.fetch.cache``), an item found in the cache is served from disk
+through the same ``ItemReader`` (no request, no budget); any other item's parts are also
+written to the cache as they arrive (``tee``: CACHE-PUBLISH, CACHE-VERIFY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+from streamdata.config import FetchConfig
+from streamdata.errors import StreamDataError
+from streamdata.fetch.budget import Budget
+from streamdata.fetch.cache import Cache, CorruptEntry, Entry
+from streamdata.fetch.parts import (
+    FIRST_HOLD_MAX_S,
+    Range,
+    first_part_size,
+    first_parts,
+    split_parts,
+)
+from streamdata.fetch.tail import Tail
+from streamdata.fetch.tee import CacheTee
+from streamdata.metrics import Counters
+from streamdata.store.backends import translate_error
+from streamdata.store.client import AsyncClient, Chunks, body_size
+from streamdata.store.loop import wait_future
+from streamdata.store.urls import Shard, split_url
+
+__all__ = ["FetchItem", "ItemReader", "Prefetcher"]
+
+
+class FetchItem(NamedTuple):
+    """An object to fetch: whole (``ranges=None``) or only the given byte ranges, in order.
+    ``etag`` (when the listing or index gave one) is part of the item's cache key."""
+
+    url: str
+    size: int | None = None
+    ranges: tuple[Range, ...] | None = None
+    etag: str | None = None
+
+
+# an item's plan: its parts in order, each with the future that will hold its bytes
+_Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
+
+
+_DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
+
+_RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
+
+
+def _ahead_count(cfg: FetchConfig) -> int:
+    """Connections a reader opens ahead (CONNECT-AHEAD): as many parts as its byte budget
+    keeps in flight, within ``max_requests``."""
+    return max(1, min(cfg.max_requests, cfg.byte_budget // cfg.part_size))
+
+
+class Prefetcher:
+    """Fetch ``items`` ahead of the consumer; iterate to get one ``ItemReader`` per item.
+
+    Fetching starts at construction, so the first requests are on the wire before the first
+    byte is needed.  Always ``close()`` (or use as a context manager): it cancels requests,
+    closes connections and joins the I/O thread.
+    """
+
+    def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
+                 config: FetchConfig | None = None, *, where: str = "",
+                 counters: Counters | None = None) -> None:
+        self.items = Tail(_as_item(i) for i in items)
+        self.config = config or FetchConfig()
+        self.where = where
+        protocols = {split_url(i.url)[0] for i in self.items}
+        if len(protocols) > 1:
+            from streamdata.errors import SpecError
+
+            raise SpecError(f"one dataset reads one protocol; got {sorted(protocols)}")
+        self.client = AsyncClient(protocols.pop() if protocols else "file", storage_options,
+                                  self.config, name="fetch",
+                                  url=self.items[0].url if self.items else None, counters=counters)
+        self.stats = self.client.stats
+        self._endpoint = self.client.endpoint  # LITE-S3's (scheme, host, port): WARM-HANDOVER
+        self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
+        cfg = self.config
+        self._io = self.client.io
+        self.cache = Cache(cfg.cache_dir, cfg.cache_limit, counters) if cfg.cache_dir else None
+        self._tee = (CacheTee(self.cache, cfg.byte_budget, self._io.call_soon, self._wait_timeout())
+                     if self.cache is not None else None)
+        self.peak_reserved = 0
+        self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,  # BUDGET-GROWTH
+                             key=self._endpoint or self.client.protocol)
+        self._counters = counters
+        self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
+        self._plans: Tail = Tail(concurrent.futures.Future() for _ in self.items)
+        self._consumer = 0
+        self._fence = 0  # the first item ``extend`` queued last: past it, wait for the reader
+        self._reserved = 0
+        self._inflight = 0
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._scheduler = self._io.submit(self._schedule())
+
+    # ---- consumer side (the reader's thread) -------------------------------------------
+
+    def __iter__(self) -> Iterator[ItemReader]:
+        return self.readers(0, len(self.items))
+
+    def readers(self, start: int, stop: int) -> Iterator[ItemReader]:
+        """One ``ItemReader`` for each of items ``start`` to ``stop`` (one pass's, ``extend``)."""
+        for index in range(start, stop):
+            yield ItemReader(self, index)
+
+    def extend(self, items: Sequence[FetchItem | Shard]) -> int:
+        """Queue ``items`` after those already given (NEXT-EPOCH-EARLY: the next pass of a
+        persistent worker); the index of the first of them. They are fetched in order, on the
+        same connections and within the same byte budget: the first of them as soon as every
+        part before it is requested, the others once the reader has taken the last item before
+        them (a job that ends after this pass fetches one item it does not read, not a budget's
+        worth).
+        The items before the last ``extend``'s, all taken, are let go (indices stay as they
+        were): a prefetcher that serves pass after pass holds two passes' items, not every
+        epoch's. Call it from the reader's thread: the only one besides the loop that reads
+        the lists, and it waits here while the loop changes them.
+        """
+        more = [_as_item(i) for i in items]
+
+        async def add() -> int:  # on the loop, where the scheduler reads the lists
+            if self._consumer >= self._fence and all(
+                    self._plans[i] is _DONE for i in range(self._plans.base, self._fence)):
+                self.items.drop_before(self._fence)
+                self._plans.drop_before(self._fence)
+            start = len(self.items)
+            self._plans.extend(concurrent.futures.Future() for _ in more)
+            self.items.extend(more)
+            self._fence = start
+            self._wake.set()
+            return start
+
+        return wait_future(self._io.submit(add()), self._wait_timeout(), what="queueing the next pass",
+                           url=more[0].url if more else "", check=self._check)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the filesystem's connections, join the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.close()
+        if self._tee is not None:  # parts queued are written; unfinished entries dropped
+            self._tee.close()
+        for plan in self._plans:  # cache entries opened ahead that no reader took
+            if plan is not _DONE and plan.done() and not plan.cancelled() and plan.exception() is None \
+                    and isinstance(plan.result(), Entry):
+                plan.result().close()
+
+    def _check(self) -> None:
+        """Raise if the fetcher can no longer deliver (closed, or its scheduler failed)."""
+        if self._closed:
+            raise StreamDataError("the prefetcher was closed while a reader waited for bytes")
+        if self._scheduler.done() and not self._scheduler.cancelled() and self._scheduler.exception():
+            exc = self._scheduler.exception()
+            raise StreamDataError(f"the prefetcher's scheduler failed: {type(exc).__name__}: {exc}") from exc
+
+    def _wait_timeout(self) -> float:
+        return self.config.wait_limit()  # past the part's retry_deadline: never before it
+
+    def _take_plan(self, index: int) -> _Plan | Entry:
+        """Wait for item ``index``'s plan and drop the prefetcher's reference to it, so
+        that consumed parts are freed as soon as the reader lets go of them."""
+        self._io.call_soon(self._advance, index)
+        url = self.items[index].url
+        plan = wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
+                           url=url, check=self._check)
+        self._plans[index] = _DONE
+        return plan
+
+    def _release_soon(self, nbytes: int) -> None:
+        self._io.call_soon(self._release, nbytes)
+
+    # ---- loop side --------------------------------------------------------------------
+
+    def _advance(self, index: int) -> None:
+        self._consumer = max(self._consumer, index)
+        self._wake.set()
+
+    def _release(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+        self.budget.released(nbytes)
+        self._wake.set()
+
+    def _budget_event(self, grows: Callable[[float], bool], latency: float) -> None:
+        """BUDGET-GROWTH: a held-back part waited for (``Budget.stalled``), or the first part in."""
+        if grows(latency):
+            if self._counters is not None:
+                self._counters.add("budget.grown")
+            self._wake.set()
+
+    def _due(self, index: int) -> bool:
+        """Item ``index`` may be scheduled: queued, in the reader's window, and not past a queued
+        pass's first item (``extend``) before the reader takes the last item ahead of it."""
+        return (index < min(len(self.items), self._consumer + self.config.window)
+                and (index <= self._fence or self._consumer >= self._fence - 1))
+
+    def _fits(self, need: int) -> bool:
+        """A part of ``need`` bytes fits the budget now (BYTE-BUDGET: or nothing is reserved)."""
+        return self._reserved == 0 or self._reserved + need <= self.budget.limit
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _size_ahead(self, index: int, sizing: dict[int, asyncio.Future]) -> asyncio.Future:
+        """Item ``index``'s size; the window's other unsized items are asked for theirs now too,
+        in order (one request each, concurrent: not one round trip after another). The reader's
+        first item is probed alone: its probe brings its first bytes (HEAD-START), and the
+        window's requests follow its first parts (FIRST-BYTES-FIRST)."""
+        end = index + 1 if index == 0 else self._consumer + self.config.window
+        for i in range(index, min(len(self.items), end)):
+            item = self.items[i]
+            if i not in sizing and item.ranges is None and item.size is None:
+                sizing[i] = asyncio.ensure_future(self.client.size(item.url))
+                sizing[i].add_done_callback(lambda f: f.cancelled() or f.exception())  # read later
+        return sizing.pop(index)
+
+    async def _schedule(self) -> None:
+        cfg = self.config
+        sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
+        for index in itertools.count():  # items may be added (``extend``): wait for them
+            await self._until(lambda index=index: self._due(index))
+            item = self.items[index]
+            try:
+                ranges = item.ranges
+                if ranges is None:
+                    size = item.size if item.size is not None else await self._size_ahead(index, sizing)
+                    ranges = ((0, size),)
+                # only the reader's first shard starts with a small part: it is what the first
+                # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
+                # cost the client and the server less CPU per byte (one bigger first part on a
+                # handed-over connection: ``parts.first_part_size``)
+                opening = index == 0 and item.ranges is None
+                small = first_part_size(cfg.first_part, self._endpoint) if opening else None
+                parts = split_parts(ranges, cfg.part_size, small)
+                if self._tee is not None:
+                    entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
+                    if entry is not None:  # from disk: no request, no budget
+                        self._plans[index].set_result(entry)
+                        continue
+            except Exception as exc:
+                self._plans[index].set_exception(translate_error(exc, item.url))
+                continue
+            # each part's offset in the item's bytes (the cache entry): parts tile the ranges
+            offsets = itertools.accumulate(((e if e is not None else s) - s for s, e in parts), initial=0)
+            todo = collections.deque((part, concurrent.futures.Future()) for part in parts)
+            # the reader gets its own queue of the same futures: each side drops a future
+            # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
+            self._plans[index].set_result(collections.deque(todo))
+            first = first_parts(todo) if small is not None else None
+            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's connections
+                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
+                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
+            while todo:
+                (start, end), fut = todo.popleft()
+                offset = next(offsets)
+                need = (end if end is not None else start + cfg.part_size) - start
+                # No slow start: the window's requests all go out at once, in consumption
+                # order. Measured (benchmarks/README.md): starting at 4 in flight and adding
+                # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
+                # delay, for no better first batch. READER-THROTTLE (``retry``): at most as many
+                # parts in flight as the reader's throttle allows (max_requests, unless throttled).
+                held = not self._fits(need)
+                await self._until(lambda need=need: self._inflight < self.throttle.allowed
+                                  and self._fits(need))
+                self._reserved += need
+                self._inflight += 1
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
+                self.peak_reserved = max(self.peak_reserved, self._reserved)
+                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset, held))
+                del fut
+            if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
+                try:
+                    async with asyncio.timeout(FIRST_HOLD_MAX_S):
+                        await self._until(lambda first=first: first.done)
+                except TimeoutError:
+                    pass
+
+    async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
+                     fut: concurrent.futures.Future, index: int, offset: int, held: bool = False) -> None:
+        latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
+        try:
+            data = await self.client.get(url, start, end, chunks=True, first_byte=latency)
+            if held and latency:  # the budget held its request back: a wait for it may grow it
+                fut.latency = latency[0]  # type: ignore[attr-defined]
+            elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
+                self._budget_event(self.budget.far, latency[0])
+            size = body_size(data)
+            if size != reserved:  # only for open-ended parts: account for the real size
+                self._reserved += size - reserved
+                fut.reserved_fix = size - reserved  # type: ignore[attr-defined]
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(data)  # the reader first: the cache adds no wait
+            else:
+                self._reserved -= size
+            if self._tee is not None:  # also when the reader gave up: the entry can still complete
+                self._tee.write(index, offset, data, size)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if self._tee is not None:
+                self._tee.abort(index)
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+        finally:
+            self._inflight -= 1
+            self._wake.set()
+
+
+def _as_item(item: FetchItem | Shard) -> FetchItem:
+    if isinstance(item, FetchItem):
+        return item
+    return FetchItem(item.url, item.size, None, getattr(item, "etag", None))
+
+
+class ItemReader:
+    """The consumer's view of one fetched item: its bytes, part by part, in order."""
+
+    def __init__(self, fetcher: Prefetcher, index: int) -> None:
+        self._fetcher = fetcher
+        self.index = index
+        self.url = fetcher.items[index].url
+
+    @property
+    def item(self) -> FetchItem:
+        """What this reader reads: the object and its byte ranges."""
+        return self._fetcher.items[self.index]
+
+    def chunks(self) -> Iterator[bytes]:
+        """Yield the item's bytes in order, in pieces of any size. Budget is released once the
+        reader has asked for the next piece (a MiB at a time, and at the end of each part)."""
+        f = self._fetcher
+        pending: collections.deque = collections.deque()
+        try:
+            plan = f._take_plan(self.index)
+            if isinstance(plan, Entry):
+                yield from self._from_cache(plan)
+                return
+            pending = plan
+            while pending:
+                (start, end), fut = pending[0]
+                stalled = not fut.done()
+                data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
+                                   url=self.url, check=f._check)
+                if stalled and hasattr(fut, "latency"):  # BUDGET-GROWTH
+                    f._io.call_soon(f._budget_event, f.budget.stalled, fut.latency)
+                pending.popleft()
+                del fut
+                # a part may come as the chunks it arrived in (``Chunks``): hand them on one
+                # by one, and give their budget back a MiB at a time as the reader moves on
+                held = body_size(data)
+                pieces = list(data) if type(data) is Chunks else [data]
+                del data
+                freed = 0
+                try:
+                    for i, piece in enumerate(pieces):
+                        pieces[i] = b""
+                        yield piece
+                        freed += len(piece)
+                        del piece
+                        if freed >= _RELEASE_STEP:
+                            f._release_soon(freed)
+                            held, freed = held - freed, 0
+                finally:
+                    if held:
+                        f._release_soon(held)
+        except StreamDataError as exc:
+            if f.where and not exc.where:
+                exc.where = f.where
+            raise
+        finally:
+            for (start, end), fut in pending:  # abandoned mid-item: free the budget as parts land
+                need = (end if end is not None else start + f.config.part_size) - start
+                fut.add_done_callback(lambda fu, n=need: f._release_soon(
+                    n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
+
+    def _from_cache(self, entry: Entry) -> Iterator[bytes]:
+        """The item's bytes from its cache entry, each segment verified before it is handed
+        on; from the first bad one (CACHE-VERIFY), the entry is deleted and the rest fetched."""
+        f, done = self._fetcher, 0
+        try:
+            try:
+                for block in entry.blocks():
+                    yield block
+                    done += len(block)
+            except (CorruptEntry, OSError) as exc:
+                entry.discard()
+                f._io.call_soon(f.cache.count, "corrupt" if isinstance(exc, CorruptEntry) else "errors")
+                yield from self._fetch_rest(entry.ranges, done)
+        finally:
+            entry.close()
+
+    def _fetch_rest(self, ranges: Sequence[Range], skip: int) -> Iterator[bytes]:
+        """The item's bytes after its first ``skip``, fetched part by part, one at a time."""
+        f = self._fetcher
+        for start, end in ranges:
+            length = end - start
+            if skip >= length:
+                skip -= length
+                continue
+            for s, e in split_parts(((start + skip, end),), f.config.part_size):
+                data = wait_future(f._io.submit(f.client.get(self.url, s, e, chunks=True)),
+                                   f._wait_timeout(), what=f"bytes {s}..{e}", url=self.url, check=f._check)
+                yield from (data if type(data) is Chunks else (data,))
+            skip = 0
+
+    def read(self) -> bytes:
+        """The whole item as one ``bytes`` (for small objects and footers)."""
+        return b"".join(self.chunks())
+
+    def read_ranges(self) -> list[bytes]:
+        """One ``bytes`` per requested range (parts joined back), in the item's range order."""
+        item = self._fetcher.items[self.index]
+        ranges = item.ranges or ((0, item.size),)
+        out, buf, chunks = [], bytearray(), self.chunks()
+        for start, end in ranges:
+            if end is None:
+                out.append(b"".join(chunks))
+                continue
+            while len(buf) < end - start:
+                buf += next(chunks)
+            out.append(bytes(buf[: end - start]))
+            del buf[: end - start]
+        return out

@@ -1,0 +1,344 @@
+"""Backend plumbing: fsspec filesystems per protocol, S3 sessions and signers, error translation.
+
+What a URL means is ``urls``' business; this module turns a protocol and storage options
+into a working filesystem, closes it cleanly, and maps backend exceptions to ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from streamdata.config import env_snapshot
+from streamdata.errors import (
+    AccessDeniedError,
+    BackendMissingError,
+    FetchTimeoutError,
+    ShardFetchError,
+    ShardNotFoundError,
+    SpecError,
+    StreamDataError,
+)
+
+__all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
+           "lite_path", "lite_s3", "signer_key", "translate_error", "warm_imports"]
+
+T = TypeVar("T")
+
+# protocol -> the pip extra / package that provides it, for BackendMissingError
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
+             "https": "aiohttp", "hdfs": "pyarrow (and a Hadoop client: JAVA_HOME, HADOOP_HOME, CLASSPATH)"}
+
+
+def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, *,
+               url: str | None = None, timeout: float | None = None, **extra: Any):
+    """A fresh fsspec filesystem for ``protocol``, never the instance cache (LOOP-AFTER-FORK, ``_aio``).
+
+    ``url`` contributes what the URL itself carries (an HDFS name node's host and port).
+    ``timeout`` (seconds per request) bounds the backend's own requests and turns its own
+    retries off, where ``storage_options`` do not say otherwise (:func:`_bounded`).
+    """
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        need = _BACKENDS.get(protocol, "the fsspec backend for it")
+        raise BackendMissingError(
+            f"reading {protocol}:// URLs needs {need}: pip install 'streamdata' brings it, "
+            f"or install it directly ({exc})") from exc
+    except ValueError as exc:
+        raise SpecError(f"unknown protocol {protocol!r}: use s3://, gs://, hdfs://, http(s)://, "
+                        "file:// or a local path") from exc
+    options = dict(cls._get_kwargs_from_urls(url)) if url else {}
+    options.update(storage_options or {})
+    options.update(extra)
+    if timeout is not None:
+        options = _bounded(protocol, options, timeout)
+    if protocol in ("s3", "s3a") and not {"session", "profile"} & set(options):
+        options["session"] = _s3_session()
+    try:
+        fs = cls(skip_instance_cache=True, **options)
+    except TypeError as exc:
+        raise SpecError(f"storage_options not accepted by {cls.__name__}: {exc}") from exc
+    except (ImportError, OSError) as exc:
+        need = _BACKENDS.get(protocol, "its client libraries")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BackendMissingError(f"the {protocol}:// backend could not start ({first}); it needs "
+                                  f"{need}", url=url) from exc
+    fs._streamdata_signer_key = signer_key(protocol, storage_options)
+    if timeout is not None and protocol in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own retry loop (_error_wrapper, 5 tries): one try; ours retry
+    if timeout is not None and protocol in ("gs", "gcs"):
+        _one_try_per_gcs_request(fs)
+    if protocol in ("gs", "gcs"):
+        _require_gcs_credentials(fs, options, url)
+    return fs
+
+
+def _one_try_per_gcs_request(fs: Any) -> None:
+    """gcsfs tries every request up to 6 times, sleeping up to 32 s between tries, inside its
+    ``_request`` (a decorator bound when the class is made: no option changes it). On this
+    instance, call the undecorated method, so that ours are the only retries: bounded by our
+    deadline and counted per reason, like S3's."""
+    raw = getattr(type(fs)._request, "__wrapped__", None)
+    if raw is not None:
+        fs._request = types.MethodType(raw, fs)
+
+
+def _bounded(protocol: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``options`` with the backend's request timeouts set to ``timeout`` and its own retries
+    off, so they neither outlast nor multiply ours; what the user set is kept."""
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # no retry
+        options["config_kwargs"] = config
+    elif protocol in ("gs", "gcs"):
+        options.setdefault("requests_timeout", timeout)
+        options.setdefault("timeout", timeout)
+        _quiet("gcsfs")
+    elif protocol in ("http", "https"):
+        import aiohttp
+
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout,
+                                                           sock_read=timeout))
+        options["client_kwargs"] = client
+    return options
+
+
+def _quiet(name: str) -> None:
+    """Keep a library's log records off stderr when the application configured no logging
+    (Python's last-resort handler would print them: gcsfs logs a traceback per failed
+    request); an application's own handlers still receive them."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+
+
+_GCS_HINT = ("no Google Cloud credentials were found. Tried: token= in storage_options, "
+             "GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default credentials "
+             "(gcloud auth application-default login) and the GCE metadata server. For a public "
+             "bucket pass storage_options={'token': 'anon'}")
+
+
+def _require_gcs_credentials(fs: Any, options: Mapping[str, Any], url: str | None) -> None:
+    """gcsfs falls back to anonymous access when it finds no credentials; against Google's
+    own endpoint that only fails later, slowly (retries of 401s). Fail now, saying what was
+    tried. An emulator's endpoint, or ``token="anon"``, is anonymous on purpose."""
+    creds = getattr(fs, "credentials", None)
+    if options.get("token") is not None or getattr(creds, "method", None) != "anon":
+        return
+    if "googleapis.com" not in str(getattr(fs, "_location", "googleapis.com")):
+        return
+    raise AccessDeniedError(f"cannot access {url or 'gs://'}: {_GCS_HINT}", url=url)
+
+
+async def close_sessions(fs: Any) -> None:
+    """Close an fsspec async backend's connections: s3fs's botocore client, or the aiohttp
+    session of gcsfs and HTTP. Run on the filesystem's own loop."""
+    creator = getattr(fs, "_s3creator", None)
+    if creator is not None and hasattr(creator, "__aexit__"):
+        key = getattr(fs, "_streamdata_signer_key", None)
+        if key is not None and getattr(fs, "_s3", None) is not None:
+            _SIGNERS.setdefault(key, fs._s3)  # still signs once closed: see inherited_signer
+        await creator.__aexit__(None, None, None)
+        fs._s3creator = fs._s3 = None
+        _detach_finalizers(fs)
+    session = getattr(fs, "_session", None)
+    if session is not None and not session.closed:
+        await session.close()
+
+
+# SIGNER-REUSE: the botocore S3 client of a closed listing filesystem, kept by the storage
+# options it was made with. Presigning a URL is CPU work only (no connection, no loop of its
+# own), so the process that listed, and every DataLoader worker forked from it, signs with
+# this client instead of building one: building it cost each worker 0.1-0.2 s of CPU per
+# pass (botocore parses S3's endpoint rules anew for every client), all of it before the
+# first request. Spawned workers start without it and build their own, as before.
+_SIGNERS: dict[str, Any] = {}
+
+
+# environment variables botocore reads when it builds a client: part of a signer's identity
+_SIGNER_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+               "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_S3_ADDRESSING_STYLE")
+
+
+def signer_key(protocol: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The key of :data:`_SIGNERS` for these options (and the AWS environment);
+    ``None`` where a signer is not shared."""
+    options = dict(storage_options or {})
+    if protocol not in ("s3", "s3a") or {"session", "cache_regions"} & set(options):
+        return None
+    env = env_snapshot(_SIGNER_ENV)
+    try:
+        return json.dumps([options, env], sort_keys=True)
+    except (TypeError, ValueError):  # options that are not plain data (a credentials object...)
+        return None
+
+
+def inherited_signer(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """A closed S3 client that can presign URLs for these options, if this process has one."""
+    key = signer_key(protocol, storage_options)
+    return _SIGNERS.get(key) if key is not None else None
+
+
+def lite_s3(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """A botocore-free S3 signer for these options (LITE-S3, ``s3lite``), or ``None``."""
+    if protocol not in ("s3", "s3a"):
+        return None
+    from streamdata.store.s3lite import ENV_NAMES, LiteS3
+
+    return LiteS3.from_options(storage_options, env_snapshot(ENV_NAMES))
+
+
+_WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",)}
+
+
+def lite_path(url: str) -> str:
+    """``bucket/key`` of an S3 URL under LITE-S3, as s3fs's ``_strip_protocol`` gives it."""
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+def warm_imports(protocol: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Import what this protocol's readers will need (aiohttp for S3's presigned GETs and
+    HTTP) now, in the process that builds the dataset: forked DataLoader workers inherit the
+    modules instead of each importing them before its first request (0.3 s of CPU each on
+    a 2-core machine). Called while the listing's request is in flight, it costs nothing.
+    Under LITE-S3 with LITE-HTTP (``h1``) S3's readers need no aiohttp: only an ``https``
+    endpoint's SSL context is made (its CA bundle loaded once, inherited by workers)."""
+    import importlib
+
+    from streamdata.config import lite_http
+
+    lite = lite_s3(protocol, storage_options) if lite_http() else None
+    if lite is not None:
+        if lite.scheme == "https":
+            from streamdata.store.http1 import default_ssl_context
+
+            default_ssl_context()
+        return
+    for name in _WARM.get(protocol, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # the reader reports the missing backend where it needs it
+            pass
+
+
+def _detach_finalizers(fs: Any) -> None:
+    """Drop the ``weakref.finalize`` hooks s3fs registered to close ``fs``'s client: it is
+    closed already. Left in place, the hook runs when ``fs`` is collected, and in a forked
+    DataLoader worker it waits on the parent's loop, which looks running there but is not:
+    measured, a worker stalled one second per such filesystem before its first request."""
+    for hook in list(getattr(weakref.finalize, "_registry", {})):
+        info = hook.peek()
+        if info is not None and info[0] is fs:
+            hook.detach()
+
+
+def close_filesystem(fs: Any) -> None:
+    """Close a sync fsspec filesystem's connections now, on its own loop.
+
+    Left to the garbage collector, s3fs closes them from whatever thread collects, which
+    may be another reader's loop thread ("attached to a different loop").
+    """
+    loop = getattr(fs, "loop", None)
+    if getattr(fs, "asynchronous", True) or loop is None or not loop.is_running():
+        return
+    from fsspec.asyn import sync
+
+    try:
+        sync(loop, close_sessions, fs, timeout=5)
+    except Exception:  # best effort: the listing already succeeded
+        pass
+
+
+_S3_SESSION: Any = None
+
+
+def _s3_session() -> Any:
+    """One aiobotocore session per process, shared by its S3 filesystems.
+
+    A session holds parsed botocore models but no connection and no loop (clients do). Made
+    in the main process by the listing, it is inherited by forked DataLoader workers, which
+    then skip re-parsing botocore's JSON (measured 0.7 s per worker on a busy 2-core machine,
+    all of it before the first request could go out).
+    """
+    global _S3_SESSION
+    if _S3_SESSION is None:
+        from aiobotocore.session import AioSession
+
+        _S3_SESSION = AioSession()
+    return _S3_SESSION
+
+
+def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
+    """Map a backend exception to ours, naming the URL and what to check."""
+    if isinstance(exc, StreamDataError):
+        return exc
+    name = type(exc).__name__
+    text = str(exc)
+    status = getattr(exc, "code", None) or getattr(exc, "status", None)  # gcsfs, aiohttp
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text \
+            or status == 404:
+        err: StreamDataError = ShardNotFoundError(
+            f"cannot {action} {url}: no such bucket or object. Check the bucket name, the key, "
+            f"and the endpoint in storage_options ({name}: {text})", url=url)
+    elif isinstance(exc, PermissionError) or "Credentials" in name or "AccessDenied" in text \
+            or status in (401, 403) \
+            or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        err = AccessDeniedError(
+            f"cannot {action} {url}: access denied. Check credentials (storage_options key/secret "
+            f"or token, AWS_PROFILE / AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS) and the "
+            f"bucket policy ({name}: {text})", url=url)
+    elif isinstance(exc, TimeoutError) or any("Timeout" in c.__name__ for c in type(exc).__mro__):
+        err = FetchTimeoutError(f"cannot {action} {url}: no answer within the timeout ({name}"
+                                f"{': ' + text if text else ''}); check the endpoint and the network",
+                                url=url)
+    else:
+        err = ShardFetchError(f"cannot {action} {url}: {name}: {text}", url=url)
+    err.__cause__ = exc
+    return err
+
+
+def _transient(err: StreamDataError) -> bool:
+    """Worth another try: a timeout or a failed request, not a missing object or refused access."""
+    return isinstance(err, FetchTimeoutError) or (
+        isinstance(err, ShardFetchError) and not isinstance(err, (ShardNotFoundError, AccessDeniedError)))
+
+
+def call_with_deadline(fn: Callable[[float], T], *, timeout: float | None, deadline: float, url: str,
+                       what: str, retries: int | None = None, backoff: float = 0.1) -> T:
+    """``fn(limit)``, retried on transient errors within ``deadline`` seconds; our errors only.
+
+    ``fn`` makes one attempt and must give up after ``limit`` seconds: ``timeout`` for a single
+    request (a stat), or the time left before ``deadline`` when ``timeout`` is ``None`` (a
+    listing, all its pages; each request is bounded by the backend's own timeout, set by
+    :func:`filesystem`). Retries wait a jittered exponential backoff; none starts after
+    ``deadline``, so the whole call ends within about ``deadline`` (+ one ``timeout``);
+    ``retries`` (``None``: no cap) caps the attempts too.
+    """
+    start = time.monotonic()
+    for attempt in itertools.count():
+        left = max(deadline - (time.monotonic() - start), 0.5)
+        try:
+            return fn(left if timeout is None else min(timeout, left))
+        except Exception as exc:
+            err = translate_error(exc, url, what)
+        pause = min(backoff * 2 ** attempt, 10.0) * random.uniform(0.5, 1.0)
+        if not _transient(err) or attempt == retries or time.monotonic() - start + pause >= deadline:
+            if attempt:
+                err.message += f" (after {attempt + 1} attempts in {time.monotonic() - start:.1f} s)"
+            raise err from err.__cause__
+        time.sleep(pause)
+    raise AssertionError("unreachable")  # itertools.count() never ends
