@@ -25,6 +25,7 @@ and again when read, which is how ``traceback`` and torch's worker wrapper reach
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from streamdata.redact import redact, redact_exception, redact_url
 
@@ -92,7 +93,9 @@ class StreamDataError(Exception):
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
 
-_CAUSE, _CONTEXT = BaseException.__cause__, BaseException.__context__
+# the built-in slots' descriptors (typeshed types the attributes, not the descriptors)
+_CAUSE: Any = BaseException.__dict__["__cause__"]
+_CONTEXT: Any = BaseException.__dict__["__context__"]
 
 
 def _redacted_link(err: BaseException, link) -> BaseException | None:
@@ -121,10 +124,12 @@ def _context_from_traceback(cls: type, text: str) -> tuple[str | None, str | Non
     if at < 0:
         return None, None, None
     match = _FIELDS.search(text[at + len(header):].rstrip().rsplit("\n", 1)[-1])
+    if match is None:
+        return None, None, None
     return match.group("url"), match.group("key"), match.group("where")
 
 
-def _rebuild(cls: type, message: str, state: dict) -> StreamDataError:
+def _rebuild(cls: type[StreamDataError], message: str, state: dict) -> StreamDataError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)

@@ -117,7 +117,7 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torc
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     pool = recycle.active_pool()  # sd.loader's workers reuse storages the main process freed
     storage = pool.storage(nbytes, _new_shared) if pool is not None else _new_shared(nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # type: ignore[call-overload]  # stride optional at run time
 
 
 def _new_shared(nbytes: int) -> torch.UntypedStorage:

@@ -22,6 +22,7 @@ gzip member is accepted, as ``gzip`` does).
 
 from __future__ import annotations
 
+import types
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -37,10 +38,12 @@ OUT_CHUNK = 1 << 20  # most decompressed bytes produced per step
 _ZSTD_READ = 1 << 17  # compressed bytes the zstd reader takes per refill
 _IN_STEP = 1 << 18  # compressed bytes handed to the inflater per call (its unconsumed tail is a copy)
 
+_inflate_lib: types.ModuleType
+_INFLATE_ERRORS: tuple[type[BaseException], ...]
 try:  # ISA-L: 1.8-2.1x zlib's inflate rate here (benchmarks/compressed.py)
     from isal import isal_zlib as _inflate_lib
 
-    _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, _inflate_lib.error)
+    _INFLATE_ERRORS = (zlib.error, _inflate_lib.error)
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
     _inflate_lib = zlib
     _INFLATE_ERRORS = (zlib.error,)
@@ -144,8 +147,8 @@ def _unzstd(chunks: Iterator[bytes], url: str) -> Iterator[bytes]:
     import zstandard
 
     source = _WalkedSource(chunks, url)
-    reader = zstandard.ZstdDecompressor().stream_reader(source, read_size=_ZSTD_READ,
-                                                         read_across_frames=True)
+    reader = zstandard.ZstdDecompressor().stream_reader(  # a read()-able source, typed as IO[bytes]
+        source, read_size=_ZSTD_READ, read_across_frames=True)  # type: ignore[arg-type]
     try:
         while True:  # each turn produces output or ends (the reader consumes input to produce)
             out = reader.read(OUT_CHUNK)
