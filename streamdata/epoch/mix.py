@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from streamdata.epoch.plan import _sizes
-from streamdata.epoch.resume import Stage, resume_span
+from streamdata.epoch.plan import slot_sizes
+from streamdata.epoch.resume import Stage, UnitPosition, resume_span
 from streamdata.epoch.world import World
 
 __all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "choices", "counts_before", "entry_of", "mix_fingerprint",
@@ -85,26 +85,30 @@ def entry_of(t: int, cycles: Sequence[int], positions: Sequence[Any], end: bool 
     return {**entry, "end": True} if end else entry
 
 
-def source_stages(stages: Sequence[Stage], k: int, split: str) -> list[Stage]:
+def source_stages(stages: Sequence[Stage[dict]], k: int, split: str) -> list[Stage[Any]]:
     """Source ``k``'s stages of its primary epoch, from the mix's: a reader that had cycled
     ``k`` had delivered all of its span, and one that had ended will deliver no more of it
     (what it left was counted as undelivered): ``FULL``."""
-    full = [FULL, 0] if split == "units" else FULL
-    out = []
-    for stage in stages:
-        delivered = [None if e is None else full if e["sources"][k][0] or e.get("end") else e["sources"][k][1]
-                     for e in stage.delivered]
-        out.append(Stage(stage.world_size, stage.num_workers, delivered))
-    return out
+    def position(entry: dict | None) -> int | UnitPosition | None:
+        if entry is None:
+            return None
+        cycle, saved = entry["sources"][k]
+        done = bool(cycle or entry.get("end"))
+        if split == "units":
+            return UnitPosition(FULL, 0) if done else UnitPosition(int(saved[0]), int(saved[1]))
+        return FULL if done else int(saved)
+
+    return [Stage(stage.world_size, stage.num_workers, [position(e) for e in stage.delivered])
+            for stage in stages]
 
 
-def quotas(counts: np.ndarray, before: Sequence[Stage], shape: tuple[int, int], worker: int, *,
+def quotas(counts: np.ndarray, before: Sequence[Stage[int]], shape: tuple[int, int], worker: int, *,
            seed: int, epoch: int, shuffle: bool) -> list[int]:
     """The samples of one source's primary epoch that the reader of ``worker`` on each rank
     holds in a stage of ``shape`` (ranks, workers) that began after ``before``."""
     ranks, workers = shape
     if not before:
-        sizes = _sizes(int(np.sum(counts)), World(0, ranks, 0, workers))
+        sizes = slot_sizes(int(np.sum(counts)), World(0, ranks, 0, workers))
         return [int(sizes[r * workers + worker]) for r in range(ranks)]
     return [resume_span(counts, before, World(r, ranks, worker, workers), seed=seed, epoch=epoch,
                         shuffle=shuffle).samples for r in range(ranks)]
