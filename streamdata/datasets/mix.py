@@ -42,7 +42,7 @@ from streamdata.epoch.mix import (
     split_budget,
 )
 from streamdata.epoch.resume import Stage
-from streamdata.epoch.state import STATE_FORMAT, check_header, dataset_key, stages_json, start_state
+from streamdata.epoch.state import STATE_FORMAT, Loaded, check_header, stages_json, start_state
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.metrics import Counters
@@ -94,7 +94,7 @@ class Mix(torch.utils.data.IterableDataset):
         self._counters = Counters([*(f"mix.taken.{i}" for i in k), *(f"mix.cycled.{i}" for i in k),
                                    *(f"mix.undelivered.{i}" for i in k), "mix.left_out"])
         self._epoch, self._passes = 0, 0
-        self._resume: tuple[int, list[Stage]] | None = None
+        self._resume: Loaded | None = None
         self._live: _Run | None = None
         if stop != "first":
             empty = [i for i, s in enumerate(self.sources) if _total(s) == 0]
@@ -136,7 +136,7 @@ class Mix(torch.utils.data.IterableDataset):
 
     def describe(self) -> dict:
         """What a state must match: each source's fingerprint and split, weights, seed, stop, samples."""
-        keys = [dataset_key(s) for s in self.sources]
+        keys = [s.state_key() for s in self.sources]
         return {"sources": [k[0] for k in keys], "splits": [k[1] for k in keys], "weights": self.weights,
                 "seed": self.seed, "stop": self.stop, "samples": self.samples}
 
@@ -152,8 +152,8 @@ class Mix(torch.utils.data.IterableDataset):
         if self._live is not None:
             run = self._live
             return self._head(run.epoch, stages_json([*run.before, Stage.own(run.world, run.entry())]))
-        if self._resume is not None and self._resume[0] == self.epoch:
-            return self._head(self._resume[0], stages_json(self._resume[1]))
+        if self._resume is not None and self._resume.epoch == self.epoch:
+            return self._head(self._resume.epoch, stages_json(self._resume.stages))
         return self._head(self.epoch, [])
 
     def load_state_dict(self, state: dict) -> None:
@@ -170,10 +170,10 @@ class Mix(torch.utils.data.IterableDataset):
         try:
             stages = [Stage(*s["world"], [parse_entry(e, splits) for e in s["delivered"]])
                       for s in state["stages"]]
-            self._resume = (int(state["epoch"]), stages)
+            self._resume = Loaded(int(state["epoch"]), stages)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecError(f"a malformed Mix state: {type(exc).__name__}: {exc}") from exc
-        self._epoch, self._passes, self._live = self._resume[0], 0, None
+        self._epoch, self._passes, self._live = self._resume.epoch, 0, None
 
     # ---- the pass ----------------------------------------------------------------------
 
@@ -195,13 +195,13 @@ class Mix(torch.utils.data.IterableDataset):
     def _begin(self) -> _Run:
         world, epoch = World.current(), self.epoch
         resume, self._resume = self._resume, None
-        stages = resume[1] if resume is not None and resume[0] == epoch else []
+        stages = resume.stages if resume is not None and resume.epoch == epoch else []
         go_on = bool(stages) and stages[-1].same_shape(world)
         before = stages[:-1] if go_on else stages
         entry = stages[-1].delivered[world.slot] if go_on else None
         if go_on and entry is None:
             raise SpecError(f"the saved Mix state has no entry for {world.describe()}")
-        splits = [dataset_key(s)[1] for s in self.sources]
+        splits = [s.state_key()[1] for s in self.sources]
         entry = entry or parse_entry(0, splits)
         for stage in before:
             if any(e is None for e in stage.delivered):
@@ -306,7 +306,7 @@ class _Run:
         source = self.mix.sources[k]
         epoch = self.epoch + cycle * CYCLE_STRIDE
         if stages:
-            fp, split = dataset_key(source)
+            fp, split = source.state_key()
             state = {**start_state(fp, epoch, split), "stages": stages_json(stages),
                      "batching": [None, False]}
             source.load_state_dict(with_mode(state, source.block_window()))  # BLOCK-SHUFFLE's tag

@@ -16,7 +16,8 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +45,8 @@ KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
 
 
-class RowGroup(NamedTuple):
+@dataclass(frozen=True)
+class RowGroup:
     """One Parquet row group: the unit split across ranks and workers."""
 
     url: str
@@ -53,7 +55,8 @@ class RowGroup(NamedTuple):
     rows: int
 
 
-class RecordBatchUnit(NamedTuple):
+@dataclass(frozen=True)
+class RecordBatchUnit:
     """One record batch of an Arrow IPC file, or a whole IPC stream object (``index == -1``)."""
 
     url: str
@@ -139,11 +142,11 @@ class _ArrowTables(ShardedDataset):
         tables = policy.each(records, self.prepare)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
-            tables = placeholder_tables(tables, rewind[2], rewind[0])
+            tables = placeholder_tables(tables, rewind.sizes, rewind.first)
         tables = self.shuffled(tables, seed) if batching.windows is None else block_shuffled(
             tables, batching.windows)
         if rewind is not None:
-            tables = dropped(tables, rewind[1])
+            tables = dropped(tables, rewind.delivered)
         opts = self.tensor_options
         if batching.batch_size is not None:
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)

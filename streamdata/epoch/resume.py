@@ -27,7 +27,15 @@ from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from streamdata.epoch.plan import Segment, Span, batch_sizes, reader_span, reader_steps, segments_of, slot_sizes
+from streamdata.epoch.plan import (
+    Segment,
+    Span,
+    batch_sizes,
+    reader_span,
+    reader_steps,
+    segments_of,
+    slot_sizes,
+)
 from streamdata.epoch.sharding import epoch_order
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
@@ -77,8 +85,9 @@ class Stage(Generic[P]):
         without them resumes only on the same world shape)."""
         missing = [s for s, d in enumerate(self.delivered) if d is None]
         if missing:
-            raise SpecError(f"the saved position lacks readers {missing[:8]} of its {self.world_size} ranks "
-                            f"x {self.num_workers} workers: it can only resume on that same world shape; save "
+            shape = f"{self.world_size} ranks x {self.num_workers} workers"
+            raise SpecError(f"the saved position lacks readers {missing[:8]} of its {shape}: it can only "
+                            "resume on that same world shape; save "
                             "every reader's position (sd.loader's Loader.state_dict()) to resume on another")
         return [d for d in self.delivered if d is not None]
 
@@ -115,8 +124,8 @@ def _cuts(length: int, stage_world: World, batch_size: int | None, drop_last: bo
     return slot_sizes(length, stage_world)
 
 
-def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage[int]], world: World, *, seed: int = 0,
-                epoch: int = 0, shuffle: bool = False, batch_size: int | None = None,
+def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage[int]], world: World, *,
+                seed: int = 0, epoch: int = 0, shuffle: bool = False, batch_size: int | None = None,
                 drop_last: bool = False, undelivered: Runs | None = None) -> Span:
     """This reader's span of what ``stages`` left of the epoch (``plan.reader_span`` if none).
 
