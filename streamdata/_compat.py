@@ -89,8 +89,9 @@ def worker_processes(iterator: Any) -> list[Any]:
 # Checked against CPython 3.11.7 (pyproject: requires-python >= 3.11).
 
 
-def executor_threads(executor: concurrent.futures.ThreadPoolExecutor | None) -> list[threading.Thread]:
-    """The threads a thread pool has started (to join them after ``shutdown``); [] for None.
+def executor_threads(executor: concurrent.futures.Executor | None) -> list[threading.Thread]:
+    """The threads a thread pool has started (to join them after ``shutdown``); [] for None or
+    an executor without threads.
 
     ``ThreadPoolExecutor._threads`` (a set of ``threading.Thread``; CPython 3.11.7)."""
     return list(getattr(executor, "_threads", ()))

@@ -30,7 +30,7 @@ from streamdata.epoch.resume import Stage, UnitPosition, resume_span
 from streamdata.epoch.world import World
 
 __all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "choices", "counts_before", "entry_of", "mix_fingerprint",
-           "parse_entry", "quotas", "source_stages", "split_budget"]
+           "parse_entry", "quotas", "source_stages", "split_budget", "start_entry"]
 
 BLOCK = 1024  # choices per seeded block: position t is reached without drawing what is before it
 CYCLE_STRIDE = 1 << 32  # a source's epoch in cycle c of mix epoch e: e + c * CYCLE_STRIDE
@@ -68,7 +68,7 @@ def parse_entry(entry: Any, splits: Sequence[str]) -> dict | None:
     if entry is None:
         return None
     if entry == 0:
-        return {"t": 0, "sources": [[0, [0, 0] if s == "units" else 0] for s in splits]}
+        return start_entry(splits)
     sources = entry["sources"]
     if len(sources) != len(splits):
         raise ValueError(f"an entry of {len(sources)} sources for a mix of {len(splits)}")
@@ -77,6 +77,11 @@ def parse_entry(entry: Any, splits: Sequence[str]) -> dict | None:
         position = [int(position[0]), int(position[1])] if split == "units" else int(position)
         out.append([int(cycle), position])
     return {"t": int(entry["t"]), "sources": out, **({"end": True} if entry.get("end") else {})}
+
+
+def start_entry(splits: Sequence[str]) -> dict:
+    """The entry of a reader that has taken nothing in its stage (saved as ``0``)."""
+    return {"t": 0, "sources": [[0, [0, 0] if s == "units" else 0] for s in splits]}
 
 
 def entry_of(t: int, cycles: Sequence[int], positions: Sequence[Any], end: bool = False) -> dict:

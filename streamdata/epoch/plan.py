@@ -49,12 +49,12 @@ class Segment:
 
 
 class SampleSlice(NamedTuple):
-    """What a reader reads of one unit of ``count`` samples: samples ``[start, stop)`` (an exact
-    epoch's segment; EQUAL-STEPS: a span may start and end inside a unit)."""
+    """What a reader reads of one unit of ``unit_samples`` samples: samples ``[start, stop)`` (an
+    exact epoch's segment; EQUAL-STEPS: a span may start and end inside a unit)."""
 
     start: int
     stop: int
-    count: int
+    unit_samples: int
 
 
 class Skip(NamedTuple):

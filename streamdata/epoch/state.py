@@ -83,7 +83,8 @@ def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple
         raise SpecError(f"this state was saved from a {state.get('split')}-level split, this dataset "
                         f"splits by {split} (an index added or removed?): start the epoch again")
     try:
-        stages = [Stage(*s["world"], [_entry(d, split) for d in s["delivered"]]) for s in state["stages"]]
+        stages = [Stage(int(s["world"][0]), int(s["world"][1]), [_entry(d, split) for d in s["delivered"]])
+                  for s in state["stages"]]
         if split == "units" and buffer > 1 and stages:
             log.warning("resuming a shard-level split (no sample index) behind a shuffle buffer of %d: "
                         "up to about one buffer per reader may be delivered twice or not at all; for "
@@ -147,13 +148,16 @@ class Position:
     there ``unit_counts`` are the samples read from each unit so far."""
 
     def __init__(self, world: World, epoch: int, split: str, before: Sequence[Stage] = (),
-                 base: int | UnitPosition | None = None) -> None:
+                 base: int | Sequence[int] | None = None) -> None:
         self.world, self.epoch, self.split = world, epoch, split
         self.before = list(before)
-        if split == "units":
-            self.base: int | UnitPosition = UnitPosition(0, 0) if base is None else UnitPosition(*base)
+        self.base: int | UnitPosition
+        if base is None:
+            self.base = UnitPosition(0, 0) if split == "units" else 0
+        elif isinstance(base, int):
+            self.base = base
         else:
-            self.base = 0 if base is None else int(base)
+            self.base = UnitPosition(int(base[0]), int(base[1]))
         self.delivered = 0
         self.unit_counts: list[int] = []
         self.finished = 0  # units read to their end

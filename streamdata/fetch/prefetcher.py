@@ -214,7 +214,7 @@ class Prefetcher:
         """The reader is done with ``nbytes`` of the budget (BYTE-BUDGET); any thread."""
         self._io.call_soon(self._release, nbytes)
 
-    def get_now(self, url: str, start: int, end: int) -> bytes | Chunks:
+    def get_now(self, url: str, start: int, end: int | None) -> bytes | Chunks:
         """Bytes ``[start, end)`` of ``url`` in one request, outside the window and the budget
         (what a bad cache entry left, CACHE-VERIFY)."""
         return self.wait(self._io.submit(self.client.get(url, start, end, chunks=True)),
@@ -449,9 +449,8 @@ class ItemReader:
         """The item's bytes after its first ``skip``, fetched part by part, one at a time."""
         f = self._fetcher
         for start, end in ranges:
-            length = end - start
-            if skip >= length:
-                skip -= length
+            if end is not None and skip >= end - start:
+                skip -= end - start
                 continue
             for s, e in split_parts(((start + skip, end),), f.config.part_size):
                 data = f.get_now(self.url, s, e)
