@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from streamdata._compat import storage_use_count
 from streamdata._fork import at_fork_in_child
 from streamdata.batch.tree import iter_tensors, map_leaves, map_tensors, pin_batch
 
@@ -154,7 +155,7 @@ class BufferPool:
 
     @staticmethod
     def _only_pool_holds(slot: _Slot) -> bool:
-        return torch._C._storage_Use_Count(slot.storage._cdata) == 1
+        return storage_use_count(slot.storage) == 1
 
     def _idle(self, slot: _Slot) -> bool:
         """Free on the board and held by nothing but the pool."""
@@ -362,7 +363,7 @@ def reclaim() -> int:
     released = 0
     with _LOCK:
         for key, (storage, board) in list(_OUT.items()):
-            if torch._C._storage_Use_Count(storage._cdata) <= 1:  # nothing but the mapping holds it
+            if storage_use_count(storage) <= 1:  # nothing but the mapping holds it
                 released += board.release(*key[1:])
                 del _OUT[key]
         _prune_at = max(_PRUNE_MIN, 2 * len(_OUT))

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamdata._compat import executor_threads
 from streamdata._fork import at_fork_in_child
 from streamdata.config import FetchConfig, lite_http
 from streamdata.errors import ShardFetchError
@@ -209,7 +210,7 @@ class AsyncClient:
         """Cancel requests, close connections, join the loop thread and the file-I/O pool."""
         self.io.close(cleanup=self._close_fs, timeout=5.0)
         if self._executor is not None:
-            threads = list(getattr(self._executor, "_threads", ()))
+            threads = executor_threads(self._executor)
             self._executor.shutdown(wait=True, cancel_futures=True)
             wait_threads_gone(threads)
             self._executor = None
