@@ -2,10 +2,9 @@
 the main process has let go of it.
 
 Why: a fresh shared-memory storage costs its first writer a page fault per 4 KiB page (tmpfs
-allocates and zeroes the page then). Measured on the 2-core development machine: 3 ms for a
-3 MB batch against 0.09 ms for the same copy into a storage written before, 0.15 s for the
-154 MB batch of the large-array benchmark; in a worker streaming 96 KiB samples, 40% of its
-time went to allocating and first-touching batch storage.
+allocates and zeroes the page then), and a worker streaming small samples spends much of its
+time there; a storage written before costs none (benchmarks/README.md, "Large arrays through
+the worker pipe").
 
 RECYCLE-HANDOFF (the invariant): the main process and every worker share a board of slot
 states (``Board``: int64 ``[num_workers, slots]``).  A worker writes into a slot's storage

@@ -10,9 +10,9 @@ named ``.tar`` that is gzip is read, and a ``.tgz`` that is a plain tar too; the
 names what a stream too short to tell was meant to be. gzip streams may have several members
 (``cat a.gz b.gz``, pigz, bgzip) and zstd several frames (and skippable frames).
 
-gzip is inflated with ISA-L (``isal.isal_zlib``, 1.8-2.1x the standard library's zlib here:
-benchmarks/README.md), zstd with ``zstandard``'s bounded stream reader; a zstd stream is also
-walked frame by frame and block by block (headers only), because the reader takes an input
+gzip is inflated with ISA-L (``isal.isal_zlib``, faster than the standard library's zlib:
+benchmarks/README.md, "Compressed shards and the shard writer"), zstd with ``zstandard``'s
+bounded stream reader; a zstd stream is also walked frame by frame and block by block (headers only), because the reader takes an input
 that stops mid-frame as a clean end: a truncated ``.tar.zst`` is an error, not a short shard.
 
 Corrupt or truncated compressed data raises :class:`FormatError` naming the URL, the compressed
@@ -40,7 +40,7 @@ _IN_STEP = 1 << 18  # compressed bytes handed to the inflater per call (its unco
 
 _inflate_lib: types.ModuleType
 _INFLATE_ERRORS: tuple[type[BaseException], ...]
-try:  # ISA-L: 1.8-2.1x zlib's inflate rate here (benchmarks/compressed.py)
+try:  # ISA-L inflates faster than zlib (benchmarks/compressed.py)
     from isal import isal_zlib as _inflate_lib
 
     _INFLATE_ERRORS = (zlib.error, _inflate_lib.error)
