@@ -12,8 +12,9 @@ names what a stream too short to tell was meant to be. gzip streams may have sev
 
 gzip is inflated with ISA-L (``isal.isal_zlib``, faster than the standard library's zlib:
 benchmarks/README.md, "Compressed shards and the shard writer"), zstd with ``zstandard``'s
-bounded stream reader; a zstd stream is also walked frame by frame and block by block (headers only), because the reader takes an input
-that stops mid-frame as a clean end: a truncated ``.tar.zst`` is an error, not a short shard.
+bounded stream reader; a zstd stream is also walked frame by frame and block by block (headers
+only), because the reader takes an input that stops mid-frame as a clean end: a truncated
+``.tar.zst`` is an error, not a short shard.
 
 Corrupt or truncated compressed data raises :class:`FormatError` naming the URL, the compressed
 byte offset and what to do; trailing bytes after the last member/frame too (zero padding after a
