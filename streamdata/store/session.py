@@ -108,8 +108,10 @@ class AiohttpSession:
 
         return cls(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)))
 
-    def get(self, url: str, headers: Mapping[str, str] | None = None,
+    def get(self, url: Any, headers: Mapping[str, str] | None = None,
             timeout: float | None = None) -> _AiohttpGet:
+        """As ``Session.get``; ``url`` may be a ``yarl.URL`` too (fsspec HTTP's ``encode_url``:
+        sent as it is encoded)."""
         return _AiohttpGet(self, url, dict(headers or {}), timeout)
 
     def connect_ahead(self, key: tuple[str, str, int], count: int) -> None:
@@ -124,9 +126,10 @@ class AiohttpSession:
 
 
 class _AiohttpGet:
-    def __init__(self, owner: AiohttpSession, url: str, headers: dict[str, str],
+    def __init__(self, owner: AiohttpSession, url: Any, headers: dict[str, str],
                  timeout: float | None) -> None:
         self.owner, self.url, self.headers, self.timeout = owner, url, headers, timeout
+        self.where = str(url)  # for errors
         self.resp: _AiohttpResponse | None = None
 
     async def __aenter__(self) -> _AiohttpResponse:
@@ -140,8 +143,8 @@ class _AiohttpGet:
         try:
             raw = await self.owner.session.get(self.url, **options)
         except Exception as exc:
-            raise transport_error(exc, self.url) from exc
-        self.resp = _AiohttpResponse(raw, self.url)
+            raise transport_error(exc, self.where) from exc
+        self.resp = _AiohttpResponse(raw, self.where)
         return self.resp
 
     async def __aexit__(self, kind: Any, exc: Any, tb: Any) -> None:
