@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 import socket
 import ssl
+from typing import Any
 
 from streamdata.redact import redact, redact_exception, redact_url
 
@@ -104,10 +105,12 @@ class StreamDataError(Exception):
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
 
-_CAUSE, _CONTEXT = BaseException.__cause__, BaseException.__context__
+# the built-in descriptors behind the two links (getset descriptors: ``__get__``, ``__set__``)
+_CAUSE: Any = BaseException.__dict__["__cause__"]
+_CONTEXT: Any = BaseException.__dict__["__context__"]
 
 
-def _redacted_link(err: BaseException, link) -> BaseException | None:
+def _redacted_link(err: BaseException, link: Any) -> BaseException | None:
     """The exception ``err`` is chained to through ``link``, redacted (``raise ... from``
     sets the link without going through the setter)."""
     raw = link.__get__(err)
@@ -133,10 +136,12 @@ def _context_from_traceback(cls: type, text: str) -> tuple[str | None, str | Non
     if at < 0:
         return None, None, None
     match = _FIELDS.search(text[at + len(header):].rstrip().rsplit("\n", 1)[-1])
+    if match is None:  # never: every group is optional and the pattern is anchored at the end
+        return None, None, None
     return match.group("url"), match.group("key"), match.group("where")
 
 
-def _rebuild(cls: type, message: str, state: dict) -> StreamDataError:
+def _rebuild(cls: type[StreamDataError], message: str, state: dict) -> StreamDataError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)

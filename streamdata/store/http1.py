@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import re
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
@@ -71,6 +72,11 @@ def default_ssl_context() -> Any:
 
         _SSL = ssl.create_default_context()
     return _SSL
+
+
+def _settle(waiter: asyncio.Future, value: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(value)
 
 
 class _Conn(asyncio.Protocol):
@@ -125,7 +131,7 @@ class _Conn(asyncio.Protocol):
     async def _more(self) -> None:
         loop = asyncio.get_running_loop()
         self.waiter = waiter = loop.create_future()
-        timer = loop.call_later(self.timeout, lambda: waiter.done() or waiter.set_result(False))
+        timer = loop.call_later(self.timeout, _settle, waiter, False)
         try:
             if not await waiter:
                 raise TransportTimeoutError(f"no data from {self.origin} for {self.timeout:g} s",
@@ -298,7 +304,7 @@ class Pool:
         for _ in range(min(count, self.limit) - have):
             task = asyncio.ensure_future(self._connect(key, handed=False))
             pending.append(task)
-            task.add_done_callback(lambda t, key=key: self._ahead_done(key, t))
+            task.add_done_callback(functools.partial(self._ahead_done, key))
 
     def _ahead_done(self, key: tuple[str, str, int], task: asyncio.Task) -> None:
         pending = self._ahead.get(key, [])
@@ -439,7 +445,7 @@ class Pool:
 class Headers(dict):
     """Response headers by lower-case name; ``get`` takes any case."""
 
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, name: str, default: Any = None) -> Any:
         return dict.get(self, name.lower(), default)
 
 

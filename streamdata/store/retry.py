@@ -29,7 +29,7 @@ import itertools
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from streamdata.errors import (
     CertificateError,
@@ -153,7 +153,7 @@ def retry_after(exc: BaseException | None) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
             return float(value)
         headers = getattr(err, "headers", None)
-        if headers is not None and hasattr(headers, "get"):
+        if isinstance(headers, Mapping):  # aiohttp's multidict is one
             found = parse_retry_after(headers.get("Retry-After"))
             if found is not None:
                 return found
