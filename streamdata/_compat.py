@@ -5,7 +5,7 @@ names the version it was checked against, and ``tests/test_compat.py`` has a tes
 that fails when the private it wraps is gone or behaves otherwise: an upgrade that breaks one
 shows up there, by name, not as a hang or a leak somewhere downstream. Callers import the
 function, never the private name. Heavy libraries are imported inside the functions, so this
-module costs nothing at ``import streamdata``.
+module costs nothing at ``import streamdata``. Sections: torch, the standard library, aiohttp.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
-__all__ = ["dataloader_iterator", "default_executor", "detach_dataloader_iterator", "executor_threads",
-           "new_shared_storage", "shutdown_workers", "storage_use_count", "worker_processes"]
+__all__ = ["aiohttp_forget", "aiohttp_no_hidden_retry", "aiohttp_payload_reset", "aiohttp_session_of",
+           "dataloader_iterator", "default_executor", "detach_dataloader_iterator",
+           "executor_threads", "new_shared_storage", "shutdown_workers", "storage_use_count",
+           "worker_processes"]
 
 
 # --- torch ---
@@ -102,3 +104,50 @@ def default_executor(loop: asyncio.AbstractEventLoop) -> concurrent.futures.Exec
 
     ``BaseEventLoop._default_executor`` (CPython 3.11.7)."""
     return getattr(loop, "_default_executor", None)
+
+
+# --- aiohttp ---
+
+
+def aiohttp_no_hidden_retry(session: Any) -> None:
+    """Stop an aiohttp ``ClientSession`` from re-sending a GET, at once and unseen, when a
+    reused connection drops before the answer: retries are ours (by deadline, throttled,
+    counted). aiohttp has no public switch: its private ``ClientSession._retry_connection``
+    flag (aiohttp 3.14.5)."""
+    session._retry_connection = False
+
+
+def aiohttp_forget(session: Any) -> None:
+    """Drop an aiohttp ``ClientSession`` inherited through fork without touching its
+    connections: finalising it in the child would close the parent's keep-alive sockets under
+    the parent (seen: the parent's next request hung until its time-out). Detaches the
+    private ``_connector``, marked closed (``_closed``) with its idle connections (``_conns``)
+    forgotten, so neither the session's nor the connector's finaliser closes a socket
+    (``ClientSession._connector``, ``BaseConnector._closed`` / ``._conns``: aiohttp 3.14.5)."""
+    connector = session._connector
+    if connector is not None:
+        session._connector = None
+        connector._closed = True
+        connector._conns.clear()
+
+
+def aiohttp_payload_reset(exc: BaseException) -> bool:
+    """Whether an aiohttp ``ClientPayloadError`` (a body that ended early) ended because the
+    connection was reset, not closed cleanly. aiohttp keeps the connection's error only in
+    the message it builds (``"Response payload is not completed: <ContentLengthError ...>.
+    ConnectionResetError(104, ...)"``); its ``__cause__`` is the parser's error either way.
+    No private attribute: the message's text is the private detail (aiohttp 3.14.5)."""
+    text = str(exc)
+    return any(name in text for name in ("ConnectionResetError", "ConnectionAbortedError",
+                                          "BrokenPipeError"))
+
+
+def aiohttp_session_of(fs: Any) -> Any:
+    """The aiohttp ``ClientSession`` an fsspec filesystem keeps (HTTP's and gcsfs's private
+    ``HTTPFileSystem._session``, made by ``set_session``), or ``None`` (not made yet, or another
+    backend). Checked against fsspec 2026.9.0 and gcsfs 2026.10.1."""
+    import sys
+
+    aiohttp = sys.modules.get("aiohttp")  # a session exists only once aiohttp is imported
+    session = getattr(fs, "_session", None)
+    return session if aiohttp is not None and isinstance(session, aiohttp.ClientSession) else None
