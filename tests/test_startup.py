@@ -218,6 +218,17 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
             list(ds)
 
 
+def test_a_bad_decode_spec_is_refused_before_any_request(s3_bucket) -> None:
+    server, bucket = s3_bucket
+    with _shards_behind_a_proxy(server, bucket) as (proxy, options):
+        spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
+        with pytest.raises(sd.SpecError, match="unknown image spec"):
+            sd.TarDataset(spec, storage_options=options, decode="no-such-spec")
+        assert proxy.requests == {}  # neither the listing nor the index GET went out
+        ds = sd.TarDataset(spec, storage_options=options, index=None)
+        assert sorted(int(s["cls"]) for s in ds) == list(range(sum(COUNTS)))  # decoded
+
+
 @pytest.mark.parametrize("spec, match", [("s3://b/d/*.tar", "glob or a directory"),
                                          ("s3://b/d/", "glob or a directory"),
                                          ("nope://b/x.tar", "unknown protocol"),
