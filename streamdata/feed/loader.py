@@ -22,7 +22,6 @@ from streamdata.errors import SpecError
 from streamdata.feed.checkpoint import Positioned, Positions, Stripped
 from streamdata.feed.cuda import CudaPrefetcher
 from streamdata.feed.together import EndTogether
-from streamdata.store.handover import share_among
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 
@@ -172,9 +171,6 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         self._started = True
-        loader = self.dataloader
-        if loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None):
-            share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
         source = iter(self._source)
         if self._positions is not None:
             source = self._positions.deliver(source)
