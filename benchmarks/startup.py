@@ -3,7 +3,8 @@
 Same dataset, server and proxy as ``benchmarks.latency`` (the embedded S3 server behind a
 ``LatencyProxy``). Each method runs in a fresh interpreter per round (so imports count; torch
 and numpy, which a training job has imported already, are imported before the clock starts),
-methods interleaved round by round. What a run is timed on:
+methods interleaved round by round (round k starting with the k-th method, so that none
+always runs first). What a run is timed on:
 
 - the child's own ``time.monotonic()`` stamps: before ``import <library>``, after it, after
   the dataset's constructor (and the part of it spent importing modules), ``iter(loader)``,
@@ -26,6 +27,7 @@ signing is done by the orchestrator and not counted).
     python -m benchmarks.startup --epochs 2      # also epoch 2's first batch (persistent workers)
     python -m benchmarks.startup --sd-options '{"listing": false}'   # expand_spec(listing=False)
     python -m benchmarks.startup --job-gc done   # the collection owed after `import torch` run first
+    python -m benchmarks.startup --methods streamdata --sd-env '{"nohandover": {"STREAMDATA_HANDOVER": "0"}}'
 
 ``--job-gc``: right after ``import torch`` Python owes a full garbage collection (some 170,000
 objects, 0.07-0.1 s here) that runs wherever the next few hundred allocations happen; in a
@@ -340,7 +342,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for delay in args.delays:
                 proxy.set_delay(delay / 1000)
                 for k in range(args.rounds):
-                    for method in methods:
+                    # each round starts with another method: no method always runs first (or
+                    # right after the same one)
+                    for method in methods[k % len(methods):] + methods[:k % len(methods)]:
                         if method == "webdataset" and delay not in args.peer_delays:
                             continue
                         cfg = dict(base, method=method.split("@")[0].split("%")[0], delay_ms=delay)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import streamdata as sd
+from streamdata import config
 from streamdata.config import FetchConfig
 from streamdata.store.client import AsyncClient
 from streamdata.store.presigned import content_total
@@ -218,6 +219,17 @@ def test_no_listing_names_shards_without_a_request(s3_bucket) -> None:
             list(ds)
 
 
+def test_a_bad_decode_spec_is_refused_before_any_request(s3_bucket) -> None:
+    server, bucket = s3_bucket
+    with _shards_behind_a_proxy(server, bucket) as (proxy, options):
+        spec = f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar"
+        with pytest.raises(sd.SpecError, match="unknown image spec"):
+            sd.TarDataset(spec, storage_options=options, decode="no-such-spec")
+        assert proxy.requests == {}  # neither the listing nor the index GET went out
+        ds = sd.TarDataset(spec, storage_options=options, index=None)
+        assert sorted(int(s["cls"]) for s in ds) == list(range(sum(COUNTS)))  # decoded
+
+
 @pytest.mark.parametrize("spec, match", [("s3://b/d/*.tar", "glob or a directory"),
                                          ("s3://b/d/", "glob or a directory"),
                                          ("nope://b/x.tar", "unknown protocol"),
@@ -247,7 +259,7 @@ def test_lite_listing_follows_every_page(s3_bucket) -> None:
 
 
 @pytest.mark.parametrize("handed", [True, False])
-def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, monkeypatch, handed) -> None:
+def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, handed) -> None:
     """WARM-HANDOVER + FIRST-BYTES-FIRST: with the listing's connection waiting for the reader,
     its first shard's first part is the bytes the hold covers (4 MiB) as one GET on it, not
     256 KiB doubling (each of those others would open a connection first)."""
@@ -257,12 +269,10 @@ def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, m
     from streamdata.store import handover
     from streamdata.store.s3lite import LiteS3
 
-    if not handed:
-        monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
     server, bucket = s3_bucket
     blob = [{"__key__": f"k{i}", "bin": os.urandom(1 << 20)} for i in range(6)]  # 6 MiB and headers
     server.boto3_client().put_object(Bucket=bucket, Key="w/s-0.tar", Body=tar_bytes(blob))
-    with FaultProxy(server.endpoint_url) as proxy:
+    with FaultProxy(server.endpoint_url) as proxy, config.use_switches(handover=handed):  # =1 / =0
         options = dict(server.storage_options, endpoint_url=proxy.url)
         ds = sd.TarDataset(f"s3://{bucket}/w/s-{{0..0}}.tar", storage_options=options, decode=False,
                            index=None)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from streamdata.config import FetchConfig, lite_http
+from streamdata.config import FetchConfig
 from streamdata.errors import AccessDeniedError, ShardNotFoundError, SpecError
 from streamdata.store.backends import (
     call_with_deadline,
@@ -25,7 +25,6 @@ from streamdata.store.backends import (
     lite_s3,
     warm_imports,
 )
-from streamdata.store.idle import run_pending
 from streamdata.store.urls import Shard, etag_of, split_url
 
 __all__ = ["Shard", "brace_expand", "etag_of", "expand_spec", "listing_deadline", "split_url"]
@@ -135,9 +134,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
                delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
     """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
-    filesystem). The first request overlaps the readers' imports (``warm_imports``), the
-    constructor's queued work (IDLE-WHILE-LISTING, ``idle``) and the readers' spare
-    connections' handshakes (WARM-SPARES, ``handover``)."""
+    filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
     lite = b.lite(protocol)
     if lite is None:
         return None
@@ -147,13 +144,12 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
 
     def warm() -> None:  # while the listing's first request is in flight
         b.warm(protocol)
-        run_pending()  # IDLE-WHILE-LISTING
 
     def attempt(limit: float) -> list[tuple[str, int, str | None]] | None:
         try:
             # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
             return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
-                             while_waiting=warm, spares=lite_http())  # readers on LITE-HTTP claim them
+                             while_waiting=warm)
         except LiteUnsupported:
             return None
 

@@ -46,7 +46,6 @@ from streamdata.metrics import COUNTERS, Counters
 from streamdata.policy import ErrorPolicy, OnError
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
-from streamdata.store.idle import pending
 from streamdata.store.urls import Shard
 
 __all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_count"]
@@ -99,12 +98,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.storage_options = dict(storage_options or {})
         self.before_listing(spec)
         # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE); listing=False:
-        # none, sizes from the readers' first GETs (NO-LISTING, ``urls.expand_spec``); the work
-        # that does not need it runs while its request is in flight (IDLE-WHILE-LISTING)
-        with pending(*self.while_listing()):
-            self.shards: list[Shard] = from_rank0(lambda: expand_spec(
-                spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config,
-                listing=listing))
+        # none, sizes from the readers' first GETs (NO-LISTING, ``catalog.specs.expand_spec``)
+        self.shards: list[Shard] = from_rank0(lambda: expand_spec(
+            spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config,
+            listing=listing))
         blocks.check_shuffle_option(shuffle, shuffle_window)  # True/"block"/"buffer" (``blocks``)
         self.shuffle, self.shuffle_mode = bool(shuffle), shuffle if isinstance(shuffle, str) else None
         self.shuffle_window, self.buffer_given = shuffle_window, shuffle_buffer is not None
@@ -171,10 +168,6 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def before_listing(self, spec: Spec) -> None:
         """Requests a format can send while the spec is listed (a tar index, ``indexahead``)."""
-
-    def while_listing(self) -> list[Callable[[], None]]:
-        """Work the constructor does while the listing waits for its answer (IDLE-WHILE-LISTING)."""
-        return []
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""

@@ -49,7 +49,8 @@ class TarDataset(ShardedDataset):
                  index: str | None = "auto", **options: Any) -> None:
         self.decode = decode
         self.accept_unterminated = accept_unterminated  # read shards without the end marker
-        self._decoder: Callable[[dict], dict] | None = None  # made while listing (IDLE-WHILE-LISTING)
+        # before any request: a bad decode spec is refused before the listing
+        self._decoder: Callable[[dict], dict] | None = make_decoder(decode)
         self.index = index
         self._ahead: IndexAhead | None = None
         try:
@@ -76,12 +77,6 @@ class TarDataset(ShardedDataset):
     def before_listing(self, spec: Spec) -> None:
         self._ahead = start_index_ahead(spec, self.index, self.storage_options, self.fetch_config,
                                         self.suffixes)
-
-    def while_listing(self) -> list[Callable[[], None]]:
-        return [self._make_decoder, *super().while_listing()]
-
-    def _make_decoder(self) -> None:
-        self._decoder = make_decoder(self.decode)
 
     def sample_counts(self) -> np.ndarray | None:
         return None if self._index is None else self._index.counts
