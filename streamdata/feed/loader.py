@@ -14,6 +14,7 @@ import torch.multiprocessing
 from torch.utils.data import DataLoader, IterableDataset
 
 from streamdata._alloc import keep_freed_memory
+from streamdata._fork import install
 from streamdata.batch import recycle
 from streamdata.batch.batches import batches
 from streamdata.batch.collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
@@ -171,6 +172,7 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._started = True
         loader = self.dataloader
         if loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None):

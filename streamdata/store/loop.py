@@ -5,11 +5,23 @@ created lazily in the process that uses them (a DataLoader worker), never inheri
 through fork.  s3fs, gcsfs and aiohttp sessions hang when used across a fork
 (fsspec#835, s3fs#914, gcsfs#379); a loop inherited by a child is marked dead at the
 "loops" stage of FORK-RESET (``_fork``) and refuses work instead of hanging.
+
+Invariant (CLOSE-AT-EXIT): no loop thread outlives the interpreter's ``atexit`` stage. A loop
+thread is a daemon: at exit Python does not wait for it, and once finalisation has begun a
+daemon thread that wakes up (a timer, a socket) is stopped the moment it needs the
+interpreter, in whatever native code it is in, and cannot finish what its owner's
+``__del__`` asks of it (seen: each exit with an open iterator waited out a 5 s close time-out;
+asyncio printed "Task was destroyed but it is pending!"). So an ``atexit`` hook, registered
+when the first loop starts, closes every loop still open: through its owner's close where one
+was named (``close_at_exit``: connections and caches closed too), else cancelling and awaiting
+its tasks; each within a bounded time-out. An owner's ``__del__`` at finalisation then finds
+its loop closed and returns at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import os
@@ -19,7 +31,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from streamdata._fork import at_fork_in_child
+from streamdata._fork import at_fork_in_child, install
 from streamdata.errors import FetchTimeoutError, StreamDataError
 
 __all__ = ["LoopThread", "wait_future", "wait_threads_gone"]
@@ -29,13 +41,19 @@ T = TypeVar("T")
 _POLL = 0.1  # seconds: waits are taken in slices this long so Ctrl-C and shutdown work
 _counter = itertools.count()
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+_exit_hooks = itertools.count()  # next() is atomic: the first loop registers CLOSE-AT-EXIT
+_EXIT_TIMEOUT = 5.0  # seconds, per loop, that closing at exit may take
 
 
 class LoopThread:
     """A daemon thread running one asyncio loop; sync code submits coroutines to it."""
 
     def __init__(self, name: str = "io") -> None:
+        install()  # a child forked from now on inherits this loop: FORK-RESET must run there
+        if next(_exit_hooks) == 0:
+            atexit.register(_close_at_exit)
         self._inherited = False  # set in a forked child (FORK-RESET)
+        self._owner_close: weakref.WeakMethod | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run, name=f"streamdata-{name}-{next(_counter)}", daemon=True
@@ -43,6 +61,11 @@ class LoopThread:
         self._closed = False
         self._thread.start()
         _live.add(self)
+
+    def close_at_exit(self, close: Callable[[], None]) -> None:
+        """CLOSE-AT-EXIT: at interpreter exit, close this loop by calling ``close`` (a bound
+        method of the loop's owner, held weakly) if the loop is still open then."""
+        self._owner_close = weakref.WeakMethod(close)  # type: ignore[arg-type]
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -147,6 +170,21 @@ def wait_threads_gone(threads: list[threading.Thread], timeout: float = 5.0) -> 
     while os.path.isdir("/proc/self/task") and time.monotonic() < deadline and any(
             os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
         time.sleep(0.001)
+
+
+def _close_at_exit() -> None:
+    """CLOSE-AT-EXIT: close every loop still open, through its owner where one was named."""
+    for lt in list(_live):
+        if lt._closed:
+            continue
+        owner_close = lt._owner_close() if lt._owner_close is not None else None
+        try:
+            if owner_close is not None:
+                owner_close()
+            if not lt._closed:
+                lt.close(timeout=_EXIT_TIMEOUT)
+        except Exception:  # the process is ending: one loop failing to close keeps no other open
+            pass
 
 
 def _forget_loops() -> None:
