@@ -45,6 +45,7 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 __all__ = ["STAGES", "at_fork_before", "at_fork_in_child", "at_fork_in_parent", "install",
            "installed", "starting_dataloader_worker"]
@@ -85,7 +86,7 @@ def starting_dataloader_worker() -> bool:
     run. A change on either side makes this False: workers then keep Python's collector
     (slower to start, still correct); ``tests/test_alloc.py`` notices.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
             return False

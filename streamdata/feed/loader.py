@@ -127,7 +127,8 @@ class _Unwrapped:
 
     def __init__(self, dataloader: DataLoader, init: _WorkerInit) -> None:
         self.dataloader, self.init = dataloader, init
-        self.boards = [init.board]  # every board made for this loader, closed with it
+        # every board made for this loader, closed with it (made only where init has one)
+        self.boards: list[recycle.Board] = [init.board] if init.board is not None else []
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:

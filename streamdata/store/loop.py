@@ -65,7 +65,7 @@ class LoopThread:
     def close_at_exit(self, close: Callable[[], None]) -> None:
         """CLOSE-AT-EXIT: at interpreter exit, close this loop by calling ``close`` (a bound
         method of the loop's owner, held weakly) if the loop is still open then."""
-        self._owner_close = weakref.WeakMethod(close)  # type: ignore[arg-type]
+        self._owner_close = weakref.WeakMethod(close)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
