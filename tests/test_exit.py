@@ -31,6 +31,7 @@ FORMATS = ("tar", "parquet")
 REPEATS = 12  # of each case, in the slow test
 _UNCLEAN = re.compile(r"Task was destroyed|terminate called|Exception ignored|Traceback")
 _EXIT_LIMIT_S = 120  # the case's whole run: imports, listing, one batch, exit
+_SLOW_LIMIT_S = 1800  # 144 runs, two at a time, of some 3-8 s each on a loaded 2-core machine
 
 _CASE = r"""
 import json, os, sys
@@ -132,11 +133,13 @@ def test_every_path_exits_cleanly_from_s3(s3_root):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(_SLOW_LIMIT_S)
 def test_every_path_exits_cleanly_every_time_from_local_files(local_root):
     _check_cases([(how, fmt) for how in HOWS for fmt in FORMATS], local_root, repeats=REPEATS)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(_SLOW_LIMIT_S)
 def test_every_path_exits_cleanly_every_time_from_s3(s3_root):
     root, options = s3_root
     _check_cases([(how, fmt) for how in HOWS for fmt in FORMATS], root, options, repeats=REPEATS)
