@@ -51,13 +51,13 @@ cat "$out/env.log"
 
 pytest=("$py" -m pytest -q -p no:cacheprovider --timeout 60)
 
-cuda_files=$(grep -l 'mark\.cuda' tests/test_*.py | tr '\n' ' ')
+cuda_files=$(grep -rl --include='test_*.py' 'mark\.cuda' tests | sort | tr '\n' ' ')
 # shellcheck disable=SC2086  # one word per file
 run 100 "$out/pytest_cuda.log" "${pytest[@]}" -rfEsP -m cuda $cuda_files
 cuda_rc=$?
 
-files=(tests/test_cuda.py tests/test_loader.py tests/test_recycle.py tests/test_collate.py
-       tests/test_incremental.py tests/test_resume_loaders.py tests/test_imports.py)
+files=(tests/feed/test_cuda.py tests/feed/test_loader.py tests/batch/test_recycle.py tests/batch/test_collate.py
+       tests/batch/test_incremental.py tests/feed/test_resume_loaders.py tests/test_imports.py tests/test_layers.py)
 run 110 "$out/pytest_files.log" "${pytest[@]}" -rfEs -m 'not slow and not s3 and not gcs' "${files[@]}"
 files_rc=$?
 

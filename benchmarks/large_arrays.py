@@ -1,6 +1,6 @@
 """Large per-sample arrays through DataLoader workers: pickled NumPy vs shared-memory tensors.
 
-The case from shared/seeds/001: an iterable yields 1000x150 float64 arrays (1.2 MB each)
+The case: an iterable yields 1000x150 float64 arrays (1.2 MB each)
 after a simulated 3.125 ms fetch; batches of 128 (154 MB); a 50 ms simulated train step;
 ``prefetch_factor=4``, persistent spawn workers.
 

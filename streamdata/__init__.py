@@ -7,6 +7,7 @@ from streamdata.datasets.mix import Mix
 from streamdata.datasets.objects import ObjectDataset
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.datasets.tar import TarDataset
+from streamdata.epoch.state import merge_states
 from streamdata.epoch.world import World
 from streamdata.errors import (
     AccessDeniedError,
@@ -77,6 +78,7 @@ __all__ = [
     "build_index",
     "expand_spec",
     "loader",
+    "merge_states",
     "pin_batch",
     "write_arrow",
     "write_parquet",

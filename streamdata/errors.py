@@ -25,21 +25,34 @@ and again when read, which is how ``traceback`` and torch's worker wrapper reach
 from __future__ import annotations
 
 import re
+import socket
+import ssl
+from typing import Any
 
 from streamdata.redact import redact, redact_exception, redact_url
 
 __all__ = [
     "AccessDeniedError",
     "BackendMissingError",
+    "BadResponseError",
+    "CertificateError",
+    "ConnectFailedError",
+    "ConnectRefusedError",
+    "ConnectionLostError",
     "DecodeError",
     "FetchTimeoutError",
     "FormatError",
+    "NameResolutionError",
     "ShardFetchError",
     "ShardNotFoundError",
     "SharedMemoryError",
+    "ShortBodyError",
+    "ShortReadError",
     "SpecError",
     "StaleIndexError",
     "StreamDataError",
+    "TransportError",
+    "TransportTimeoutError",
 ]
 
 
@@ -92,10 +105,12 @@ class StreamDataError(Exception):
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
 
-_CAUSE, _CONTEXT = BaseException.__cause__, BaseException.__context__
+# the built-in descriptors behind the two links (getset descriptors: ``__get__``, ``__set__``)
+_CAUSE: Any = BaseException.__dict__["__cause__"]
+_CONTEXT: Any = BaseException.__dict__["__context__"]
 
 
-def _redacted_link(err: BaseException, link) -> BaseException | None:
+def _redacted_link(err: BaseException, link: Any) -> BaseException | None:
     """The exception ``err`` is chained to through ``link``, redacted (``raise ... from``
     sets the link without going through the setter)."""
     raw = link.__get__(err)
@@ -121,10 +136,12 @@ def _context_from_traceback(cls: type, text: str) -> tuple[str | None, str | Non
     if at < 0:
         return None, None, None
     match = _FIELDS.search(text[at + len(header):].rstrip().rsplit("\n", 1)[-1])
+    if match is None:  # never: every group is optional and the pattern is anchored at the end
+        return None, None, None
     return match.group("url"), match.group("key"), match.group("where")
 
 
-def _rebuild(cls: type, message: str, state: dict) -> StreamDataError:
+def _rebuild(cls: type[StreamDataError], message: str, state: dict) -> StreamDataError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -145,6 +162,11 @@ class BackendMissingError(StreamDataError, ImportError):
 
 class ShardFetchError(StreamDataError, OSError):
     """Reading an object failed after the configured retries."""
+
+
+class ShortReadError(ShardFetchError):
+    """An answer was complete but shorter than the range asked for: the object is shorter
+    than listed, or changed. Retried twice at most (a blip), then final."""
 
 
 class ShardNotFoundError(ShardFetchError, FileNotFoundError):
@@ -175,3 +197,56 @@ class FormatError(DecodeError):
 
 class SharedMemoryError(StreamDataError, RuntimeError):
     """A batch could not be placed in shared memory (``/dev/shm`` too small)."""
+
+
+class TransportError(StreamDataError, OSError):
+    """A request failed below HTTP: no complete answer came back. Raised by both HTTP sessions
+    (``store.http1`` and the aiohttp adapter in ``store.session``), so ``store.retry.classify``
+    decides by type. The tree (each also the built-in an existing ``except`` clause catches)::
+
+        TransportError (OSError)                      retried: "connection"
+        +-- ConnectFailedError (ConnectionError)      no connection could be opened
+        |   +-- ConnectRefusedError (ConnectionRefusedError)
+        |   +-- NameResolutionError (socket.gaierror)
+        +-- ConnectionLostError (ConnectionResetError)  reset or closed before the answer's end
+        +-- ShortBodyError (ConnectionError)          retried: "short": closed cleanly before
+        |                                             the body's declared end
+        +-- BadResponseError (ConnectionError)        an answer that is not readable HTTP/1.1
+        +-- TransportTimeoutError (TimeoutError)      retried: "timeout": no connection or no
+        |                                             bytes within the timeout
+        +-- CertificateError (ssl.SSLCertVerificationError)  NOT retried: the server's TLS
+                                                      certificate is not trusted
+    """
+
+
+class ConnectFailedError(TransportError, ConnectionError):
+    """No connection to the server could be opened (unreachable, a TLS handshake that failed)."""
+
+
+class ConnectRefusedError(ConnectFailedError, ConnectionRefusedError):
+    """The server refused the connection: nothing listens there (yet)."""
+
+
+class NameResolutionError(ConnectFailedError, socket.gaierror):
+    """The server's host name could not be resolved."""
+
+
+class ConnectionLostError(TransportError, ConnectionResetError):
+    """The connection was reset, or closed before the answer's head was complete."""
+
+
+class ShortBodyError(TransportError, ConnectionError):
+    """The connection ended cleanly before the body did (``Content-Length`` or chunked framing)."""
+
+
+class BadResponseError(TransportError, ConnectionError):
+    """The server's answer is not HTTP/1.1 this client can read; the connection is closed."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """No connection, or no bytes of an answer, within the request's timeout."""
+
+
+class CertificateError(TransportError, ssl.SSLCertVerificationError):
+    """The server's TLS certificate failed verification: a retry cannot fix it. Trust its CA
+    (``SSL_CERT_FILE``) or fix the endpoint."""

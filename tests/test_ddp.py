@@ -12,7 +12,7 @@ JOB = Path(__file__).parent / "jobs" / "ddp_uneven.py"
 LIST_JOB = Path(__file__).parent / "jobs" / "list_once.py"
 TIME_LIMIT_S = 240  # a hang shows as this time limit, not as a hung suite
 
-CASES = {  # the issue's three cases: uneven, random 10-200, equal shards not a multiple of 4
+CASES = {  # three uneven cases: uneven, random 10-200, equal shards not a multiple of 4
     "uneven": UNEVEN,
     "random": [10, 200, 37, 150, 11, 99, 120, 13, 54, 180, 77, 61, 42],
     "equal17": [64] * 17,
@@ -159,7 +159,7 @@ def test_ddp_parquet_uneven_row_groups_exact_epochs(s3_bucket, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_tar_with_an_index_exact_epochs(s3_bucket, tmp_path):
-    """The issue's three uneven cases with a sample index: exact epochs and equal steps on both
+    """Three uneven cases with a sample index: exact epochs and equal steps on both
     ranks through a plain DataLoader (no end-of-epoch help), and full batches with drop_last
     through sd.loader; two epochs each."""
     import s3fs

@@ -12,7 +12,7 @@ import pytest
 import streamdata as sd
 from tests.helpers import check_exact_epochs, rank_batches, rank_env
 
-# rows per row group, per file: uneven on purpose (the 5, 1, 9, 3, 0, 7, 2 and more)
+# rows per row group, per file: uneven on purpose (5, 1, 9, 3, 0, 7, 2 and more)
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
 
 
@@ -86,7 +86,7 @@ def test_loader_batches_in_workers_with_the_plan(parquet_files, tmp_path):
 
 # ---- tar shards with a sample index -------------------------------------------------------
 
-TAR_CASES = {  # the three: uneven, random 10-200, 17 equal shards (not a multiple of 4)
+TAR_CASES = {  # three cases: uneven, random 10-200, 17 equal shards (not a multiple of 4)
     "uneven": [5, 1, 9, 3, 0, 7, 2],
     "random": [10, 200, 37, 150, 11, 99, 120, 13, 54, 180, 77, 61, 42],
     "equal17": [64] * 17,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root ho
 from benchmarks.faults import S3_SLOWDOWN_XML, Fault, FaultProxy  # noqa: E402
 from tests.helpers import UNEVEN, write_shards  # noqa: E402
 
-# ---- the expected defaults, in one place -------------------------------------------
+# ---- the expected defaults, in one place -------------------------------------------
 # Retries are deadline-based: a part is retried until a per-part deadline of minutes, so an
 # outage shorter than that is survived with default options.
 OUTAGES_S = (1.0, 3.0)  # survived with default options (30 s too: test marked slow)

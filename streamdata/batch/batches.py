@@ -5,8 +5,8 @@ twice at its peak (the samples, then the stacked copy), and the memory of large 
 arrays goes back to the OS between batches, to be page-faulted in again for the next one.
 :class:`BatchBuilder` copies each numeric array (or CPU tensor) into its row of the batch
 as soon as the sample arrives, so the sample can be freed at once and the allocator hands
-the same warm memory to the next one. Measured with the 1000x150 float64 samples of
-``benchmarks/large_arrays.py``: 0.25 s per batch at 2 workers against 0.30 s.
+the same warm memory to the next one (benchmarks/README.md, "Large arrays through the worker
+pipe").
 
 The result is the same as ``collate(samples)``: fields whose shape or dtype change from one
 sample to the next, and every non-array field, are collected as lists and collated at the

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamdata._compat import new_shared_storage
 from streamdata.batch import recycle
 from streamdata.batch.tree import map_leaves
 from streamdata.errors import DecodeError, SharedMemoryError
@@ -117,13 +118,13 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torc
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     pool = recycle.active_pool()  # sd.loader's workers reuse storages the main process freed
     storage = pool.storage(nbytes, _new_shared) if pool is not None else _new_shared(nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # type: ignore[call-overload]  # stride optional at run time
 
 
 def _new_shared(nbytes: int) -> torch.UntypedStorage:
     """A new storage in ``/dev/shm``; a full filesystem raises :class:`SharedMemoryError`."""
     try:
-        return torch.UntypedStorage._new_shared(nbytes)  # allocated in /dev/shm, no copy
+        return new_shared_storage(nbytes)  # allocated in /dev/shm, no copy
     except RuntimeError as exc:  # torch >= 2.1 fallocates and reports ENOSPC here
         if "shared memory" not in str(exc) and "No space" not in str(exc):
             raise

@@ -2,10 +2,9 @@
 the main process has let go of it.
 
 Why: a fresh shared-memory storage costs its first writer a page fault per 4 KiB page (tmpfs
-allocates and zeroes the page then). Measured on the 2-core development machine: 3 ms for a
-3 MB batch against 0.09 ms for the same copy into a storage written before, 0.15 s for the
-154 MB batch of the large-array benchmark; in a worker streaming 96 KiB samples, 40% of its
-time went to allocating and first-touching batch storage.
+allocates and zeroes the page then), and a worker streaming small samples spends much of its
+time there; a storage written before costs none (benchmarks/README.md, "Large arrays through
+the worker pipe").
 
 RECYCLE-HANDOFF (the invariant): the main process and every worker share a board of slot
 states (``Board``: int64 ``[num_workers, slots]``).  A worker writes into a slot's storage
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from streamdata._compat import storage_use_count
 from streamdata._fork import at_fork_in_child
 from streamdata.batch.tree import iter_tensors, map_leaves, map_tensors, pin_batch
 
@@ -154,7 +154,7 @@ class BufferPool:
 
     @staticmethod
     def _only_pool_holds(slot: _Slot) -> bool:
-        return torch._C._storage_Use_Count(slot.storage._cdata) == 1
+        return storage_use_count(slot.storage) == 1
 
     def _idle(self, slot: _Slot) -> bool:
         """Free on the board and held by nothing but the pool."""
@@ -362,7 +362,7 @@ def reclaim() -> int:
     released = 0
     with _LOCK:
         for key, (storage, board) in list(_OUT.items()):
-            if torch._C._storage_Use_Count(storage._cdata) <= 1:  # nothing but the mapping holds it
+            if storage_use_count(storage) <= 1:  # nothing but the mapping holds it
                 released += board.release(*key[1:])
                 del _OUT[key]
         _prune_at = max(_PRUNE_MIN, 2 * len(_OUT))

@@ -27,7 +27,7 @@ def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
     if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)):
         return fn(obj)
     if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
+        out: Any = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
         for key, value in obj.items():
             out[key] = map_leaves(fn, value)
         return out

@@ -327,7 +327,8 @@ def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, ou
             entries.pop(name, None)
             todo.append(shard)
     failures: list[StreamDataError] = []
-    total = sum(s.size for s in todo) if all(s.size is not None for s in todo) else None
+    sizes = [s.size for s in todo if s.size is not None]
+    total = sum(sizes) if len(sizes) == len(todo) else None
     bar = _progress(total, desc=f"indexing {len(todo)} shards", unit="B", unit_scale=True,
                     enabled=progress if isinstance(progress, bool) else None)
     saved, cost = time.monotonic(), 0.0

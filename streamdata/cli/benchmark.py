@@ -104,7 +104,9 @@ def _count(batch: Any) -> tuple[int, int]:
 def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window: int) -> dict:
     from streamdata.feed.loader import loader
 
-    measure = {"decode": False, "map": _Measure(args.decode), "collate_fn": _sizes} if fmt == "tar" else {}
+    measure: dict[str, Any] = {}
+    if fmt == "tar":
+        measure = {"decode": False, "map": _Measure(args.decode), "collate_fn": _sizes}
     ds = dataset_class(fmt)(shards, storage_options=storage_options(args), batch_size=args.batch_size,
                             window=window, shuffle=True, **measure, **fetch_options(args))
     samples = nbytes = 0

@@ -13,9 +13,12 @@ import re
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamdata.progress import progress
+
+if TYPE_CHECKING:
+    from streamdata.datasets.sharded import ShardedDataset
 
 __all__ = ["FORMATS", "UsageError", "add_common", "add_format", "bar", "busy", "dataset_class",
            "fetch_options", "format_of", "human", "list_shards", "parse_size", "parse_storage_options",
@@ -131,7 +134,7 @@ def busy(args: argparse.Namespace, desc: str) -> Iterator[Any]:
 # ---- formats and shards -----------------------------------------------------------------------
 
 
-def dataset_class(fmt: str) -> type:
+def dataset_class(fmt: str) -> type[ShardedDataset]:
     """The dataset class reading ``fmt`` (its ``suffixes`` are the listing rules)."""
     if fmt == "tar":
         from streamdata.datasets.tar import TarDataset

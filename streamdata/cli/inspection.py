@@ -176,11 +176,12 @@ def _merge(kinds: list[tuple[str, tuple[int, ...] | None]]) -> str:
     shapes = [shape for _, shape in kinds]
     if len(labels) > 1:
         return "varies: " + " | ".join(labels[:4]) + (" | ..." if len(labels) > 4 else "")
-    if shapes[0] is None:
+    sized = [s for s in shapes if s is not None]
+    if len(sized) < len(shapes):  # no shape (or not for every sample)
         return labels[0]
-    if len({len(s) for s in shapes}) > 1:
-        return f"{labels[0]} (ndim varies: {sorted({len(s) for s in shapes})})"
-    dims = [f"{min(d)}" if min(d) == max(d) else f"{min(d)}..{max(d)}" for d in zip(*shapes, strict=True)]
+    if len({len(s) for s in sized}) > 1:
+        return f"{labels[0]} (ndim varies: {sorted({len(s) for s in sized})})"
+    dims = [f"{min(d)}" if min(d) == max(d) else f"{min(d)}..{max(d)}" for d in zip(*sized, strict=True)]
     return f"{labels[0]} [{', '.join(dims)}]"
 
 
@@ -357,7 +358,8 @@ def _print_sample(sample: dict, fmt: str) -> None:
     from streamdata.formats.decode import make_decoder
     from streamdata.redact import redact_url
 
-    decoded = make_decoder(True)(dict(sample)) if fmt == "tar" else sample
+    decode = make_decoder(True) if fmt == "tar" else None
+    decoded = decode(dict(sample)) if decode is not None else sample
     names = sorted(k for k in sample if _is_field(k))
     width = max([7, *map(len, names)])
     for meta in ("__key__", "__url__"):

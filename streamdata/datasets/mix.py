@@ -40,9 +40,10 @@ from streamdata.epoch.mix import (
     quotas,
     source_stages,
     split_budget,
+    start_entry,
 )
 from streamdata.epoch.resume import Stage
-from streamdata.epoch.state import STATE_FORMAT, check_header, dataset_key, stages_json, start_state
+from streamdata.epoch.state import STATE_FORMAT, Loaded, check_header, stages_json, start_state
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.metrics import Counters
@@ -94,7 +95,7 @@ class Mix(torch.utils.data.IterableDataset):
         self._counters = Counters([*(f"mix.taken.{i}" for i in k), *(f"mix.cycled.{i}" for i in k),
                                    *(f"mix.undelivered.{i}" for i in k), "mix.left_out"])
         self._epoch, self._passes = 0, 0
-        self._resume: tuple[int, list[Stage]] | None = None
+        self._resume: Loaded | None = None
         self._live: _Run | None = None
         if stop != "first":
             empty = [i for i, s in enumerate(self.sources) if _total(s) == 0]
@@ -136,7 +137,7 @@ class Mix(torch.utils.data.IterableDataset):
 
     def describe(self) -> dict:
         """What a state must match: each source's fingerprint and split, weights, seed, stop, samples."""
-        keys = [dataset_key(s) for s in self.sources]
+        keys = [s.state_key() for s in self.sources]
         return {"sources": [k[0] for k in keys], "splits": [k[1] for k in keys], "weights": self.weights,
                 "seed": self.seed, "stop": self.stop, "samples": self.samples}
 
@@ -152,8 +153,8 @@ class Mix(torch.utils.data.IterableDataset):
         if self._live is not None:
             run = self._live
             return self._head(run.epoch, stages_json([*run.before, Stage.own(run.world, run.entry())]))
-        if self._resume is not None and self._resume[0] == self.epoch:
-            return self._head(self._resume[0], stages_json(self._resume[1]))
+        if self._resume is not None and self._resume.epoch == self.epoch:
+            return self._head(self._resume.epoch, stages_json(self._resume.stages))
         return self._head(self.epoch, [])
 
     def load_state_dict(self, state: dict) -> None:
@@ -168,12 +169,12 @@ class Mix(torch.utils.data.IterableDataset):
             raise SpecError("this state belongs to another Mix: " + _differences(saved, mine, self.sources))
         splits = mine["splits"]
         try:
-            stages = [Stage(*s["world"], [parse_entry(e, splits) for e in s["delivered"]])
-                      for s in state["stages"]]
-            self._resume = (int(state["epoch"]), stages)
+            stages = [Stage(int(s["world"][0]), int(s["world"][1]),
+                            [parse_entry(e, splits) for e in s["delivered"]]) for s in state["stages"]]
+            self._resume = Loaded(int(state["epoch"]), stages)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecError(f"a malformed Mix state: {type(exc).__name__}: {exc}") from exc
-        self._epoch, self._passes, self._live = self._resume[0], 0, None
+        self._epoch, self._passes, self._live = self._resume.epoch, 0, None
 
     # ---- the pass ----------------------------------------------------------------------
 
@@ -195,14 +196,14 @@ class Mix(torch.utils.data.IterableDataset):
     def _begin(self) -> _Run:
         world, epoch = World.current(), self.epoch
         resume, self._resume = self._resume, None
-        stages = resume[1] if resume is not None and resume[0] == epoch else []
+        stages: list[Stage[dict]] = resume.stages if resume is not None and resume.epoch == epoch else []
         go_on = bool(stages) and stages[-1].same_shape(world)
         before = stages[:-1] if go_on else stages
-        entry = stages[-1].delivered[world.slot] if go_on else None
-        if go_on and entry is None:
+        saved = stages[-1].delivered[world.slot] if go_on else None
+        if go_on and saved is None:
             raise SpecError(f"the saved Mix state has no entry for {world.describe()}")
-        splits = [dataset_key(s)[1] for s in self.sources]
-        entry = entry or parse_entry(0, splits)
+        splits = [s.state_key()[1] for s in self.sources]
+        entry = saved if saved is not None else start_entry(splits)
         for stage in before:
             if any(e is None for e in stage.delivered):
                 missing = [i for i, e in enumerate(stage.delivered) if e is None][:8]
@@ -263,7 +264,7 @@ _END = object()
 class _Run:
     """One reader's pass of a mix: its sources' iterators, cycles, quotas and position."""
 
-    def __init__(self, mix: Mix, world: World, epoch: int, before: list[Stage], entry: dict) -> None:
+    def __init__(self, mix: Mix, world: World, epoch: int, before: list[Stage[dict]], entry: dict) -> None:
         self.mix, self.world, self.epoch, self.before = mix, world, epoch, before
         n = len(mix.sources)
         self.t, self.ended, self.saved = entry["t"], bool(entry.get("end")), entry
@@ -276,14 +277,14 @@ class _Run:
         if mix.samples is not None:
             left = mix.samples  # each earlier stage gave out what its ranks could share equally
             for stage in before:
-                left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.delivered)
+                left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.known())
             self.budget, lost = split_budget(left, shape, world.worker)
             if lost and world.slot == 0 and self.t == 0:
                 mix._counters.add("mix.left_out", lost)
         self.quotas: list[int] | None = None
         self.own: list[int] | None = None
-        counts = [s.sample_counts() for s in mix.sources]
-        if mix.samples is None and all(c is not None for c in counts):
+        counts = [c for c in (s.sample_counts() for s in mix.sources) if c is not None]
+        if mix.samples is None and len(counts) == len(mix.sources):
             per_rank = [quotas(c, source_stages(before, k, "samples"), shape, world.worker, seed=s.seed,
                                epoch=epoch, shuffle=s.shuffle)
                         for k, (s, c) in enumerate(zip(mix.sources, counts, strict=True))]
@@ -306,7 +307,7 @@ class _Run:
         source = self.mix.sources[k]
         epoch = self.epoch + cycle * CYCLE_STRIDE
         if stages:
-            fp, split = dataset_key(source)
+            fp, split = source.state_key()
             state = {**start_state(fp, epoch, split), "stages": stages_json(stages),
                      "batching": [None, False]}
             source.load_state_dict(with_mode(state, source.block_window()))  # BLOCK-SHUFFLE's tag

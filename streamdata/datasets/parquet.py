@@ -16,7 +16,8 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,7 @@ from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
+from streamdata.redact import redact_url
 from streamdata.store.urls import Shard
 
 __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
@@ -44,7 +46,8 @@ KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
 
 
-class RowGroup(NamedTuple):
+@dataclass(frozen=True)
+class RowGroup:
     """One Parquet row group: the unit split across ranks and workers."""
 
     url: str
@@ -53,7 +56,8 @@ class RowGroup(NamedTuple):
     rows: int
 
 
-class RecordBatchUnit(NamedTuple):
+@dataclass(frozen=True)
+class RecordBatchUnit:
     """One record batch of an Arrow IPC file, or a whole IPC stream object (``index == -1``)."""
 
     url: str
@@ -139,11 +143,11 @@ class _ArrowTables(ShardedDataset):
         tables = policy.each(records, self.prepare)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
-            tables = placeholder_tables(tables, rewind[2], rewind[0])
+            tables = placeholder_tables(tables, rewind.sizes, rewind.first)
         tables = self.shuffled(tables, seed) if batching.windows is None else block_shuffled(
             tables, batching.windows)
         if rewind is not None:
-            tables = dropped(tables, rewind[1])
+            tables = dropped(tables, rewind.delivered)
         opts = self.tensor_options
         if batching.batch_size is not None:
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
@@ -159,6 +163,14 @@ class _ArrowTables(ShardedDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "
                 f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle})")
+
+
+def _size(shard: Shard) -> int:
+    """An object's size in bytes: known for every object once ``with_sizes`` has run (``__init__``)."""
+    if shard.size is None:
+        raise SpecError(f"the size of {redact_url(shard.url)} is unknown: footers are read from "
+                        "the object's end, so an Arrow format needs its objects' sizes")
+    return shard.size
 
 
 def _use_threads() -> bool:
@@ -185,7 +197,7 @@ class ParquetDataset(_ArrowTables):
         policy = self._policy()
         self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
-            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, s.size, s.url), policy=policy))
+            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, _size(s), s.url), policy=policy))
         self._meta_cache: dict[str, Any] = {}
         self._leaf_cache: dict[str, list[int]] = {}
         self._extra: list[str] = []
@@ -201,7 +213,7 @@ class ParquetDataset(_ArrowTables):
             for index in range(meta.num_row_groups):
                 rows = meta.row_group(index).num_rows
                 if rows:
-                    self._units.append(RowGroup(shard.url, shard.size, index, rows))
+                    self._units.append(RowGroup(shard.url, _size(shard), index, rows))
         self.num_rows = sum(u.rows for u in self._units)
         if self.filter is not None and self._units:
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
@@ -285,7 +297,7 @@ class ArrowDataset(_ArrowTables):
         policy = self._policy()
         self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
-            footer_length=lambda tail, s: fmt.ipc_footer_length(tail, s.size, s.url) or 0,
+            footer_length=lambda tail, s: fmt.ipc_footer_length(tail, _size(s), s.url) or 0,
             policy=policy))
         self._blocks: dict[str, tuple[list[fmt.Range], list[fmt.Range]]] = {}
         files: list[Shard] = []
@@ -294,16 +306,16 @@ class ArrowDataset(_ArrowTables):
             if footer is None:
                 continue  # skipped under on_error
             if not footer:  # no IPC file magic at the end: a stream, read whole
-                self._units.append(RecordBatchUnit(shard.url, shard.size, -1))
+                self._units.append(RecordBatchUnit(shard.url, _size(shard), -1))
                 continue
             try:
-                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url, shard.size)
+                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url, _size(shard))
                 self._check_columns(footer, shard)
             except FormatError as exc:
                 policy.check(exc)
                 continue
             files.append(shard)
-            self._units.extend(RecordBatchUnit(shard.url, shard.size, i) for i in range(len(batches)))
+            self._units.extend(RecordBatchUnit(shard.url, _size(shard), i) for i in range(len(batches)))
         self._rows: dict[str, list[int] | None] = {}
         if self.filter is None and all(u.index >= 0 for u in self._units):  # else: no exact epoch
             self._rows = from_rank0(lambda: read_batch_rows(  # LIST-ONCE: rank 0 reads them
@@ -314,14 +326,20 @@ class ArrowDataset(_ArrowTables):
     def sample_counts(self) -> np.ndarray | None:
         """Rows per record batch, from the batches' headers: an exact epoch (``plan``); None
         (units split whole) with a ``filter``, any stream object, or a count not trusted."""
-        if self.filter is not None or any(self._rows.get(u.url) is None for u in self._units):
+        if self.filter is not None:
             return None
-        return np.array([self._rows[u.url][u.index] for u in self._units], dtype=np.int64)
+        counts = []
+        for u in self._units:
+            rows = self._rows.get(u.url)
+            if rows is None:
+                return None
+            counts.append(rows[u.index])
+        return np.array(counts, dtype=np.int64)
 
     def _check_columns(self, footer: bytes, shard: Shard) -> None:
-        parts = [(shard.size - len(footer), footer)]
+        parts = [(_size(shard) - len(footer), footer)]
         try:
-            schema = pa.ipc.open_file(fmt.SparseFile(parts, shard.size, shard.url).pyarrow()).schema
+            schema = pa.ipc.open_file(fmt.SparseFile(parts, _size(shard), shard.url).pyarrow()).schema
         except (OSError, pa.ArrowException) as exc:
             raise FormatError(f"corrupt Arrow IPC footer in {shard.url}: {exc}", url=shard.url,
                               key="footer") from exc

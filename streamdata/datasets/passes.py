@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from streamdata.epoch.plan import Span, batch_sizes
+from streamdata.epoch.blocks import Windows
+from streamdata.epoch.plan import SampleSlice, Skip, Span, batch_sizes
 from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.world import World
 from streamdata.errors import FormatError
-from streamdata.fetch.prefetcher import Prefetcher
 from streamdata.redact import redact_url
 
-__all__ = ["Batching", "EpochIterator", "ReaderPass", "stale_count"]
+__all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count"]
 
 
 def stale_count(url: str, seen: int, expected: int) -> FormatError:
@@ -33,7 +33,7 @@ class EpochIterator:
     Closing it (explicitly, at exhaustion, on error, or when garbage-collected after an
     early ``break``) closes the prefetcher: no thread, task or connection is left behind.
     Only at exhaustion, ``keep()`` may say that the prefetcher goes on serving the next pass
-    (NEXT-EPOCH-EARLY in ``dataset``): then it is not closed here.
+    (NEXT-EPOCH-EARLY in ``sharded``): then it is not closed here.
     """
 
     def __init__(self, items: Iterator[Any], close: Callable[[], None], *,
@@ -69,28 +69,33 @@ class EpochIterator:
         self.close()
 
 
+class Read(NamedTuple):
+    """One unit of a pass and what of it to read: ``None``, all of it (a shard-level split,
+    EXACTLY-ONCE in ``sharding``); a ``SampleSlice``, samples ``[start, stop)`` of its ``count``
+    (an exact epoch's ``span``, EQUAL-STEPS in ``plan``); a ``Skip``, all but its first samples
+    (a shard-level split resumed, ``resume``)."""
+
+    unit: Any
+    part: SampleSlice | Skip | None = None
+
+
 @dataclass(frozen=True)
 class ReaderPass:
     """What one reader reads in one pass: where it stands, the epoch, and its reads in order.
 
-    ``reads`` pairs each unit with the samples of it to read: ``None`` for all of them (a
-    shard-level split, EXACTLY-ONCE in ``sharding``), ``(start, stop, count)`` from an exact
-    epoch's ``span`` (EQUAL-STEPS in ``plan``: a span may start and end inside a unit of
-    ``count`` samples), or ``(skip, None, None)``: all but the first ``skip`` (a shard-level
-    split resumed, ``resume``).
     A pass is a pure function of the dataset's units, ``(seed, epoch)`` and the world, so a
     saved position in it is all a resume needs.
     """
 
     world: World
     epoch: int
-    reads: list[tuple[Any, tuple[int, int, int] | tuple[int, None, None] | None]]
+    reads: list[Read]
     span: Span | None = None
-    windows: Any = None  # BLOCK-SHUFFLE: how the reads are put out (``blocks.Windows``), else None
+    windows: Windows | None = None  # BLOCK-SHUFFLE: how the reads are put out, else None
 
     @property
     def units(self) -> list[Any]:
-        return [unit for unit, _ in self.reads]
+        return [read.unit for read in self.reads]
 
     def seed(self, seed: int) -> list[int]:
         """Seed material for this reader's shuffle in this pass."""
@@ -104,17 +109,6 @@ class ReaderPass:
 
 
 @dataclass(frozen=True)
-class _Early:
-    """A pass queued in the prefetcher of the pass before it, from item ``first`` on
-    (NEXT-EPOCH-EARLY): its requests go out as soon as that pass's last part is requested."""
-
-    p: ReaderPass
-    reads: list
-    fetcher: Prefetcher
-    first: int
-
-
-@dataclass(frozen=True)
 class Batching:
     """How a pass groups its samples: ``batch_size`` None yields samples one by one."""
 
@@ -123,4 +117,4 @@ class Batching:
     collate_fn: Callable[[list], Any] | None = None
     in_flight: int | None = None
     sizes: list[int] | None = None  # the plan's batch sizes (EQUAL-STEPS), when it has one
-    windows: Any = None  # the block shuffle's windows (``blocks.Windows``), else a buffer's shuffle
+    windows: Windows | None = None  # the block shuffle's windows, else a buffer's shuffle

@@ -10,9 +10,11 @@ for tar shards, and :mod:`streamdata.datasets.parquet` for Parquet row groups an
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,14 +24,16 @@ from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Spec, expand_spec
 from streamdata.config import FetchConfig
-from streamdata.datasets.passes import Batching, EpochIterator, ReaderPass, _Early, stale_count
+from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stale_count
 from streamdata.epoch import blocks
 from streamdata.epoch.buffer import shuffled
+from streamdata.epoch.plan import SampleSlice, Segment, Skip, Span
 from streamdata.epoch.resume import Stage, resume_span, resume_units
-from streamdata.epoch.rewind import dropped, placeholder_items, rewind_point, skipped, undelivered
+from streamdata.epoch.rewind import Rewind, dropped, placeholder_items, rewind_point, skipped, undelivered
 from streamdata.epoch.sharding import assign, reader_seed
 from streamdata.epoch.state import (
     STATE_FORMAT,
+    Loaded,
     Position,
     check_batching,
     dataset_key,
@@ -51,6 +55,17 @@ __all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_c
 log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
+
+
+@dataclass(frozen=True)
+class _Early:
+    """A pass queued in the prefetcher of the pass before it, from item ``first`` on
+    (NEXT-EPOCH-EARLY): its requests go out as soon as that pass's last part is requested."""
+
+    p: ReaderPass
+    reads: list[Read]
+    fetcher: Prefetcher
+    first: int
 
 
 class ShardedDataset(torch.utils.data.IterableDataset):
@@ -106,8 +121,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._passes = 0
         self.early_next_epoch = False  # NEXT-EPOCH-EARLY; sd.loader sets it for persistent workers
         self._early: _Early | None = None
-        self._resume: tuple[int, list[Stage], list] | None = None  # load_state_dict's, for its epoch
+        self._resume: Loaded | None = None  # load_state_dict's, for its epoch
         self._live: Position | None = None  # the current pass's position (state_dict)
+        self._window: tuple[tuple, int | None] | None = None  # block_window's, for its options
+        self._state_key: tuple[tuple, tuple[str, str]] | None = None  # state_key's, for its options
 
     # ---- epochs and counts ------------------------------------------------------------
 
@@ -166,10 +183,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def etag(self, url: str) -> str | None:
         """The listing's ETag of the object at ``url`` (part of a cache entry's key), if any."""
-        etags = self.__dict__.get("_etags")
-        if etags is None:
-            etags = self._etags = {s.url: getattr(s, "etag", None) for s in self.shards}
-        return etags.get(url)
+        return self._etags.get(url)
+
+    @functools.cached_property
+    def _etags(self) -> dict[str, str | None]:
+        return {s.url: getattr(s, "etag", None) for s in self.shards}
 
     def read_unit(self, unit: Any, reader: ItemReader) -> Iterable[Any]:
         """A fetched unit's records, in order."""
@@ -206,9 +224,17 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def block_window(self) -> int | None:
         """The block shuffle's window in samples (``blocks``), or None: a shuffle buffer, or none."""
         key = (self.shuffle, self.shuffle_mode, self.shuffle_window)
-        if self.__dict__.get("_window", (None,))[0] != key:
+        if self._window is None or self._window[0] != key:
             self._window = (key, blocks.window_for(self))
         return self._window[1]
+
+    def state_key(self) -> tuple[str, str]:
+        """The dataset's fingerprint and split in a state (``state.dataset_key``), worked out
+        once per (seed, shuffle): a worker's ``state_dict`` runs after every batch."""
+        key = (self.seed, self.shuffle)
+        if self._state_key is None or self._state_key[0] != key:
+            self._state_key = (key, dataset_key(self))
+        return self._state_key[1]
 
     def prepare(self, record: Any) -> Any:
         """One record made ready for the shuffle and the batch (decoding); errors are
@@ -222,13 +248,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         exact epoch's span when sample counts are known, else a shard-level split."""
         stages: list[Stage] = []
         resume, self._resume = self._resume, None
-        if resume is not None and resume[0] == self.epoch:  # load_state_dict's position, once
-            stages = resume[1]
-            check_batching(resume[2], batch_size, drop_last)
+        if resume is not None and resume.epoch == self.epoch:  # load_state_dict's position, once
+            stages = resume.stages
+            check_batching(resume.batching or [None, False], batch_size, drop_last)
         p = self._plan_pass(self.epoch, batch_size, drop_last, stages)
         self._live = Position.of_pass(p.world, p.epoch, "units" if p.span is None else "samples", stages,
                                       [batch_size, bool(drop_last and batch_size is not None)])
-        if self._live.base and p.span is not None and p.windows is None and self.shuffle_buffer > 1:
+        if self._live.samples_before and p.span is not None and p.windows is None and self.shuffle_buffer > 1:
             p = self._rewound(p, stages, batch_size, drop_last)
         elif p.windows is not None and p.windows.skip:  # BLOCK-SHUFFLE: its window read again
             self._counters.add("resumed.reread", p.windows.skip)
@@ -243,27 +269,31 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         if counts is None:
             if not stages:
                 order = assign(units, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-                return ReaderPass(world, epoch, [(unit, None) for unit in order])
+                return ReaderPass(world, epoch, [Read(unit) for unit in order])
             picks = resume_units(len(units), stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-            return ReaderPass(world, epoch, [(units[u], (skip, None, None) if skip else None)
-                                             for u, skip in picks])
+            return ReaderPass(world, epoch, [Read(units[pick.unit], Skip(pick.skip) if pick.skip else None)
+                                             for pick in picks])
         window, split = self.block_window(), not self.records_are_tables and self.ranged_segments()
         buffered = self.shuffle_buffer > 1  # RESUME-ELASTIC behind a buffer: what it left out (``rewind``)
         runs = (blocks.block_runs(window, split, self.seed, epoch) if window else
                 undelivered(self.shuffled, self.records_are_tables, self.seed, epoch) if buffered else None)
-        kw = dict(seed=self.seed, epoch=epoch, shuffle=self.shuffle, batch_size=batch_size,
-                  drop_last=drop_last, undelivered=runs)
-        span = resume_span(counts, stages or [], world, **kw)
-        segments, windows = span.segments, None
+        def span_of(stages: list[Stage]) -> Span:
+            return resume_span(counts, stages, world, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                               batch_size=batch_size, drop_last=drop_last, undelivered=runs)
+
+        span = span_of(stages or [])
+        segments: Sequence[Segment] = span.segments
+        windows = None
         if window:  # BLOCK-SHUFFLE: the whole span's windows, from the one the position is in
             d, full = 0, span
             if stages and stages[-1].same_shape(world):
-                d, last = stages[-1].delivered[world.slot], stages[-1]
-                full = resume_span(counts, [*stages[:-1], Stage(last.world_size, last.num_workers, [
-                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])], world, **kw)
+                last = stages[-1]
+                d = last.delivered[world.slot] or 0
+                full = span_of([*stages[:-1], Stage(last.world_size, last.num_workers, [
+                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])])
             segments, windows = blocks.block_reads(full, d, window, split, reader_seed(world, seed=self.seed,
                                             epoch=epoch), self.records_are_tables)
-        reads = [(units[s.unit], (s.start, s.stop, int(counts[s.unit]))) for s in segments]
+        reads = [Read(units[s.unit], SampleSlice(s.start, s.stop, int(counts[s.unit]))) for s in segments]
         return ReaderPass(world, epoch, reads, span, windows)
 
     def _rewound(self, p: ReaderPass, stages: list[Stage], batch_size: int | None,
@@ -274,11 +304,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             return self._plan_pass(self.epoch, batch_size, drop_last,
                                    [*stages[:-1], Stage.own(p.world, position)])
 
-        full, d = at(0).span, self._live.base
+        live, full = self._live, at(0).span
+        assert live is not None and full is not None  # (a continued pass of an exact epoch: the caller's)
+        d = live.samples_before
         sizes = [len(s) for s in full.segments] if self.records_are_tables else [1] * full.samples
         m = rewind_point(lambda records: self.shuffled(records, p.seed(self.seed)), sizes, d,
                          self.records_are_tables)
-        self._live.rewind = (m, d, sizes)
+        live.rewind = Rewind(m, d, sizes)
         self._counters.add("resumed.reread", d - m)  # delivered, behind the first not delivered
         return ReaderPass(p.world, p.epoch, at(m).reads, p.span)
 
@@ -288,16 +320,16 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """Where this reader stands in the epoch (``state``; docs/resume.md): in a worker, what it
         yielded (``StatefulDataLoader`` asks after each batch); else the one loaded, or the start."""
         batching = [self.batch_size, bool(self.drop_last and self.batch_size is not None)]
-        state = reader_state(*dataset_key(self), self._live, self._resume, self.epoch, batching)
+        state = reader_state(*self.state_key(), self._live, self._resume, self.epoch, batching)
         return blocks.with_mode(state, self.block_window())
 
     def load_state_dict(self, state: dict) -> None:
         """The next pass resumes the saved epoch at the saved position, by seeking (``resume``);
         a state of another dataset is refused (SpecError). Call it before iterating."""
-        epoch, stages = parse_state(state, *dataset_key(self), buffer=self.shuffle_buffer)
+        epoch, stages = parse_state(state, *self.state_key(), buffer=self.shuffle_buffer)
         blocks.check_mode(state, self.block_window())
         batching = state.get("batching") or [self.batch_size, False]
-        self._resume = (epoch, stages, [batching[0], bool(batching[1])])
+        self._resume = Loaded(epoch, stages, [batching[0], bool(batching[1])])
         self._epoch, self._passes, self._live = epoch, 0, None
 
     def __iter__(self) -> Iterator[Any]:
@@ -327,37 +359,40 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             queued = self._queue_next(fetcher, batch_size, drop_last)
 
         opened = self._opened(reads, fetcher.readers(first, first + len(reads)), queue)
-        records = policy.units(self._read(p, u, part, r) for (u, part), r in opened)
+        records = policy.units(self._read(p, read.unit, read.part, r) for read, r in opened)
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
                             p.windows)
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
                              keep=lambda: self._hand_on(queued))
 
-    def _read(self, p: ReaderPass, unit: Any, part: tuple | None, reader: ItemReader) -> Iterable[Any]:
+    def _read(self, p: ReaderPass, unit: Any, part: SampleSlice | Skip | None,
+              reader: ItemReader) -> Iterable[Any]:
         """One read's records; a shard-level split's counted per unit (``state.Position``)."""
-        if part is not None and part[1] is not None:
+        if isinstance(part, SampleSlice):
             return self.read_segment(unit, *part, reader)
         records = self.read_unit(unit, reader)
-        if part is not None:  # a resumed shard-level split: skip what was delivered before
-            records = skipped(records, part[0], lambda n: self._counters.add("resumed.reread", n))
+        if isinstance(part, Skip):  # a resumed shard-level split: skip what was delivered before
+            records = skipped(records, part.samples, lambda n: self._counters.add("resumed.reread", n))
         return records if p.span is not None or self._live is None else self._live.count_unit(records)
 
-    def _items(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list, list[FetchItem]]:
+    def _items(self, p: ReaderPass, policy: ErrorPolicy) -> tuple[list[Read], list[FetchItem]]:
         """A pass's reads and their fetch items; a unit whose byte ranges cannot be worked out
         is a bad unit (the policy's)."""
-        reads, items = [], []
-        for unit, part in p.reads:
+        reads: list[Read] = []
+        items: list[FetchItem] = []
+        for read in p.reads:
             try:
-                items.append(self.fetch_item(unit) if part is None or part[1] is None
-                             else self.fetch_segment(unit, *part))
+                items.append(self.fetch_segment(read.unit, *read.part) if isinstance(read.part, SampleSlice)
+                             else self.fetch_item(read.unit))
             except StreamDataError as exc:
                 policy.check(exc)
                 continue
-            reads.append((unit, part))
+            reads.append(read)
         return reads, items
 
     @staticmethod
-    def _opened(reads: list, readers: Iterator[ItemReader], queue: Callable[[], None]) -> Iterator[tuple]:
+    def _opened(reads: list[Read], readers: Iterator[ItemReader],
+                queue: Callable[[], None]) -> Iterator[tuple[Read, ItemReader]]:
         """``(read, item reader)`` pairs; ``queue()`` runs as the second is taken (the first
         batch's reads are under way: planning the next pass, 0.2 s for a million shuffled
         shards, does not delay it), or at the end of a pass of fewer."""
@@ -424,11 +459,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             samples = policy.each(samples, self.map)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
-            samples = placeholder_items(samples, rewind[0])
+            samples = placeholder_items(samples, rewind.first)
         samples = self.shuffled(samples, seed) if batching.windows is None else blocks.block_shuffled(
             samples, batching.windows)
         if rewind is not None:
-            samples = dropped(samples, rewind[1])
+            samples = dropped(samples, rewind.delivered)
         if self._live is not None:
             samples = self._live.count(samples)  # counted as delivered (state_dict)
         if batching.batch_size is None:

@@ -89,7 +89,7 @@ class TarDataset(ShardedDataset):
     def read_unit(self, unit: Shard, reader: ItemReader) -> Iterator[dict]:
         # samples' __url__ (and the parser's errors) name the shard without its secrets,
         # redacted once per shard; the real URL is in self.shards
-        shown = redact_url(reader.url)
+        shown = redact_url(reader.url) or reader.url
         chunks, compressed = decompressed(reader.chunks(), shown)
         yield from samples_from_chunks(
             chunks, shown, total=None if compressed else unit.size,
@@ -119,7 +119,7 @@ class TarDataset(ShardedDataset):
         (first, end), = reader.item.ranges
         to_end = stop == count  # the range ends with the shard's end-of-archive marker
         samples = samples_from_chunks(
-            reader.chunks(), redact_url(reader.url), total=end - first,
+            reader.chunks(), redact_url(reader.url) or reader.url, total=None if end is None else end - first,
             accept_unterminated=self.accept_unterminated or not to_end,
             on_unterminated=(lambda: self._counters.add("accepted.unterminated")) if to_end else None)
         seen = 0

@@ -15,7 +15,7 @@ the position alone restores it:
 - the pieces' order: ``rng([*reader_seed, TAG]).permutation``; window ``j``'s samples, as read
   (piece by piece): ``rng([*reader_seed, TAG, j + 1]).permutation`` (numpy's default generator).
   Pieces from 16 places make neighbours unlike each other even where the shards were written in
-  label order (contiguous windows keep that order inside a window: benchmarks/README.md);
+  label order (contiguous windows keep that order inside a window: benchmarks/README.md, "Shuffle quality");
 - RESUME-CONTINUES: ``d`` delivered = windows ``[0, j)`` whole and the first ``r`` of window
   ``j``'s permutation: the resumed pass reads window ``j`` again (``r`` samples read again,
   counted in ``resumed.reread``), drops those ``r``, and goes on with window ``j + 1``;

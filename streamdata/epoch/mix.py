@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from streamdata.epoch.plan import _sizes
-from streamdata.epoch.resume import Stage, resume_span
+from streamdata.epoch.plan import slot_sizes
+from streamdata.epoch.resume import Stage, UnitPosition, resume_span
 from streamdata.epoch.world import World
 
 __all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "choices", "counts_before", "entry_of", "mix_fingerprint",
-           "parse_entry", "quotas", "source_stages", "split_budget"]
+           "parse_entry", "quotas", "source_stages", "split_budget", "start_entry"]
 
 BLOCK = 1024  # choices per seeded block: position t is reached without drawing what is before it
 CYCLE_STRIDE = 1 << 32  # a source's epoch in cycle c of mix epoch e: e + c * CYCLE_STRIDE
@@ -68,7 +68,7 @@ def parse_entry(entry: Any, splits: Sequence[str]) -> dict | None:
     if entry is None:
         return None
     if entry == 0:
-        return {"t": 0, "sources": [[0, [0, 0] if s == "units" else 0] for s in splits]}
+        return start_entry(splits)
     sources = entry["sources"]
     if len(sources) != len(splits):
         raise ValueError(f"an entry of {len(sources)} sources for a mix of {len(splits)}")
@@ -79,32 +79,41 @@ def parse_entry(entry: Any, splits: Sequence[str]) -> dict | None:
     return {"t": int(entry["t"]), "sources": out, **({"end": True} if entry.get("end") else {})}
 
 
+def start_entry(splits: Sequence[str]) -> dict:
+    """The entry of a reader that has taken nothing in its stage (saved as ``0``)."""
+    return {"t": 0, "sources": [[0, [0, 0] if s == "units" else 0] for s in splits]}
+
+
 def entry_of(t: int, cycles: Sequence[int], positions: Sequence[Any], end: bool = False) -> dict:
     """A reader's entry; ``"end": true`` once its pass has ended (nothing more to take)."""
     entry = {"t": int(t), "sources": [[int(c), p] for c, p in zip(cycles, positions, strict=True)]}
     return {**entry, "end": True} if end else entry
 
 
-def source_stages(stages: Sequence[Stage], k: int, split: str) -> list[Stage]:
+def source_stages(stages: Sequence[Stage[dict]], k: int, split: str) -> list[Stage[Any]]:
     """Source ``k``'s stages of its primary epoch, from the mix's: a reader that had cycled
     ``k`` had delivered all of its span, and one that had ended will deliver no more of it
     (what it left was counted as undelivered): ``FULL``."""
-    full = [FULL, 0] if split == "units" else FULL
-    out = []
-    for stage in stages:
-        delivered = [None if e is None else full if e["sources"][k][0] or e.get("end") else e["sources"][k][1]
-                     for e in stage.delivered]
-        out.append(Stage(stage.world_size, stage.num_workers, delivered))
-    return out
+    def position(entry: dict | None) -> int | UnitPosition | None:
+        if entry is None:
+            return None
+        cycle, saved = entry["sources"][k]
+        done = bool(cycle or entry.get("end"))
+        if split == "units":
+            return UnitPosition(FULL, 0) if done else UnitPosition(int(saved[0]), int(saved[1]))
+        return FULL if done else int(saved)
+
+    return [Stage(stage.world_size, stage.num_workers, [position(e) for e in stage.delivered])
+            for stage in stages]
 
 
-def quotas(counts: np.ndarray, before: Sequence[Stage], shape: tuple[int, int], worker: int, *,
+def quotas(counts: np.ndarray, before: Sequence[Stage[int]], shape: tuple[int, int], worker: int, *,
            seed: int, epoch: int, shuffle: bool) -> list[int]:
     """The samples of one source's primary epoch that the reader of ``worker`` on each rank
     holds in a stage of ``shape`` (ranks, workers) that began after ``before``."""
     ranks, workers = shape
     if not before:
-        sizes = _sizes(int(np.sum(counts)), World(0, ranks, 0, workers))
+        sizes = slot_sizes(int(np.sum(counts)), World(0, ranks, 0, workers))
         return [int(sizes[r * workers + worker]) for r in range(ranks)]
     return [resume_span(counts, before, World(r, ranks, worker, workers), seed=seed, epoch=epoch,
                         shuffle=shuffle).samples for r in range(ranks)]

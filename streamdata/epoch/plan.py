@@ -25,13 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from streamdata.epoch.sharding import epoch_order
 from streamdata.epoch.world import World
 
-__all__ = ["Segment", "Span", "batch_sizes", "reader_span"]
+__all__ = ["SampleSlice", "Segment", "Skip", "Span", "Steps", "batch_sizes", "reader_span", "reader_steps",
+           "segments_of", "slot_sizes"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,32 @@ class Segment:
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+
+class SampleSlice(NamedTuple):
+    """What a reader reads of one unit of ``unit_samples`` samples: samples ``[start, stop)`` (an
+    exact epoch's segment; EQUAL-STEPS: a span may start and end inside a unit)."""
+
+    start: int
+    stop: int
+    unit_samples: int
+
+
+class Skip(NamedTuple):
+    """What a reader reads of one unit: all of it but its first ``samples`` (a shard-level split
+    resumed inside the unit, ``resume.resume_units``)."""
+
+    samples: int
+
+
+class Steps(NamedTuple):
+    """One reader's batches in an epoch (EQUAL-STEPS): how many, the sizes of its last ones when
+    its last full batch is split (else ``()``), and the samples it repeats (0 but where nothing
+    else keeps its rank in step)."""
+
+    batches: int
+    tail: tuple[int, ...]
+    pad: int
 
 
 @dataclass(frozen=True)
@@ -83,16 +111,16 @@ def reader_span(counts: Sequence[int] | np.ndarray, world: World, *, seed: int =
         used = per * slots
         offset = 0 if used == total else int(np.random.default_rng([seed, epoch, 1]).integers(total))
         first = offset + slot * per
-        return Span(_segments(order, ends, first, first + per), per // batch_size, (), 0, total - used)
-    sizes = _sizes(total, world)
+        return Span(segments_of(order, ends, first, first + per), per // batch_size, (), 0, total - used)
+    sizes = slot_sizes(total, world)
     first = int(sizes[:slot].sum())
     mine = int(sizes[slot])
-    segments = _segments(order, ends, first, first + mine)
+    segments = segments_of(order, ends, first, first + mine)
     if batch_size is None:
         return Span(segments)
-    batches, tail, pad = _steps(sizes, world, batch_size)
+    batches, tail, pad = reader_steps(sizes, world, batch_size)
     if pad:
-        segments += _segments(order, ends, first if mine else 0, (first if mine else 0) + pad)
+        segments += segments_of(order, ends, first if mine else 0, (first if mine else 0) + pad)
     return Span(segments, batches, tail, pad)
 
 
@@ -109,9 +137,10 @@ def batch_sizes(span: Span, batch_size: int) -> list[int]:
     return [batch_size] * (span.batches - 1) + [span.samples - (span.batches - 1) * batch_size]
 
 
-def _sizes(total: int, world: World) -> np.ndarray:
-    """Samples per slot: equal within one; the extras dealt to worker 0 of every rank, then
-    worker 1 of every rank, ... (so ranks differ by at most one extra)."""
+def slot_sizes(total: int, world: World) -> np.ndarray:
+    """Samples per slot of ``world`` (in slot order) when ``total`` samples are divided: equal
+    within one; the extras dealt to worker 0 of every rank, then worker 1 of every rank, ... (so
+    ranks differ by at most one extra). ``resume`` divides what is left of an epoch the same way."""
     slots = world.slots
     q, extra = divmod(total, slots)
     slot = np.arange(slots)
@@ -119,29 +148,31 @@ def _sizes(total: int, world: World) -> np.ndarray:
     return q + (dealt < extra).astype(np.int64)
 
 
-def _steps(sizes: np.ndarray, world: World, batch_size: int) -> tuple[int, tuple[int, ...], int]:
-    """``(batches, tail, pad)`` of this reader, so that every rank yields as many batches as
-    the rank with most (EQUAL-STEPS)."""
+def reader_steps(sizes: np.ndarray, world: World, batch_size: int) -> Steps:
+    """The steps of ``world``'s reader when the slots hold ``sizes`` samples (``slot_sizes``),
+    so that every rank yields as many batches as the rank with most (EQUAL-STEPS)."""
     per_reader = -(-sizes // batch_size)
     per_rank = per_reader.reshape(world.world_size, world.num_workers).sum(axis=1)
     target, mine = int(per_rank.max()), int(per_reader[world.slot])
     deficit = target - int(per_rank[world.rank])
     if deficit == 0:
-        return mine, (), 0
+        return Steps(mine, (), 0)
     # the first ``deficit`` readers of this rank without an extra sample each add one batch
     rank_sizes = sizes[world.rank * world.num_workers:(world.rank + 1) * world.num_workers]
     helpers = [w for w in range(world.num_workers) if rank_sizes[w] == rank_sizes.min()][:deficit]
     if world.worker not in helpers:
-        return mine, (), 0
+        return Steps(mine, (), 0)
     n = int(sizes[world.slot])
     if n > mine:  # enough samples for one batch more: split the last full one
         last = n - (mine - 1) * batch_size
-        return mine + 1, (math.ceil(last / 2), last // 2), 0
-    return mine + 1, (), 1  # batch_size 1 or an empty reader: repeat one sample
+        return Steps(mine + 1, (math.ceil(last / 2), last // 2), 0)
+    return Steps(mine + 1, (), 1)  # batch_size 1 or an empty reader: repeat one sample
 
 
-def _segments(order: np.ndarray, ends: np.ndarray, start: int, stop: int) -> tuple[Segment, ...]:
-    """Positions ``[start, stop)`` of the epoch's sequence (wrapping past its end) as segments."""
+def segments_of(order: np.ndarray, ends: np.ndarray, start: int, stop: int) -> tuple[Segment, ...]:
+    """Positions ``[start, stop)`` of an epoch's sequence (wrapping past its end) as segments:
+    ``order`` holds the units in the epoch's order, ``ends`` the cumulated sample counts in that
+    order (``ends[i]``: the epoch position where unit ``order[i]`` ends)."""
     total = int(ends[-1]) if len(ends) else 0
     if stop <= start or total == 0:
         return ()

@@ -23,36 +23,73 @@ buffer, which delivers out of order, is handled by the caller: see docs/resume.m
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from streamdata.epoch.plan import Span, _segments, _sizes, _steps, batch_sizes, reader_span
+from streamdata.epoch.plan import (
+    Segment,
+    Span,
+    batch_sizes,
+    reader_span,
+    reader_steps,
+    segments_of,
+    slot_sizes,
+)
 from streamdata.epoch.sharding import epoch_order
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
 
-__all__ = ["Stage", "resume_span", "resume_units"]
+__all__ = ["Stage", "UnitPosition", "UnitStart", "resume_span", "resume_units"]
 
 Interval = tuple[int, int]  # epoch positions [a, b) (past the epoch's end: wrapped)
 Runs = Callable[[World, Sequence[int], int], list[Interval]]  # (``rewind.undelivered``)
+P = TypeVar("P")  # a reader's position: samples delivered (int), a ``UnitPosition``, a Mix's entry
 
 
-class Stage:
-    """A world shape ``(world_size, num_workers)`` and each of its readers' delivered samples."""
+class UnitPosition(NamedTuple):
+    """A reader's position in a shard-level split (units' sample counts unknown): the units of
+    its list read whole, and the samples delivered of the next. Saved as ``[done, into]``."""
 
-    def __init__(self, world_size: int, num_workers: int, delivered: Sequence[int | None]) -> None:
+    done: int
+    into: int
+
+
+class UnitStart(NamedTuple):
+    """A unit to read in a resumed shard-level split: its index, and the samples of it to skip."""
+
+    unit: int
+    skip: int
+
+
+class Stage(Generic[P]):
+    """A world shape ``(world_size, num_workers)`` and each of its readers' positions
+    (``delivered[slot]``; ``None`` where this process does not know it)."""
+
+    def __init__(self, world_size: int, num_workers: int, delivered: Sequence[P | None]) -> None:
         self.world_size, self.num_workers = int(world_size), int(num_workers)
-        self.delivered = list(delivered)
+        self.delivered: list[P | None] = list(delivered)
         if len(self.delivered) != self.world_size * self.num_workers:
             raise SpecError(f"a resume stage of {world_size} ranks x {num_workers} workers needs "
                             f"{world_size * num_workers} positions, got {len(self.delivered)}")
 
     @classmethod
-    def own(cls, world: World, position: int | None) -> Stage:
+    def own(cls, world: World, position: P | None) -> Stage[P]:
         """A stage of ``world``'s shape where only ``world``'s own reader's position is known."""
-        stage = cls(world.world_size, world.num_workers, [None] * world.slots)
-        stage.delivered[world.slot] = position
-        return stage
+        delivered: list[P | None] = [None] * world.slots
+        delivered[world.slot] = position
+        return cls(world.world_size, world.num_workers, delivered)
+
+    def known(self) -> list[P]:
+        """Every reader's position; SpecError naming the readers this stage lacks (a state saved
+        without them resumes only on the same world shape)."""
+        missing = [s for s, d in enumerate(self.delivered) if d is None]
+        if missing:
+            shape = f"{self.world_size} ranks x {self.num_workers} workers"
+            raise SpecError(f"the saved position lacks readers {missing[:8]} of its {shape}: it can only "
+                            "resume on that same world shape; save "
+                            "every reader's position (sd.loader's Loader.state_dict()) to resume on another")
+        return [d for d in self.delivered if d is not None]
 
     def same_shape(self, world: World) -> bool:
         return (self.world_size, self.num_workers) == (world.world_size, world.num_workers)
@@ -84,11 +121,11 @@ def _cuts(length: int, stage_world: World, batch_size: int | None, drop_last: bo
     if drop_last and batch_size is not None:
         per = length // (stage_world.slots * batch_size) * batch_size
         return np.full(stage_world.slots, per, dtype=np.int64)
-    return _sizes(length, stage_world)
+    return slot_sizes(length, stage_world)
 
 
-def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage], world: World, *, seed: int = 0,
-                epoch: int = 0, shuffle: bool = False, batch_size: int | None = None,
+def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage[int]], world: World, *,
+                seed: int = 0, epoch: int = 0, shuffle: bool = False, batch_size: int | None = None,
                 drop_last: bool = False, undelivered: Runs | None = None) -> Span:
     """This reader's span of what ``stages`` left of the epoch (``plan.reader_span`` if none).
 
@@ -119,19 +156,14 @@ def resume_span(counts: Sequence[int] | np.ndarray, stages: Sequence[Stage], wor
     return _divide(order, ends, seq, world, batch_size, drop_last)
 
 
-def _leftover(seq: list[Interval], stage: Stage, batch_size: int | None, drop_last: bool,
-              order: np.ndarray | None = None, ends: np.ndarray | None = None,
-              undelivered: Runs | None = None) -> list[Interval]:
+def _leftover(seq: list[Interval], stage: Stage[int], batch_size: int | None, drop_last: bool,
+              order: np.ndarray, ends: np.ndarray, undelivered: Runs | None = None) -> list[Interval]:
     """What the readers of ``stage`` had not delivered of their spans of ``seq``, in slot order."""
-    if any(d is None for d in stage.delivered):
-        missing = [s for s, d in enumerate(stage.delivered) if d is None]
-        raise SpecError(f"the saved position lacks readers {missing[:8]} of its {stage.world_size} ranks x "
-                        f"{stage.num_workers} workers: it can only resume on that same world shape; save "
-                        "every reader's position (sd.loader's Loader.state_dict()) to resume on another")
+    delivered = stage.known()
     own = _cuts(_length(seq), stage.world(0), batch_size, drop_last)
     firsts = np.concatenate(([0], np.cumsum(own)[:-1]))
     out: list[Interval] = []
-    for slot, d in enumerate(stage.delivered):
+    for slot, d in enumerate(delivered):
         first, n = int(firsts[slot]), int(own[slot])
         d = min(max(int(d), 0), n)
         if undelivered is None or d == 0 or d == n:
@@ -143,11 +175,11 @@ def _leftover(seq: list[Interval], stage: Stage, batch_size: int | None, drop_la
     return out
 
 
-def _to_segments(order: np.ndarray, ends: np.ndarray, intervals: Sequence[Interval]) -> tuple:
-    return tuple(seg for a, b in intervals for seg in _segments(order, ends, a, b))
+def _to_segments(order: np.ndarray, ends: np.ndarray, intervals: Sequence[Interval]) -> tuple[Segment, ...]:
+    return tuple(seg for a, b in intervals for seg in segments_of(order, ends, a, b))
 
 
-def _continue(order: np.ndarray, ends: np.ndarray, seq: list[Interval], stage: Stage, world: World,
+def _continue(order: np.ndarray, ends: np.ndarray, seq: list[Interval], stage: Stage[int], world: World,
               batch_size: int | None, drop_last: bool) -> Span:
     """RESUME-CONTINUES: the rest of this reader's span of ``seq`` on the stage's world."""
     span = _divide(order, ends, seq, world, batch_size, drop_last)
@@ -155,18 +187,20 @@ def _continue(order: np.ndarray, ends: np.ndarray, seq: list[Interval], stage: S
     if d is None:
         raise SpecError(f"the saved position has no entry for {world.describe()}")
     d = min(max(int(d), 0), span.samples)
-    segments, skip = [], d
+    segments: list[Segment] = []
+    skip = d
     for seg in span.segments:
         if skip >= len(seg):
             skip -= len(seg)
             continue
-        segments.append(type(seg)(seg.unit, seg.start + skip, seg.stop))
+        segments.append(Segment(seg.unit, seg.start + skip, seg.stop))
         skip = 0
     own = span.samples - span.pad
     pad = span.pad - max(0, d - own)
     if span.batches is None or batch_size is None:
         return Span(tuple(segments), None, (), pad)
-    sizes, done = [], d
+    sizes: list[int] = []
+    done = d
     for size in batch_sizes(span, batch_size):
         take = min(size, done)
         done -= take
@@ -186,36 +220,35 @@ def _divide(order: np.ndarray, ends: np.ndarray, seq: list[Interval], world: Wor
         return Span(segments)
     if drop_last:
         return Span(segments, mine // batch_size, (), 0, length - int(sizes.sum()))
-    batches, tail, pad = _steps(sizes, world, batch_size)
+    batches, tail, pad = reader_steps(sizes, world, batch_size)
     if pad and length:
         start = first if mine else 0
         segments += _to_segments(order, ends, _sub(seq, start, start + pad))
     return Span(segments, batches, tail, pad if length else 0)
 
 
-def resume_units(n_units: int, stages: Sequence[Stage], world: World, *, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = False) -> list[tuple[int, int]]:
-    """A shard-level split's resume (units' sample counts unknown): ``(unit, samples to skip)`` in
-    reading order for this reader. A stage's positions are ``(units done, samples into the next)``
-    per reader; what they left (the partly read unit, then the untouched ones) is dealt round-robin
-    to the new readers (``sharding``'s EXACTLY-ONCE); the same world continues each reader's list."""
-    seq = [(int(u), 0) for u in epoch_order(n_units, seed=seed, epoch=epoch, shuffle=shuffle)]
+def resume_units(n_units: int, stages: Sequence[Stage[UnitPosition]], world: World, *, seed: int = 0,
+                 epoch: int = 0, shuffle: bool = False) -> list[UnitStart]:
+    """A shard-level split's resume (units' sample counts unknown): the units this reader reads,
+    in order, each with the samples of it to skip. A stage's positions are ``UnitPosition``s;
+    what they left (the partly read unit, then the untouched ones) is dealt round-robin to the
+    new readers (``sharding``'s EXACTLY-ONCE); the same world continues each reader's list."""
+    seq = [UnitStart(int(u), 0) for u in epoch_order(n_units, seed=seed, epoch=epoch, shuffle=shuffle)]
     for i, stage in enumerate(stages):
         slots = stage.world_size * stage.num_workers
         if i == len(stages) - 1 and stage.same_shape(world):
             return _rest(seq[world.slot::slots], stage.delivered[world.slot], world)
-        if any(d is None for d in stage.delivered):
-            _leftover([], stage, None, False)  # raises: a partial position
+        delivered = stage.known()
         seq = [item for k in range(slots)
-               for item in _rest(seq[k::slots], stage.delivered[k], stage.world(k))]
+               for item in _rest(seq[k::slots], delivered[k], stage.world(k))]
     return seq[world.slot::world.slots]
 
 
-def _rest(mine: list[tuple[int, int]], position: Sequence[int] | None, world: World) -> list[tuple[int, int]]:
+def _rest(mine: list[UnitStart], position: UnitPosition | None, world: World) -> list[UnitStart]:
     if position is None:
         raise SpecError(f"the saved position has no entry for {world.describe()}")
     done, into = (int(x) for x in position)
     rest = list(mine[done:])
     if rest and into:
-        rest[0] = (rest[0][0], rest[0][1] + into)
+        rest[0] = UnitStart(rest[0].unit, rest[0].skip + into)
     return rest

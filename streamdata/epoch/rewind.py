@@ -15,15 +15,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.world import World
 
-__all__ = ["delivered_mask", "dropped", "placeholder_items", "placeholder_tables", "record_size",
+__all__ = ["Rewind", "delivered_mask", "dropped", "placeholder_items", "placeholder_tables", "record_size",
            "rewind_point", "skipped", "undelivered"]
+
+
+class Rewind(NamedTuple):
+    """A pass resumed behind its shuffle buffer: it reads from ``first`` (the first position not
+    delivered, ``rewind_point``), feeds the shuffle stand-ins for the positions before it, and
+    drops the first ``delivered`` samples the shuffle puts out; ``sizes``: the span's records'
+    sizes in samples (Arrow tables' stand-ins are cut as they were, ``placeholder_tables``)."""
+
+    first: int
+    delivered: int
+    sizes: list[int]
 
 
 def delivered_mask(shuffle: Callable[[Iterable[Any]], Iterator[Any]], sizes: Sequence[int], delivered: int,

@@ -20,16 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
-from streamdata.epoch.resume import Stage
-from streamdata.epoch.rewind import record_size
+from streamdata.epoch.resume import Stage, UnitPosition
+from streamdata.epoch.rewind import Rewind, record_size
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "Position", "check_batching", "check_header", "dataset_key",
-           "fingerprint", "merge_states", "parse_state", "reader_state", "stages_json", "start_state"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "Loaded", "Position", "check_batching", "check_header",
+           "dataset_key", "fingerprint", "merge_states", "parse_state", "reader_state", "stages_json",
+           "start_state"]
 
 log = logging.getLogger("streamdata")
 
@@ -47,19 +48,17 @@ def fingerprint(shards: Iterable[Any], counts: Sequence[int] | None, *, seed: in
 
 def dataset_key(dataset: Any) -> tuple[str, str]:
     """A sharded dataset's fingerprint and split (``"samples"`` with sample counts, else
-    ``"units"``), worked out once per (seed, shuffle): a worker's ``state_dict`` runs after
-    every batch."""
-    cached = dataset.__dict__.get("_state_key")
-    if cached is None or cached[0] != (dataset.seed, dataset.shuffle):
-        counts = dataset.sample_counts()
-        fp = fingerprint(dataset.shards, counts, seed=dataset.seed, shuffle=dataset.shuffle)
-        cached = dataset._state_key = ((dataset.seed, dataset.shuffle), fp,
-                                       "units" if counts is None else "samples")
-    return cached[1], cached[2]
+    ``"units"``), from its ``shards``, ``sample_counts()``, ``seed`` and ``shuffle``."""
+    counts = dataset.sample_counts()
+    fp = fingerprint(dataset.shards, counts, seed=dataset.seed, shuffle=dataset.shuffle)
+    return fp, "units" if counts is None else "samples"
 
 
 def stages_json(stages: Sequence[Stage]) -> list[dict]:
-    return [{"world": [s.world_size, s.num_workers], "delivered": list(s.delivered)} for s in stages]
+    """Stages as the state holds them: a ``UnitPosition`` as ``[done, into]``."""
+    return [{"world": [s.world_size, s.num_workers],
+             "delivered": [list(d) if isinstance(d, UnitPosition) else d for d in s.delivered]}
+            for s in stages]
 
 
 def check_header(state: Any) -> None:
@@ -84,7 +83,8 @@ def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple
         raise SpecError(f"this state was saved from a {state.get('split')}-level split, this dataset "
                         f"splits by {split} (an index added or removed?): start the epoch again")
     try:
-        stages = [Stage(*s["world"], [_entry(d, split) for d in s["delivered"]]) for s in state["stages"]]
+        stages = [Stage(int(s["world"][0]), int(s["world"][1]), [_entry(d, split) for d in s["delivered"]])
+                  for s in state["stages"]]
         if split == "units" and buffer > 1 and stages:
             log.warning("resuming a shard-level split (no sample index) behind a shuffle buffer of %d: "
                         "up to about one buffer per reader may be delivered twice or not at all; for "
@@ -95,12 +95,13 @@ def parse_state(state: Any, expected: str, split: str, buffer: int = 0) -> tuple
         raise SpecError(f"a malformed streamdata state: {type(exc).__name__}: {exc}") from exc
 
 
-def _entry(d: Any, split: str) -> Any:
+def _entry(d: Any, split: str) -> int | UnitPosition | None:
+    """A saved reader's position: samples delivered, or (``"units"``) ``[done, into]``."""
     if d is None:
         return None
     if split == "units":
         done, into = d
-        return [int(done), int(into)]
+        return UnitPosition(int(done), int(into))
     return int(d)
 
 
@@ -129,22 +130,38 @@ def merge_states(states: Sequence[dict]) -> dict:
     return out
 
 
+class Loaded(NamedTuple):
+    """A state ``load_state_dict`` took, kept until its epoch's pass begins: the epoch, its
+    stages, and the batching it was saved with (``[batch_size, drop_last]``; None for a Mix's)."""
+
+    epoch: int
+    stages: list[Stage]
+    batching: list | None = None
+
+
 class Position:
     """Where one reader stands in its pass: what it delivered, on top of where its pass began.
 
     ``before``: the stages that led to this pass; the pass is a stage of shape ``world`` in
-    which this reader had delivered ``base`` when the pass began (its own position, resumed).
-    For a shard-level split, ``unit_counts`` are the samples read from each unit so far."""
+    which this reader had delivered ``base`` when the pass began (its own position, resumed):
+    samples (an int), or, for a shard-level split (``split == "units"``), a ``UnitPosition``;
+    there ``unit_counts`` are the samples read from each unit so far."""
 
     def __init__(self, world: World, epoch: int, split: str, before: Sequence[Stage] = (),
-                 base: Any = None) -> None:
+                 base: int | Sequence[int] | None = None) -> None:
         self.world, self.epoch, self.split = world, epoch, split
         self.before = list(before)
-        self.base = base if base is not None else ([0, 0] if split == "units" else 0)
+        self.base: int | UnitPosition
+        if base is None:
+            self.base = UnitPosition(0, 0) if split == "units" else 0
+        elif isinstance(base, int):
+            self.base = base
+        else:
+            self.base = UnitPosition(int(base[0]), int(base[1]))
         self.delivered = 0
         self.unit_counts: list[int] = []
         self.finished = 0  # units read to their end
-        self.rewind: tuple[int, int, list[int]] | None = None  # RESUME-BUFFER (``rewind``)
+        self.rewind: Rewind | None = None  # RESUME-BUFFER (``rewind``)
 
     batching: list = [None, False]
 
@@ -159,13 +176,19 @@ class Position:
         pos.batching = batching
         return pos
 
-    def count(self, items: Iterable[Any], size: Any = None) -> Iterator[Any]:
+    @property
+    def samples_before(self) -> int:
+        """Samples this reader had delivered when the pass began (a split by samples; else 0)."""
+        return self.base if isinstance(self.base, int) else 0
+
+    def count(self, items: Iterable[Any], size: Callable[[Any], int] | None = None) -> Iterator[Any]:
         """``items`` unchanged, each counted as delivered as it is taken (``size(item)`` samples)."""
         for item in items:
             self.delivered += 1 if size is None else size(item)
             yield item
 
-    def count_unit(self, records: Iterable[Any], size: Any = record_size) -> Iterator[Any]:
+    def count_unit(self, records: Iterable[Any], size: Callable[[Any], int] | None = record_size
+                   ) -> Iterator[Any]:
         """One unit's records (shard-level split), counted as read; each is passed on once the
         next is read (or the unit has ended), so a unit whose last record is delivered is known
         to be done, and a resume does not ask for it again."""
@@ -191,9 +214,9 @@ class Position:
         finally:
             getattr(it, "close", lambda: None)()
 
-    def mine(self) -> Any:
+    def mine(self) -> int | UnitPosition:
         """This reader's position in the pass's stage."""
-        if self.split != "units":
+        if not isinstance(self.base, UnitPosition):
             return self.base + self.delivered
         done, into = self.base
         left = self.delivered
@@ -203,7 +226,7 @@ class Position:
                 done, into = done + 1, 0
                 continue
             break
-        return [done, into + left]
+        return UnitPosition(done, into + left)
 
     def state(self, fp: str) -> dict:
         return {**start_state(fp, self.epoch, self.split),
@@ -216,15 +239,15 @@ def start_state(fp: str, epoch: int, split: str) -> dict:
             "split": split, "stages": []}
 
 
-def reader_state(fp: str, split: str, live: Position | None, resume: tuple | None, epoch: int,
+def reader_state(fp: str, split: str, live: Position | None, resume: Loaded | None, epoch: int,
                  batching: list) -> dict:
     """A dataset's ``state_dict()``: its current pass's position, else the one loaded, else the
     epoch's start."""
     if live is not None:
         return {**live.state(fp), "batching": live.batching}
-    if resume is not None and resume[0] == epoch:  # (another epoch's is never read)
-        epoch, stages, batching = resume
-        return {**start_state(fp, epoch, split), "stages": stages_json(stages), "batching": batching}
+    if resume is not None and resume.epoch == epoch:  # (another epoch's is never read)
+        return {**start_state(fp, epoch, split), "stages": stages_json(resume.stages),
+                "batching": resume.batching}
     return {**start_state(fp, epoch, split), "batching": batching}
 
 

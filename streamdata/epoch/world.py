@@ -48,7 +48,7 @@ class World:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+            rank, world_size = env_int("RANK", 0) or 0, env_int("WORLD_SIZE", 1) or 0  # (never None)
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return cls(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers)

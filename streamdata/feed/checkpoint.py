@@ -44,7 +44,7 @@ class Positioned:
 
         batch = self.collate_fn(samples)
         info = get_worker_info()
-        dataset = info.dataset if info is not None else self.dataset
+        dataset: Any = info.dataset if info is not None else self.dataset
         return Tagged(batch, 0 if info is None else info.id, dataset.state_dict())
 
 

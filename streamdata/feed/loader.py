@@ -14,6 +14,12 @@ import torch.multiprocessing
 from torch.utils.data import DataLoader, IterableDataset
 
 from streamdata._alloc import keep_freed_memory
+from streamdata._compat import (
+    dataloader_iterator,
+    detach_dataloader_iterator,
+    shutdown_workers,
+    worker_processes,
+)
 from streamdata._fork import install
 from streamdata.batch import recycle
 from streamdata.batch.batches import batches
@@ -133,7 +139,7 @@ class _Unwrapped:
 
     def __iter__(self) -> Iterator[Any]:
         new_workers = (not self.dataloader.persistent_workers
-                       or getattr(self.dataloader, "_iterator", None) is None)
+                       or dataloader_iterator(self.dataloader) is None)
         if new_workers and self._started:
             self.init.board = recycle.Board(self.dataloader.num_workers)
             self.boards.append(self.init.board)
@@ -176,7 +182,8 @@ class Loader:
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._started = True
         loader = self.dataloader
-        if loader.num_workers > 0 and not (loader.persistent_workers and loader._iterator is not None):
+        kept = loader.persistent_workers and dataloader_iterator(loader) is not None
+        if loader.num_workers > 0 and not kept:
             share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
         source = iter(self._source)
         if self._positions is not None:
@@ -229,21 +236,18 @@ class Loader:
             self.prefetcher.close()
         if self._batches is not None:
             self._batches.close()
-        iterator = getattr(self.dataloader, "_iterator", None)  # torch keeps persistent workers here
+        iterator = detach_dataloader_iterator(self.dataloader)  # torch keeps persistent workers there
         if iterator is not None:
-            self.dataloader._iterator = None
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except RuntimeError as exc:
-                    # A spawned worker stopped mid-epoch can abort in its own interpreter
-                    # teardown ("killed by signal: Aborted"); it was ending anyway, as in
-                    # DataLoader's __del__, which ignores this too.
-                    if "killed by signal" not in str(exc):
-                        raise
-                    for worker in getattr(iterator, "_workers", ()):  # reap the rest
-                        worker.join(timeout=_JOIN_TIMEOUT)
+            try:
+                shutdown_workers(iterator)
+            except RuntimeError as exc:
+                # A spawned worker stopped mid-epoch can abort in its own interpreter
+                # teardown ("killed by signal: Aborted"); it was ending anyway, as in
+                # DataLoader's __del__, which ignores this too.
+                if "killed by signal" not in str(exc):
+                    raise
+                for worker in worker_processes(iterator):  # reap the rest
+                    worker.join(timeout=_JOIN_TIMEOUT)
 
     def __enter__(self) -> Loader:
         return self

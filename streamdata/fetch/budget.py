@@ -20,8 +20,8 @@ that stream the body to streamdata tell the first byte (S3's presigned and LITE-
 
 - at a short round trip a part arrives in milliseconds and the product stays far below the
   budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);
-- at a long one (100 ms one-way: 64 MiB held the two-worker pass at 0.8 of the rate 128 MiB
-  gave, benchmarks/README.md "Byte budget growth") the budget grows within the first shards;
+- at a long one (another region: benchmarks/README.md, "Latency", where a fixed budget held
+  the pass below the grown one's rate) the budget grows within the first shards;
 - a reader that is slower than the network never stalls, so its budget never grows;
 - a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S`` or
   more (a round trip of 100 ms or more: another region or continent), the budget takes one

@@ -86,7 +86,7 @@ def cache_key(url: str, ranges: Sequence[Range], size: int | None, etag: str | N
     return hashlib.sha256(material.encode("utf-8", "surrogateescape")).hexdigest()[:40]
 
 
-def _segments(data: Sequence[bytes]) -> list[tuple[int, int]]:
+def _segments(data: Sequence[bytes | memoryview]) -> list[tuple[int, int]]:
     """``(length, crc)`` of consecutive pieces of at most ``SEGMENT`` bytes of ``data``'s chunks."""
     out: list[tuple[int, int]] = []
     n = crc = 0
@@ -322,6 +322,7 @@ class Writer:
         publish once every byte is written. An ``OSError`` aborts the entry (``Cache.fail``)."""
         if self._fd is None:
             return
+        chunks: Sequence[bytes | memoryview]
         chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
         try:
             pos = offset

@@ -26,7 +26,7 @@ import collections
 import concurrent.futures
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from streamdata.config import FetchConfig
 from streamdata.errors import StreamDataError
@@ -189,9 +189,12 @@ class Prefetcher:
     def _wait_timeout(self) -> float:
         return self.config.wait_limit()  # past the part's retry_deadline: never before it
 
-    def _take_plan(self, index: int) -> _Plan | Entry:
-        """Wait for item ``index``'s plan and drop the prefetcher's reference to it, so
-        that consumed parts are freed as soon as the reader lets go of them."""
+    # ---- what an ItemReader asks of its prefetcher (the reader's thread) ---------------
+
+    def take_plan(self, index: int) -> _Plan | Entry:
+        """Wait for item ``index``'s plan (its parts, or its cache entry) and drop the
+        prefetcher's reference to it, so that consumed parts are freed as soon as the reader
+        lets go of them."""
         self._io.call_soon(self._advance, index)
         url = self.items[index].url
         plan = wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
@@ -199,8 +202,29 @@ class Prefetcher:
         self._plans[index] = _DONE
         return plan
 
-    def _release_soon(self, nbytes: int) -> None:
+    def wait(self, fut: concurrent.futures.Future, what: str, url: str) -> Any:
+        """A part's result, waited for within the fetch's time limit; raises if the prefetcher
+        can no longer deliver (closed, or its scheduler failed)."""
+        return wait_future(fut, self._wait_timeout(), what=what, url=url, check=self._check)
+
+    def stalled(self, latency: float) -> None:
+        """The reader waited for a part that took ``latency`` seconds (BUDGET-GROWTH)."""
+        self._io.call_soon(self._budget_event, self.budget.stalled, latency)
+
+    def release_soon(self, nbytes: int) -> None:
+        """The reader is done with ``nbytes`` of the budget (BYTE-BUDGET); any thread."""
         self._io.call_soon(self._release, nbytes)
+
+    def get_now(self, url: str, start: int, end: int | None) -> bytes | Chunks:
+        """Bytes ``[start, end)`` of ``url`` in one request, outside the window and the budget
+        (what a bad cache entry left, CACHE-VERIFY)."""
+        return self.wait(self._io.submit(self.client.get(url, start, end, chunks=True)),
+                         f"bytes {start}..{end}", url)
+
+    def count_cache(self, reason: str) -> None:
+        """Count a cache event (``cache.<reason>``) from the reader's thread."""
+        if self.cache is not None:
+            self._io.call_soon(self.cache.count, reason)
 
     # ---- loop side --------------------------------------------------------------------
 
@@ -365,7 +389,7 @@ class ItemReader:
         f = self._fetcher
         pending: collections.deque = collections.deque()
         try:
-            plan = f._take_plan(self.index)
+            plan = f.take_plan(self.index)
             if isinstance(plan, Entry):
                 yield from self._from_cache(plan)
                 return
@@ -373,10 +397,9 @@ class ItemReader:
             while pending:
                 (start, end), fut = pending[0]
                 stalled = not fut.done()
-                data = wait_future(fut, f._wait_timeout(), what=f"bytes {start}..{end}",
-                                   url=self.url, check=f._check)
+                data = f.wait(fut, f"bytes {start}..{end}", self.url)
                 if stalled and hasattr(fut, "latency"):  # BUDGET-GROWTH
-                    f._io.call_soon(f._budget_event, f.budget.stalled, fut.latency)
+                    f.stalled(fut.latency)
                 pending.popleft()
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one
@@ -392,11 +415,11 @@ class ItemReader:
                         freed += len(piece)
                         del piece
                         if freed >= _RELEASE_STEP:
-                            f._release_soon(freed)
+                            f.release_soon(freed)
                             held, freed = held - freed, 0
                 finally:
                     if held:
-                        f._release_soon(held)
+                        f.release_soon(held)
         except StreamDataError as exc:
             if f.where and not exc.where:
                 exc.where = f.where
@@ -404,7 +427,7 @@ class ItemReader:
         finally:
             for (start, end), fut in pending:  # abandoned mid-item: free the budget as parts land
                 need = (end if end is not None else start + f.config.part_size) - start
-                fut.add_done_callback(lambda fu, n=need: f._release_soon(
+                fut.add_done_callback(lambda fu, n=need: f.release_soon(
                     n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
 
     def _from_cache(self, entry: Entry) -> Iterator[bytes]:
@@ -418,7 +441,7 @@ class ItemReader:
                     done += len(block)
             except (CorruptEntry, OSError) as exc:
                 entry.discard()
-                f._io.call_soon(f.cache.count, "corrupt" if isinstance(exc, CorruptEntry) else "errors")
+                f.count_cache("corrupt" if isinstance(exc, CorruptEntry) else "errors")
                 yield from self._fetch_rest(entry.ranges, done)
         finally:
             entry.close()
@@ -427,14 +450,12 @@ class ItemReader:
         """The item's bytes after its first ``skip``, fetched part by part, one at a time."""
         f = self._fetcher
         for start, end in ranges:
-            length = end - start
-            if skip >= length:
-                skip -= length
+            if end is not None and skip >= end - start:
+                skip -= end - start
                 continue
             for s, e in split_parts(((start + skip, end),), f.config.part_size):
-                data = wait_future(f._io.submit(f.client.get(self.url, s, e, chunks=True)),
-                                   f._wait_timeout(), what=f"bytes {s}..{e}", url=self.url, check=f._check)
-                yield from (data if type(data) is Chunks else (data,))
+                data = f.get_now(self.url, s, e)
+                yield from (data if isinstance(data, Chunks) else (data,))
             skip = 0
 
     def read(self) -> bytes:

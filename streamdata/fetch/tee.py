@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from streamdata._compat import executor_threads
 from streamdata.fetch.cache import Cache, Entry, Writer, cache_key
 from streamdata.store.client import Chunks
 from streamdata.store.loop import wait_threads_gone
@@ -98,7 +99,7 @@ class CacheTee:
     def close(self) -> None:
         """After the loop has stopped: write the parts queued (a pass that ends publishes its
         last items), join the disk thread, drop the entries left unfinished."""
-        threads = list(getattr(self._disk, "_threads", ()))
+        threads = executor_threads(self._disk)
         self._disk.shutdown(wait=True)
         wait_threads_gone(threads)
         for writer in self._writers.values():

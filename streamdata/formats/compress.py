@@ -10,10 +10,11 @@ named ``.tar`` that is gzip is read, and a ``.tgz`` that is a plain tar too; the
 names what a stream too short to tell was meant to be. gzip streams may have several members
 (``cat a.gz b.gz``, pigz, bgzip) and zstd several frames (and skippable frames).
 
-gzip is inflated with ISA-L (``isal.isal_zlib``, 1.8-2.1x the standard library's zlib here:
-benchmarks/README.md), zstd with ``zstandard``'s bounded stream reader; a zstd stream is also
-walked frame by frame and block by block (headers only), because the reader takes an input
-that stops mid-frame as a clean end: a truncated ``.tar.zst`` is an error, not a short shard.
+gzip is inflated with ISA-L (``isal.isal_zlib``, faster than the standard library's zlib:
+benchmarks/README.md, "Compressed shards and the shard writer"), zstd with ``zstandard``'s
+bounded stream reader; a zstd stream is also walked frame by frame and block by block (headers
+only), because the reader takes an input that stops mid-frame as a clean end: a truncated
+``.tar.zst`` is an error, not a short shard.
 
 Corrupt or truncated compressed data raises :class:`FormatError` naming the URL, the compressed
 byte offset and what to do; trailing bytes after the last member/frame too (zero padding after a
@@ -22,6 +23,7 @@ gzip member is accepted, as ``gzip`` does).
 
 from __future__ import annotations
 
+import types
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -37,10 +39,12 @@ OUT_CHUNK = 1 << 20  # most decompressed bytes produced per step
 _ZSTD_READ = 1 << 17  # compressed bytes the zstd reader takes per refill
 _IN_STEP = 1 << 18  # compressed bytes handed to the inflater per call (its unconsumed tail is a copy)
 
-try:  # ISA-L: 1.8-2.1x zlib's inflate rate here (benchmarks/compressed.py)
+_inflate_lib: types.ModuleType
+_INFLATE_ERRORS: tuple[type[BaseException], ...]
+try:  # ISA-L inflates faster than zlib (benchmarks/compressed.py)
     from isal import isal_zlib as _inflate_lib
 
-    _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, _inflate_lib.error)
+    _INFLATE_ERRORS = (zlib.error, _inflate_lib.error)
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
     _inflate_lib = zlib
     _INFLATE_ERRORS = (zlib.error,)
@@ -144,8 +148,8 @@ def _unzstd(chunks: Iterator[bytes], url: str) -> Iterator[bytes]:
     import zstandard
 
     source = _WalkedSource(chunks, url)
-    reader = zstandard.ZstdDecompressor().stream_reader(source, read_size=_ZSTD_READ,
-                                                         read_across_frames=True)
+    reader = zstandard.ZstdDecompressor().stream_reader(  # a read()-able source, typed as IO[bytes]
+        source, read_size=_ZSTD_READ, read_across_frames=True)  # type: ignore[arg-type]
     try:
         while True:  # each turn produces output or ends (the reader consumes input to produce)
             out = reader.read(OUT_CHUNK)

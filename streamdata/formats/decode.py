@@ -72,7 +72,8 @@ def fast_npy(key: str, data: bytes) -> Any:
     return flat.reshape(shape[::-1]).T.copy() if fortran else flat.reshape(shape).copy()
 
 
-_BASIC = {"cls": int, "cls2": int, "index": int, "inx": int, "id": int,
+_BASIC: dict[str, Callable[[bytes], Any]] = {
+    "cls": int, "cls2": int, "index": int, "inx": int, "id": int,
           "txt": lambda d: d.decode("utf-8"), "text": lambda d: d.decode("utf-8")}
 
 

@@ -267,7 +267,8 @@ def _walk(stream: _Stream, url: str, total: int | None, accept_unterminated: boo
             continue
         if long_name is not None:
             name, long_name = long_name, None
-        size = _pax_size(pax, url, at) if "size" in pax else size
+        pax_size = _pax_size(pax, url, at)
+        size = size if pax_size is None else pax_size
         name = pax.get("path", name)
         pax = {}
         member_start, start = start, None

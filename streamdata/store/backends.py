@@ -20,12 +20,15 @@ from streamdata.config import env_snapshot
 from streamdata.errors import (
     AccessDeniedError,
     BackendMissingError,
+    CertificateError,
     FetchTimeoutError,
     ShardFetchError,
     ShardNotFoundError,
     SpecError,
     StreamDataError,
+    TransportError,
 )
+from streamdata.store.session import transport_error
 
 __all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
            "lite_path", "lite_s3", "signer_key", "translate_error", "warm_imports"]
@@ -283,9 +286,12 @@ def _s3_session() -> Any:
 
 
 def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:
-    """Map a backend exception to ours, naming the URL and what to check."""
-    if isinstance(exc, StreamDataError):
+    """Map a backend exception to ours, naming the URL and what to check. A transport failure
+    (``TransportError``, raised against a presigned or redirected URL) becomes the error of
+    ``url``: ``FetchTimeoutError`` for a timeout, else ``ShardFetchError``, caused by it."""
+    if isinstance(exc, StreamDataError) and not isinstance(exc, TransportError):
         return exc
+    exc = transport_error(exc, url)  # a socket's or aiohttp's failure, typed (TYPED-TRANSPORT-ERRORS)
     name = type(exc).__name__
     text = str(exc)
     status = getattr(exc, "code", None) or getattr(exc, "status", None)  # gcsfs, aiohttp
@@ -301,6 +307,9 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
             f"cannot {action} {url}: access denied. Check credentials (storage_options key/secret "
             f"or token, AWS_PROFILE / AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS) and the "
             f"bucket policy ({name}: {text})", url=url)
+    elif isinstance(exc, CertificateError):
+        err = ShardFetchError(f"cannot {action} {url}: the server's TLS certificate failed verification; "
+                              f"trust its CA (SSL_CERT_FILE) or fix the endpoint ({name}: {text})", url=url)
     elif isinstance(exc, TimeoutError) or any("Timeout" in c.__name__ for c in type(exc).__mro__):
         err = FetchTimeoutError(f"cannot {action} {url}: no answer within the timeout ({name}"
                                 f"{': ' + text if text else ''}); check the endpoint and the network",
@@ -312,7 +321,10 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
 
 
 def _transient(err: StreamDataError) -> bool:
-    """Worth another try: a timeout or a failed request, not a missing object or refused access."""
+    """Worth another try: a timeout or a failed request, not a missing object, refused access
+    or an untrusted certificate."""
+    if isinstance(err.__cause__, CertificateError):
+        return False
     return isinstance(err, FetchTimeoutError) or (
         isinstance(err, ShardFetchError) and not isinstance(err, (ShardNotFoundError, AccessDeniedError)))
 

@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamdata._compat import aiohttp_forget, aiohttp_no_hidden_retry, aiohttp_session_of, executor_threads
 from streamdata._fork import at_fork_in_child
 from streamdata.config import FetchConfig, lite_http
-from streamdata.errors import ShardFetchError
+from streamdata.errors import ShortReadError
 from streamdata.metrics import Counters
 from streamdata.store.backends import (
     close_sessions,
@@ -30,7 +31,7 @@ from streamdata.store.backends import (
     translate_error,
 )
 from streamdata.store.loop import LoopThread, wait_threads_gone
-from streamdata.store.presigned import Body, PresignedS3, forget_session, http_probe, no_hidden_retry
+from streamdata.store.presigned import Body, PresignedS3, http_probe
 from streamdata.store.retry import Throttle, backoff_s, classify, retry_after
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
@@ -94,8 +95,10 @@ def _forget_inherited() -> None:
     for client in list(_live_clients):
         if client._presigned is not None:
             client._presigned.forget()
-        forget_session(getattr(client._fs, "_session", None))
-        forget_session(getattr(client._fallback_fs, "_session", None))
+        for fs in (client._fs, client._fallback_fs):
+            session = aiohttp_session_of(fs)
+            if session is not None:
+                aiohttp_forget(session)
     _live_clients.clear()
 
 
@@ -182,7 +185,9 @@ class AsyncClient:
             setter = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
             if setter is not None:
                 await setter()
-            no_hidden_retry(getattr(fs, "_session", None))  # HTTP's and gcsfs's aiohttp session
+            session = aiohttp_session_of(fs)  # HTTP's and gcsfs's
+            if session is not None:
+                aiohttp_no_hidden_retry(session)
         elif not is_async:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
@@ -209,7 +214,7 @@ class AsyncClient:
         """Cancel requests, close connections, join the loop thread and the file-I/O pool."""
         self.io.close(cleanup=self._close_fs, timeout=5.0)
         if self._executor is not None:
-            threads = list(getattr(self._executor, "_threads", ()))
+            threads = executor_threads(self._executor)
             self._executor.shutdown(wait=True, cancel_futures=True)
             wait_threads_gone(threads)
             self._executor = None
@@ -265,9 +270,8 @@ class AsyncClient:
         if key is None:
             return
         await self._open()
-        session = getattr(self._presigned, "session", None)
-        if hasattr(session, "connect_ahead"):
-            session.connect_ahead(key, count)
+        if self._presigned is not None:
+            self._presigned.session.connect_ahead(key, count)
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False, first_byte: list[float] | None = None) -> bytes | Chunks:
@@ -312,7 +316,7 @@ class AsyncClient:
                     data = b"".join(body.chunks) + data
                 size = len(data)
             if end is not None and size != end - start:
-                raise ShardFetchError(
+                raise ShortReadError(
                     f"short read of {url}: {size} of {end - start} bytes at offset "
                     f"{start}; the object is shorter than listed or changed", url=url)
             if self._presigned is None:
@@ -359,7 +363,7 @@ class AsyncClient:
             finally:
                 self.throttle.release(sent, outcome)
             spent = loop.time() - first - queued
-            shorts += isinstance(last, ShardFetchError)  # complete, but shorter than asked
+            shorts += isinstance(last, ShortReadError)  # complete, but shorter than asked
             if reason is None or shorts > _SHORT_RETRIES or spent >= cfg.retry_deadline or (
                     cfg.retries is not None and attempt >= cfg.retries):
                 err = translate_error(last, url)

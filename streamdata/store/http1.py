@@ -7,13 +7,17 @@ delivered, uncopied. Importing aiohttp cost 0.3 s of CPU in the process that bui
 on a 2-core machine (benchmarks/README.md, "Start-up"); this module needs only the standard
 library, which torch has imported already.
 
-Rules, each a test in tests/test_h1.py:
+``Pool`` is a ``session.Session`` (the one GET contract); its ``Response`` streams the body
+through the connection it came on (``_Conn``) and gives the connection back to the pool when
+released. Rules, each a test in tests/store/test_h1.py:
 
 - every wait is bounded: connecting, and each wait for the next bytes of an answer, by
-  ``timeout`` (``TimeoutError``); the caller bounds the whole request too (``client``);
-- a bad answer (status line, a head over ``MAX_HEAD`` bytes or ``MAX_HEADERS`` lines, a bad
-  chunk, an unknown transfer coding) is ``ProtocolError``, a connection that ends before the
-  body does ``IncompleteRead`` (both ``ConnectionError``: ``retry.classify`` retries them);
+  ``timeout`` (``TransportTimeoutError``); the caller bounds the whole request too (``client``);
+- failures are typed as aiohttp's are (TYPED-TRANSPORT-ERRORS, ``session``): a bad answer
+  (status line, a head over ``MAX_HEAD`` bytes or ``MAX_HEADERS`` lines, a bad chunk, an
+  unknown transfer coding) is ``BadResponseError``, a connection that ends cleanly before the
+  body does ``ShortBodyError``, one reset or closed before the head ``ConnectionLostError``,
+  a refused connect ``ConnectRefusedError``, an untrusted certificate ``CertificateError``;
 - a connection is reused only after its answer was read to the end, with nothing extra, from a
   server that keeps it alive; one that failed, was cut or left half read is closed;
 - nothing is ever re-sent here: retries are the caller's (by deadline, counted); a redirect
@@ -30,23 +34,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import re
 import urllib.parse
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from streamdata.store.handover import claim, waiting
-from streamdata.store.http1_response import (
-    MAX_HEAD,
-    MAX_HEADERS,
-    Disconnected,
-    Headers,
-    IncompleteRead,
-    ProtocolError,
-    Response,
+from streamdata.errors import (
+    BadResponseError,
+    ConnectionLostError,
+    ShortBodyError,
+    TransportError,
+    TransportTimeoutError,
 )
+from streamdata.store.handover import claim, waiting
+from streamdata.store.session import transport_error
 
-__all__ = ["Disconnected", "IncompleteRead", "Pool", "ProtocolError", "Response", "default_ssl_context"]
+__all__ = ["MAX_HEAD", "MAX_HEADERS", "Headers", "Pool", "Response", "default_ssl_context"]
 
+MAX_HEAD = 64 * 1024  # bytes of status line and headers
+MAX_HEADERS = 128  # header lines
+MAX_LINE = 8 * 1024  # a chunk-size line
 MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _HIGH_WATER = 1 << 20  # bytes buffered per connection before reading pauses
@@ -66,11 +74,17 @@ def default_ssl_context() -> Any:
     return _SSL
 
 
+def _settle(waiter: asyncio.Future, value: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(value)
+
+
 class _Conn(asyncio.Protocol):
     """One connection: the bytes received, as the ``bytes`` objects the transport handed over."""
 
     def __init__(self, key: tuple[str, str, int], timeout: float) -> None:
         self.key, self.timeout = key, timeout
+        self.origin = f"{key[0]}://{key[1]}:{key[2]}"
         self.transport: Any = None
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
@@ -117,11 +131,11 @@ class _Conn(asyncio.Protocol):
     async def _more(self) -> None:
         loop = asyncio.get_running_loop()
         self.waiter = waiter = loop.create_future()
-        timer = loop.call_later(self.timeout, lambda: waiter.done() or waiter.set_result(False))
+        timer = loop.call_later(self.timeout, _settle, waiter, False)
         try:
             if not await waiter:
-                host = self.key[1]
-                raise TimeoutError(f"no data from {host}:{self.key[2]} for {self.timeout:g} s")
+                raise TransportTimeoutError(f"no data from {self.origin} for {self.timeout:g} s",
+                                            url=self.origin)
         finally:
             timer.cancel()
             self.waiter = None
@@ -131,7 +145,7 @@ class _Conn(asyncio.Protocol):
         while not self.chunks:
             if self.eof:
                 if self.error is not None:  # a reset, or a TLS failure
-                    raise self.error
+                    raise transport_error(self.error, self.origin) from self.error
                 return b""
             await self._more()
         piece = self.chunks.popleft()
@@ -150,15 +164,15 @@ class _Conn(asyncio.Protocol):
             self.buffered += len(data)
 
     async def read_until(self, sep: bytes, limit: int, what: str) -> bytes:
-        """The bytes before ``sep`` (consumed); ``ProtocolError`` past ``limit`` bytes."""
+        """The bytes before ``sep`` (consumed); ``BadResponseError`` past ``limit`` bytes."""
         buf = bytearray()
         while True:
             piece = await self.read_some(1 << 30)
             if not piece:
                 if what == "response head":
-                    raise Disconnected(f"{self.key[1]} closed the connection before a complete "
-                                       f"response head ({len(buf)} bytes of it)")
-                raise IncompleteRead(f"{self.key[1]} closed the connection in a {what}")
+                    raise ConnectionLostError(f"{self.key[1]} closed the connection before a complete "
+                                              f"response head ({len(buf)} bytes of it)", url=self.origin)
+                raise ShortBodyError(f"{self.key[1]} closed the connection in a {what}", url=self.origin)
             if not buf:  # usually the whole head is in the first piece: one copy, of the rest
                 at = piece.find(sep)
                 if 0 <= at <= limit:
@@ -168,28 +182,29 @@ class _Conn(asyncio.Protocol):
             buf += piece
             at = buf.find(sep, start)
             if at > limit or (at < 0 and len(buf) > limit):
-                raise ProtocolError(f"{what} from {self.key[1]} is over {limit} bytes")
+                raise BadResponseError(f"{what} from {self.key[1]} is over {limit} bytes", url=self.origin)
             if at >= 0:
                 self.unread(bytes(buf[at + len(sep):]))
                 return bytes(buf[:at])
 
 
 class _Get:
-    def __init__(self, pool: Pool, url: str, headers: dict[str, str] | None) -> None:
-        self.pool, self.url, self.headers = pool, url, headers
+    def __init__(self, pool: Pool, url: str, headers: Mapping[str, str] | None,
+                 timeout: float | None) -> None:
+        self.pool, self.url, self.headers, self.timeout = pool, url, headers, timeout
         self.resp: Response | None = None
 
     async def __aenter__(self) -> Response:
         url = self.url
         for hop in range(MAX_REDIRECTS + 1):  # followed as aiohttp did: a new GET, not a re-send
-            resp = await self.pool._send(url, self.headers or {})
+            resp = await self.pool._send(url, self.headers or {}, self.timeout)
             location = resp.headers.get("location")
             if resp.status not in _REDIRECTS or not location or hop == MAX_REDIRECTS:
                 self.resp = resp
                 return resp
             try:
                 seen = 0
-                async for piece in resp.iter_chunks():  # a redirect's small body, read to reuse
+                async for piece in resp.chunks():  # a redirect's small body, read to reuse
                     seen += len(piece)
                     if seen > MAX_HEAD:
                         break
@@ -204,7 +219,8 @@ class _Get:
 
 
 class Pool:
-    """Keep-alive connections for one event loop: at most ``limit`` in use at once."""
+    """Keep-alive connections for one event loop: at most ``limit`` in use at once. A
+    ``session.Session``."""
 
     def __init__(self, limit: int, timeout: float, ssl_context: Any = None) -> None:
         self.limit, self.timeout, self._ssl = limit, timeout, ssl_context
@@ -218,16 +234,17 @@ class Pool:
         self._opening: dict[tuple[str, str, int], int] = {}  # connections requests are opening now
         self.ahead_failed = 0  # connections opened ahead that failed (a request opens its own)
 
-    def get(self, url: str, headers: dict[str, str] | None = None) -> _Get:
-        """``async with pool.get(url, headers) as resp``: one GET, never re-sent."""
-        return _Get(self, url, headers)
+    def get(self, url: str, headers: Mapping[str, str] | None = None, timeout: float | None = None) -> _Get:
+        """``async with pool.get(url, headers, timeout) as resp``: one GET, never re-sent;
+        ``timeout`` bounds each wait for bytes of its answer (the pool's if ``None``)."""
+        return _Get(self, url, headers, timeout)
 
-    async def _send(self, url: str, headers: dict[str, str]) -> Response:
+    async def _send(self, url: str, headers: Mapping[str, str], timeout: float | None = None) -> Response:
         if self.closed:
-            raise ConnectionError("the HTTP connection pool is closed")
+            raise TransportError("the HTTP connection pool is closed", url=url)
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ProtocolError(f"not an http(s) URL: {parts.scheme}://{parts.hostname}")
+            raise BadResponseError(f"not an http(s) URL: {parts.scheme}://{parts.hostname}", url=url)
         key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         host = parts.netloc.rpartition("@")[2]
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -239,7 +256,8 @@ class Pool:
             async with asyncio.timeout(self.timeout):
                 await self._slots.acquire()
         except TimeoutError:
-            raise TimeoutError(f"no free connection to {key[1]} within {self.timeout:g} s") from None
+            raise TransportTimeoutError(f"no free connection to {key[1]} within {self.timeout:g} s",
+                                        url=url) from None
         conn = None
         try:
             conn = self._reuse(key)
@@ -252,6 +270,7 @@ class Pool:
                 finally:
                     self._opening[key] -= 1
             self._busy.add(conn)
+            conn.timeout = self.timeout if timeout is None else timeout
             conn.transport.write("\r\n".join(lines).encode("latin-1"))
             return await self._response(conn)
         except BaseException:
@@ -285,7 +304,7 @@ class Pool:
         for _ in range(min(count, self.limit) - have):
             task = asyncio.ensure_future(self._connect(key, handed=False))
             pending.append(task)
-            task.add_done_callback(lambda t, key=key: self._ahead_done(key, t))
+            task.add_done_callback(functools.partial(self._ahead_done, key))
 
     def _ahead_done(self, key: tuple[str, str, int], task: asyncio.Task) -> None:
         pending = self._ahead.get(key, [])
@@ -312,12 +331,12 @@ class Pool:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if task.cancelled() and not (current is not None and current.cancelling()):
-                raise ConnectionError("the HTTP connection pool is closed") from None  # not this request
+                raise TransportError("the HTTP connection pool is closed") from None  # not this request
             pending.append(task)  # pooled (or closed) by _ahead_done, never lost
             if task.done():
                 self._ahead_done(key, task)
             raise
-        except OSError:  # TimeoutError and ssl's errors among them
+        except OSError:  # TransportError, for any failure to connect
             self.ahead_failed += 1
             return None
         if conn.usable:
@@ -332,12 +351,16 @@ class Pool:
         # WARM-HANDOVER: the constructor's idle one (not for CONNECT-AHEAD: a request takes it)
         sock = claim(key) if tls is None and handed else None
         where = {"sock": sock} if sock is not None else {"host": hostname, "port": port}
+        origin = f"{scheme}://{hostname}:{port}"
         try:
             async with asyncio.timeout(self.timeout):
                 _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), **where,
                                                        ssl=tls, server_hostname=hostname if tls else None)
         except TimeoutError:
-            raise TimeoutError(f"connecting to {hostname}:{port} took over {self.timeout:g} s") from None
+            raise TransportTimeoutError(f"connecting to {origin} took over {self.timeout:g} s",
+                                        url=origin) from None
+        except OSError as exc:  # refused, unreachable, a name not resolved, a TLS handshake
+            raise transport_error(exc, origin) from exc
         if sock is not None:
             self.adopted += 1
         else:
@@ -351,19 +374,19 @@ class Pool:
             lines = head.split(b"\r\n")
             match = _STATUS.fullmatch(lines[0])
             if match is None:
-                raise ProtocolError(f"bad status line {lines[0][:60]!r} from {host}")
+                raise BadResponseError(f"bad status line {lines[0][:60]!r} from {host}", url=conn.origin)
             if len(lines) > MAX_HEADERS + 1:
-                raise ProtocolError(f"{host} sent over {MAX_HEADERS} header lines")
+                raise BadResponseError(f"{host} sent over {MAX_HEADERS} header lines", url=conn.origin)
             status = int(match.group(2))
             if status >= 200:
                 break
         else:
-            raise ProtocolError(f"{host} sent only interim (1xx) answers")
+            raise BadResponseError(f"{host} sent only interim (1xx) answers", url=conn.origin)
         headers = Headers()
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name != name.strip() or name[:1] in b" \t":
-                raise ProtocolError(f"bad header line {line[:60]!r} from {host}")
+                raise BadResponseError(f"bad header line {line[:60]!r} from {host}", url=conn.origin)
             name_s, value_s = name.decode("latin-1").lower(), value.strip().decode("latin-1")
             headers[name_s] = f"{headers[name_s]}, {value_s}" if name_s in headers else value_s
         tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
@@ -374,11 +397,12 @@ class Pool:
             length = 0
         elif coding is not None:
             if coding.strip().lower() != "chunked":
-                raise ProtocolError(f"{host} sent a body in transfer coding {coding!r}; only chunked is read")
+                raise BadResponseError(f"{host} sent a body in transfer coding {coding!r}; only chunked "
+                                       "is read", url=conn.origin)
         elif "content-length" in headers:
             text = headers["content-length"].strip()
             if not text.isdigit():  # also two different values joined by ", "
-                raise ProtocolError(f"bad Content-Length {text[:40]!r} from {host}")
+                raise BadResponseError(f"bad Content-Length {text[:40]!r} from {host}", url=conn.origin)
             length = int(text)
         else:
             keep_alive = False  # the body ends when the server closes the connection
@@ -416,3 +440,83 @@ class Pool:
         _ABANDONED.extend(self._busy)
         _ABANDONED.extend(t for pending in self._ahead.values() for t in pending)
         self._idle, self._busy, self._ahead, self._opening = {}, set(), {}, {}
+
+
+class Headers(dict):
+    """Response headers by lower-case name; ``get`` takes any case."""
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict.get(self, name.lower(), default)
+
+
+class Response:
+    """A response's status and headers; its body streams from ``chunks`` (or ``read``) through
+    the connection it came on, which goes back to ``pool`` when released."""
+
+    def __init__(self, pool: Pool, conn: _Conn, status: int, headers: Headers, length: int | None,
+                 chunked: bool, keep_alive: bool) -> None:
+        self.pool, self.conn, self.status, self.headers = pool, conn, status, headers
+        self.length, self.chunked, self.keep_alive = length, chunked, keep_alive
+        self.done = length == 0  # the body was read to its end
+        self._released = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes in the pieces they arrived in (split only at the body's end)."""
+        conn, host = self.conn, self.conn.key[1]
+        if self.chunked:
+            while True:
+                line = await conn.read_until(b"\r\n", MAX_LINE, "chunk size line")
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise BadResponseError(f"bad chunk size line {line[:40]!r} from {host}",
+                                           url=conn.origin) from None
+                if size == 0:
+                    if await self._trailer():
+                        await conn.read_until(b"\r\n\r\n", MAX_HEAD, "trailer")
+                    break
+                while size:
+                    piece = await conn.read_some(size)
+                    if not piece:
+                        raise ShortBodyError(f"{host} ended a chunked body mid-chunk", url=conn.origin)
+                    size -= len(piece)
+                    yield piece
+                if await conn.read_until(b"\r\n", 2, "chunk end") != b"":
+                    raise BadResponseError(f"a chunk from {host} does not end with CRLF", url=conn.origin)
+        elif self.length is not None:
+            left = self.length
+            while left:
+                piece = await conn.read_some(left)
+                if not piece:
+                    raise ShortBodyError(f"{host} ended the body after {self.length - left} of "
+                                         f"{self.length} bytes (Content-Length)", url=conn.origin)
+                left -= len(piece)
+                yield piece
+        else:  # the body ends with the connection
+            while piece := await conn.read_some(1 << 30):
+                yield piece
+        self.done = True
+
+    async def _trailer(self) -> bool:
+        """After the last chunk: True if trailer fields follow (then read to the blank line)."""
+        first = await self.conn.read_some(2)
+        if len(first) == 1:
+            first += await self.conn.read_some(1)
+        if first == b"\r\n":
+            return False
+        self.conn.unread(first)
+        return True
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.chunks()])
+
+    def release(self, failed: bool = False) -> None:
+        """Give the connection back: to the pool if the answer was read whole and it may be
+        reused, else closed."""
+        if self._released:
+            return
+        self._released = True
+        reuse = self.done and self.keep_alive and not failed
+        if reuse:
+            self.conn.answers += 1
+        self.pool._release(self.conn, reuse)

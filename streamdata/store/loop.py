@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from streamdata._compat import default_executor, executor_threads
 from streamdata._fork import at_fork_in_child, install
 from streamdata.errors import FetchTimeoutError, StreamDataError
 
@@ -117,8 +118,7 @@ class LoopThread:
                     await asyncio.wait_for(cleanup(), timeout)
                 except Exception:  # closing is best effort; the loop is going away anyway
                     pass
-            executor = getattr(self.loop, "_default_executor", None)  # aiobotocore uses it
-            helpers.extend(getattr(executor, "_threads", ()))
+            helpers.extend(executor_threads(default_executor(self.loop)))  # aiobotocore uses it
             await self.loop.shutdown_default_executor()
 
         try:

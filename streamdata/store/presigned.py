@@ -1,5 +1,5 @@
-"""S3 GETs as presigned URLs (on LITE-HTTP's pool, ``h1``, or a plain aiohttp session), and
-HTTP size probes.
+"""S3 GETs as presigned URLs, and HTTP size probes, on a ``session.Session`` (LITE-HTTP's
+pool, ``http1``, or aiohttp's, adapted).
 
 What one ranged GET has received is kept in a ``Body`` across its tries (RESUME, see
 ``client.AsyncClient.get``); a size probe's answer carries the object's size in its
@@ -14,8 +14,9 @@ import time
 from typing import Any
 
 from streamdata.store.retry import parse_retry_after
+from streamdata.store.session import AiohttpSession, Session
 
-__all__ = ["Body", "PresignedS3", "content_total", "forget_session", "http_probe", "no_hidden_retry"]
+__all__ = ["Body", "PresignedS3", "content_total", "http_probe"]
 
 
 class Body:
@@ -49,9 +50,10 @@ class PresignedS3:
     filesystem's own botocore client (same credentials, endpoint and addressing), reused
     until half its lifetime has passed.
 
-    LITE-HTTP: with LITE-S3's signer (``lite``) the GETs go over ``h1.Pool`` (standard library
-    only: no aiohttp import, 0.3 s), unless ``config.lite_http()`` says otherwise; with a
-    botocore signer aiohttp is imported already (aiobotocore needs it) and is used.
+    LITE-HTTP: with LITE-S3's signer (``lite``) the GETs go over ``http1.Pool`` (standard
+    library only: no aiohttp import, 0.3 s), unless ``config.lite_http()`` says otherwise; with
+    a botocore signer aiohttp is imported already (aiobotocore needs it) and is used, through
+    ``session.AiohttpSession``. Either way the same contract, the same error types.
     """
 
     LIFETIME = 3600
@@ -64,15 +66,14 @@ class PresignedS3:
         self._make_fs = make_fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
         self.lite = lite  # signer is LITE-S3's (s3lite): a 404 or 416 is the object's, not the signature's
+        self.timeout = timeout
+        self.session: Session
         if lite and lite_http():
             from streamdata.store.http1 import Pool
 
-            self.session: Any = Pool(max_requests, timeout)
+            self.session = Pool(max_requests, timeout)
         else:
-            import aiohttp
-
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_requests))
-            no_hidden_retry(self.session)
+            self.session = AiohttpSession.new(max_requests)
         self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
@@ -117,12 +118,12 @@ class PresignedS3:
         for attempt in range(2):
             cached = path in self._urls
             url, inherited = await self._url(path)
-            async with self.session.get(url, headers=headers) as resp:
+            async with self.session.get(url, headers, self.timeout) as resp:
                 status = resp.status
                 total = content_total(resp.headers.get("Content-Range"))
                 wait = resp.headers.get("Retry-After")
                 if status == 206 or (status == 200 and not headers):
-                    async for piece in _pieces(resp):
+                    async for piece in resp.chunks():
                         body.keep(piece)
                     return total if status == 206 else body.size
                 data = await resp.read()
@@ -149,42 +150,25 @@ class PresignedS3:
         if status == 403:
             raise PermissionError(f"{path}: HTTP 403 {detail}")
         if status == 416:
-            raise OSError(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it is "
-                          "shorter than listed or changed")
-        err = OSError(f"{path}: HTTP {status} {detail}")
-        err.retry_after = parse_retry_after(wait)  # type: ignore[attr-defined]  (a 503's, a 429's)
-        raise err
+            raise _status_error(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it "
+                                "is shorter than listed or changed", status, None)
+        raise _status_error(f"{path}: HTTP {status} {detail}", status, wait)
 
     async def close(self) -> None:
         await self.session.close()
 
     def forget(self) -> None:
         """FORK-RESET in a child: drop the inherited connections without closing them."""
-        if hasattr(self.session, "forget"):
-            self.session.forget()
-        else:
-            forget_session(self.session)
+        self.session.forget()
 
 
-async def _pieces(resp: Any) -> Any:
-    """A response body's pieces as they arrived, from either client."""
-    if hasattr(resp, "content"):  # aiohttp
-        async for piece, _ in resp.content.iter_chunks():
-            yield piece
-    else:
-        async for piece in resp.iter_chunks():
-            yield piece
-
-
-def forget_session(session: Any) -> None:
-    """Drop an aiohttp session inherited through fork without touching its connections:
-    finalising it in the child closes the parent's keep-alive sockets under the parent
-    (seen: the parent's next request hung until its time-out)."""
-    connector = getattr(session, "_connector", None)
-    if connector is not None:
-        session._connector = None
-        connector._closed = True
-        connector._conns.clear()
+def _status_error(text: str, status: int, wait: str | None) -> OSError:
+    """An answer no 2xx: ``status`` and the wait its ``Retry-After`` asked for (a 503's, a
+    429's) as attributes, read by ``retry.classify`` and ``retry.retry_after``."""
+    err = OSError(text)
+    err.status = status  # type: ignore[attr-defined]
+    err.retry_after = parse_retry_after(wait)  # type: ignore[attr-defined]
+    return err
 
 
 _CONTENT_RANGE = re.compile(r"\s*bytes\s+(?:\d+-\d+|\*)/(\d+)\s*$")
@@ -198,25 +182,30 @@ def content_total(header: str | None) -> int | None:
 
 async def http_probe(fs: Any, url: str, head: int, body: Body) -> int | None:
     """One ranged GET of an HTTP object's first ``head`` bytes through the fsspec filesystem's
-    own session and request options: its bytes into ``body``, its size from ``Content-Range``
-    (or ``Content-Length`` where the server ignores ``Range``, without reading the body)."""
-    kw = dict(getattr(fs, "kwargs", {}) or {})
-    headers = dict(kw.pop("headers", None) or {})
+    own aiohttp session and request options (``kwargs``), adapted to the GET contract: its
+    bytes into ``body``, its size from ``Content-Range`` (or ``Content-Length`` where the
+    server ignores ``Range``, without reading the body)."""
+    options = dict(fs.kwargs or {})
+    headers = dict(options.pop("headers", None) or {})
     headers["Range"] = f"bytes=0-{head - 1}"
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(url), headers=headers, **kw) as resp:
+    session = AiohttpSession(await fs.set_session(), options, owned=False)
+    async with session.get(fs.encode_url(url), headers) as resp:
         total = content_total(resp.headers.get("Content-Range"))
         if resp.status == 206:
-            async for piece, _ in resp.content.iter_chunks():
+            async for piece in resp.chunks():
                 body.keep(piece)
             return total
         if resp.status == 416 and total is not None:  # an empty object
             return total
-        fs._raise_not_found_for_status(resp, url)  # FileNotFoundError, or aiohttp's status error
-        if resp.content_length is not None:  # 200: a server that ignores Range
-            resp.close()  # the body is not wanted: drop the connection rather than read it
-            return resp.content_length
-        async for piece, _ in resp.content.iter_chunks():
+        if resp.status == 404:
+            raise FileNotFoundError(url)
+        if resp.status >= 400:
+            raise _status_error(f"{url}: HTTP {resp.status}", resp.status, resp.headers.get("Retry-After"))
+        length = resp.headers.get("Content-Length")
+        if length is not None and length.strip().isdigit():  # 200: a server that ignores Range
+            resp.release(failed=True)  # the body is not wanted: drop the connection rather than read it
+            return int(length)
+        async for piece in resp.chunks():
             body.keep(piece)
         return body.size
 
@@ -226,12 +215,3 @@ def _not_the_signature(status: int, body: bytes) -> bool:
     the options' own, so a missing object, a range past its end or a refused access (S3's
     ``AccessDenied``, not ``SignatureDoesNotMatch``) is the object's answer."""
     return status in (404, 416) or (status == 403 and b"<Code>AccessDenied</Code>" in body)
-
-
-def no_hidden_retry(session: Any) -> None:
-    """aiohttp re-sends a GET at once, unseen, when a reused connection drops before the
-    answer; retries are ours (by deadline, throttled, counted). No public switch: the
-    attribute, where it exists."""
-    if hasattr(session, "_retry_connection"):
-        session._retry_connection = False
-

@@ -2,7 +2,9 @@
 
 ``classify`` tells a failure that another try can fix (and why: one of
 ``metrics.RETRY_REASONS``) from one it cannot (``None``: a missing object, refused
-credentials, a bad request); ``backoff_s`` is the sleep before a retry, at least what a
+credentials, a bad request, an untrusted certificate): a failure below HTTP by its type
+(``errors.TransportError``'s tree, TYPED-TRANSPORT-ERRORS in ``session``), an answer by its
+status and S3/GCS error code; ``backoff_s`` is the sleep before a retry, at least what a
 throttled answer's ``Retry-After`` asks (``retry_after``); ``Throttle`` is the reader's shared
 limit on concurrent requests.
 
@@ -27,7 +29,17 @@ import itertools
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+from streamdata.errors import (
+    CertificateError,
+    ShortBodyError,
+    ShortReadError,
+    StreamDataError,
+    TransportError,
+    TransportTimeoutError,
+)
+from streamdata.store.session import transport_error
 
 __all__ = ["Throttle", "backoff_s", "classify", "parse_retry_after", "retry_after"]
 
@@ -71,27 +83,34 @@ def _causes(exc: BaseException | None, depth: int = 3) -> Iterator[BaseException
 
 
 def classify(exc: BaseException) -> str | None:
-    """Why ``exc`` is worth another try (a ``RETRY_REASONS`` name), or ``None`` if it is not."""
-    from streamdata.errors import ShardFetchError, StreamDataError
+    """Why ``exc`` is worth another try (a ``RETRY_REASONS`` name), or ``None`` if it is not.
 
+    A failure below HTTP is judged by its type alone (an exception from a backend we do not
+    wrap, such as gcsfs or fsspec's HTTP, is typed first by ``session.transport_error``):
+    whatever its message says, a ``CertificateError`` is permanent, a ``ShortBodyError``
+    "short", a ``TransportTimeoutError`` "timeout", any other ``TransportError`` "connection".
+    An answer is judged by its status and the S3/GCS error code its body carries.
+    """
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
         # fsspec's HTTP info() calls any failure "not found": judge by what it was
         return classify(exc.__cause__)
+    exc = transport_error(exc)
+    if isinstance(exc, TransportError):
+        if isinstance(exc, CertificateError):
+            return None
+        if isinstance(exc, ShortBodyError):
+            return "short"
+        if isinstance(exc, TransportTimeoutError):
+            return "timeout"
+        return "connection"
     if isinstance(exc, (FileNotFoundError, PermissionError)) or "Credentials" in type(exc).__name__:
         return None
     if isinstance(exc, StreamDataError):
-        return "short" if isinstance(exc, ShardFetchError) and "short read" in exc.message else None
+        return "short" if isinstance(exc, ShortReadError) else None
     text = f"{type(exc).__name__} {exc}"
     status = _status(exc)
     if any(code in text for code in PERMANENT_CODES):  # the body says so, whatever the status
         return None
-    # before the status: aiohttp's payload errors carry a code of 400
-    if isinstance(exc, ConnectionResetError) or any(name in text for name in _RESET):
-        return "connection"
-    if any(name in text for name in _SHORT_BODY):
-        return "short"
-    if isinstance(exc, ConnectionError) or any(name in text for name in _CONNECTION_ERRORS):
-        return "connection"
     if status in (429, 503) or any(code in text for code in THROTTLE_CODES):
         return "throttled"
     if status in PERMANENT_STATUS:
@@ -101,14 +120,6 @@ def classify(exc: BaseException) -> str | None:
     if status is not None and status >= 500:
         return "server"
     return "other"
-
-
-# a connection reset (mid-body too); a body the server ended, cleanly, short of what it
-# promised (Content-Length, chunked encoding); other connection failures
-_RESET = ("ConnectionReset", "Connection reset")
-_SHORT_BODY = ("ContentLengthError", "TransferEncodingError", "IncompleteRead", "payload is not completed")
-_CONNECTION_ERRORS = ("ClientConnect", "ClientPayload", "ServerDisconnected", "ClientOSError",
-                      "ConnectionRefused", "Connection refused")
 
 
 def backoff_s(attempt: int, base: float, cap: float) -> float:
@@ -142,7 +153,7 @@ def retry_after(exc: BaseException | None) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
             return float(value)
         headers = getattr(err, "headers", None)
-        if headers is not None and hasattr(headers, "get"):
+        if isinstance(headers, Mapping):  # aiohttp's multidict is one
             found = parse_retry_after(headers.get("Retry-After"))
             if found is not None:
                 return found

@@ -52,9 +52,10 @@ def _keep_alive_handler(base: type) -> type:
     a chunked body keep the stock behaviour (closed after the response).
     """
 
-    class KeepAliveHandler(base):  # type: ignore[misc, valid-type]
+    class KeepAliveHandler(base):
         protocol_version = "HTTP/1.1"
         _keep_alive = False
+        rfile: Any  # set by the base handler per connection (annotated here: ``base`` is a plain type)
 
         def run_wsgi(self) -> None:
             length = (self.headers.get("Content-Length") or "0").strip()

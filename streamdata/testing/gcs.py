@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import shutil
@@ -22,6 +23,10 @@ from streamdata.testing._process import (
     _Subprocess,
     free_port,
 )
+
+
+def _ready(url: str) -> bool:
+    return _http_status(f"{url}/storage/v1/b") == 200
 
 
 def _fake_gcs_binary() -> str:
@@ -121,7 +126,7 @@ class GCSServer(_Subprocess):
                     "-backend", "memory", "-external-url", url, "-log-level", "warn"]
             process = _ServerProcess("gcs", argv)
             try:
-                process.wait_until(lambda url=url: _http_status(f"{url}/storage/v1/b") == 200)
+                process.wait_until(functools.partial(_ready, url))
             except ServerError:
                 exited = process.proc.poll() is not None
                 process.stop()

@@ -19,7 +19,7 @@ import os
 import string
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -33,7 +33,7 @@ __all__ = ["write_arrow", "write_parquet"]
 
 log = logging.getLogger("streamdata")
 
-TableLike = pa.Table | pa.RecordBatch | Mapping[str, Any] | Iterable[pa.Table | pa.RecordBatch]
+TableLike: TypeAlias = pa.Table | pa.RecordBatch | Mapping[str, Any] | Iterable[pa.Table | pa.RecordBatch]
 
 
 def _tables(data: TableLike) -> Iterator[pa.Table]:

@@ -12,9 +12,9 @@ a PUT, a completed multipart upload and a finalized resumable upload each publis
 at once (an unfinished one is invisible), so objects are uploaded to their final name
 (``publish="put"``). Elsewhere, and with ``publish="copy"`` anywhere, a file is uploaded to a
 temporary key next to it (``.<name>.<random>.tmp``, which no listing of shard suffixes picks
-up) and then copied into place and the temporary key deleted (on moto's S3 here, the copy cost
-as much as the upload: benchmarks/README.md); a local file is spooled next to its final name
-and renamed (atomic on one file system). A writer killed at any point leaves at most a
+up) and then copied into place and the temporary key deleted (what the copy costs:
+benchmarks/README.md, "Compressed shards and the shard writer"); a local file is spooled
+next to its final name and renamed (atomic on one file system). A writer killed at any point leaves at most a
 temporary key or spool file (and, on S3, an unfinished multipart upload, which a bucket
 lifecycle rule for incomplete multipart uploads removes), never a partial object under a
 final name.

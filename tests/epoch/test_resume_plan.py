@@ -141,3 +141,40 @@ def test_elastic_resume_plans_a_million_units_quickly_enough_to_be_pure():
                        batch_size=32)
     left = counts.sum() - sum(delivered)
     assert abs(span.samples - left / 72) <= 1
+
+
+def test_a_state_in_the_saved_format_loads_and_saves_unchanged():
+    """Positions are typed in memory (an int, a ``UnitPosition``) and plain JSON in a state: a
+    state saved before the types loads, and a pass saves it back in the same form."""
+    import json
+
+    from streamdata.epoch.resume import UnitPosition
+    from streamdata.epoch.state import Position, parse_state, stages_json
+
+    fp = "f" * 24
+    units = {"format": "streamdata-state", "version": 1, "fingerprint": fp, "epoch": 2, "split": "units",
+             "stages": [{"world": [2, 1], "delivered": [[1, 3], [0, 0]]},
+                        {"world": [1, 2], "delivered": [[2, 1], None]}]}
+    epoch, stages = parse_state(units, fp, "units")
+    assert epoch == 2 and stages[0].delivered == [UnitPosition(1, 3), UnitPosition(0, 0)]
+    assert stages_json(stages) == units["stages"]  # lists again, the unknown reader kept
+    pos = Position.of_pass(World(0, 1, 0, 2), epoch, "units", stages, [None, False])
+    assert pos.base == UnitPosition(2, 1) and pos.samples_before == 0
+    state = pos.state(fp)
+    assert json.loads(json.dumps(state)) == state and state["stages"] == units["stages"]
+
+    samples = {**units, "split": "samples", "stages": [{"world": [1, 2], "delivered": [7, None]}]}
+    epoch, stages = parse_state(samples, fp, "samples")
+    pos = Position.of_pass(World(0, 1, 0, 2), epoch, "samples", stages, [4, False])
+    assert pos.base == 7 and pos.samples_before == 7
+    assert list(pos.count(range(3))) == [0, 1, 2] and pos.mine() == 10
+    assert pos.state(fp)["stages"] == [{"world": [1, 2], "delivered": [10, None]}]
+
+
+def test_a_stage_without_every_reader_names_the_missing_ones():
+    stage = Stage(2, 2, [3, None, 4, None])
+    with pytest.raises(SpecError, match=r"lacks readers \[1, 3\] of its 2 ranks x 2 workers"):
+        stage.known()
+    assert Stage(1, 2, [3, 0]).known() == [3, 0]
+    own = Stage.own(World(1, 2, 0, 2), 5)
+    assert own.delivered == [None, None, 5, None]

@@ -211,7 +211,7 @@ def _transferred(transfers):
 def test_bytes_read_again_after_resume(proxied, kind, workers):
     """Measured at the proxy (the ranges and bytes it forwarded after the restart): no byte of a
     sample delivered before the stop is fetched again with a tar index (each reader's ranged GET
-    starts at its next sample's offset: less than the issue's "one part per reader"); with
+    starts at its next sample's offset: less than one part per reader); with
     Parquet, none of a row group delivered whole, and at most one partly delivered row group per
     reader (fetched whole and sliced)."""
     root, options, proxy = proxied

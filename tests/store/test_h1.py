@@ -1,4 +1,4 @@
-"""LITE-HTTP (streamdata/h1.py): the HTTP/1.1 client of LITE-S3's GETs, against real sockets.
+"""LITE-HTTP (streamdata/store/http1.py): the HTTP/1.1 client of LITE-S3's GETs, against real sockets.
 
 A scripted server (a thread per connection, bytes written by each test) plays the faults; the
 last tests run a LITE-S3 epoch on the embedded S3 server and check no process imports aiohttp.
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from streamdata.errors import BadResponseError, ConnectionLostError, ShortBodyError
 from streamdata.store import http1 as h1
 from streamdata.store.retry import classify
 
@@ -161,7 +162,7 @@ def test_a_partly_read_answer_never_reuses_its_connection(script) -> None:
     async def go():
         pool = h1.Pool(4, timeout=10)
         async with pool.get(server.url()) as resp:
-            async for _ in resp.iter_chunks():
+            async for _ in resp.chunks():
                 break  # leave the rest unread
         assert pool.idle == 0
         whole = await fetch(pool, server.url())
@@ -185,13 +186,13 @@ def test_a_truncated_body_is_an_incomplete_read_retried_as_short(script) -> None
         pool = h1.Pool(4, timeout=10)
         try:
             async with pool.get(server.url()) as resp:
-                async for piece in resp.iter_chunks():
+                async for piece in resp.chunks():
                     pieces.append(piece)
         finally:
             assert pool.idle == 0
             await pool.close()
 
-    with pytest.raises(h1.IncompleteRead, match="400 of 1000") as info:
+    with pytest.raises(ShortBodyError, match="400 of 1000") as info:
         run(go())
     assert b"".join(pieces) == b"y" * 400  # what arrived was handed over (RESUME keeps it)
     assert classify(info.value) == "short"
@@ -205,7 +206,7 @@ def test_a_reset_mid_body_is_a_connection_error(script) -> None:
 
     server = script(answer)
     pools: list[h1.Pool] = []
-    with pytest.raises((ConnectionResetError, h1.IncompleteRead)) as info:
+    with pytest.raises((ConnectionResetError, ShortBodyError)) as info:
         fetch_once(server, pools=pools)
     assert classify(info.value) in ("connection", "short")
     assert pools[0].idle == 0
@@ -218,7 +219,7 @@ def test_a_reset_mid_body_is_a_connection_error(script) -> None:
 def test_a_bad_answer_is_a_protocol_error(script, head: bytes) -> None:
     server = script(lambda c, i, _: c.sendall(head + b"\r\n\r\nhello") or True)
 
-    with pytest.raises(h1.ProtocolError) as info:
+    with pytest.raises(BadResponseError) as info:
         fetch_once(server)
     assert classify(info.value) == "connection"
 
@@ -228,7 +229,7 @@ def test_a_bad_answer_is_a_protocol_error(script, head: bytes) -> None:
 def test_oversized_heads_are_refused(script, head: bytes) -> None:
     server = script(lambda c, i, _: c.sendall(head + b"\r\nContent-Length: 0\r\n\r\n") or True)
 
-    with pytest.raises(h1.ProtocolError, match="over"):
+    with pytest.raises(BadResponseError, match="over"):
         fetch_once(server)
 
 
@@ -275,13 +276,13 @@ def test_a_bad_chunk_is_a_protocol_error(script) -> None:
     server = script(lambda c, i, _: c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                                               b"zz\r\nhello\r\n0\r\n\r\n") or True)
 
-    with pytest.raises(h1.ProtocolError, match="chunk size"):
+    with pytest.raises(BadResponseError, match="chunk size"):
         fetch_once(server)
 
 
 def test_no_hidden_resend_when_a_kept_alive_connection_drops(script) -> None:
     """aiohttp re-sends at once, unseen, when a reused connection drops before the answer
-    (``presigned.no_hidden_retry``); this client reports it, and the request was sent once."""
+    (``_compat.aiohttp_no_hidden_retry``); this client reports it, and the request was sent once."""
     def answer(c, i, head):
         if i == 0:
             c.sendall(ok(b"first"))
@@ -298,7 +299,7 @@ def test_no_hidden_resend_when_a_kept_alive_connection_drops(script) -> None:
         finally:
             await pool.close()
 
-    with pytest.raises(h1.Disconnected) as info:
+    with pytest.raises(ConnectionLostError) as info:
         run(go())
     assert classify(info.value) == "connection"
     assert len(server.requests) == 2 and server.connections == 1  # never re-sent
@@ -568,3 +569,106 @@ def test_a_request_cancelled_while_it_waits_for_an_ahead_connection_leaves_it_to
 
     idle, got, opened = run(go())
     assert idle == 1 and got == (200, b"t") and opened == 1 and server.connections == 1
+
+
+# ---- one GET contract: both sessions raise the same types for the same fault -----------------
+
+
+def _sessions(timeout: float = 10):
+    """The two implementations of ``session.Session``: ours and aiohttp's, adapted."""
+    from streamdata.store.session import AiohttpSession
+
+    return {"http1": lambda: h1.Pool(4, timeout=timeout), "aiohttp": lambda: AiohttpSession.new(4)}
+
+
+def _fault(make, url: str, timeout: float | None = None) -> BaseException:
+    """The exception one GET of ``url`` (body read to its end) raises through a new session."""
+    async def go():
+        session = make()
+        try:
+            async with session.get(url, {"Range": "bytes=0-"}, timeout) as resp:
+                async for _ in resp.chunks():
+                    pass
+        finally:
+            await session.close()
+
+    with pytest.raises(Exception) as info:
+        run(go())
+    return info.value
+
+
+@pytest.mark.parametrize("which", ["http1", "aiohttp"])
+def test_a_refused_connection_is_the_same_type_from_both_sessions(which: str) -> None:
+    from streamdata.errors import ConnectRefusedError
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
+    try:
+        err = _fault(_sessions()[which], f"http://127.0.0.1:{dead.getsockname()[1]}/o")
+    finally:
+        dead.close()
+    assert type(err) is ConnectRefusedError and isinstance(err, ConnectionRefusedError)
+    assert classify(err) == "connection"
+
+
+@pytest.mark.parametrize("which", ["http1", "aiohttp"])
+def test_a_reset_mid_body_is_the_same_type_from_both_sessions(script, which: str) -> None:
+    import time
+
+    def answer(c, i, head):
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"z" * 1000)
+        time.sleep(0.3)  # the client has read the 1000 bytes and waits for more
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+        return False
+
+    server = script(answer)
+    err = _fault(_sessions()[which], server.url())
+    assert type(err) is ConnectionLostError and isinstance(err, ConnectionResetError)
+    assert classify(err) == "connection"
+
+
+@pytest.mark.parametrize("which", ["http1", "aiohttp"])
+def test_a_body_cut_cleanly_short_is_the_same_type_from_both_sessions(script, which: str) -> None:
+    def answer(c, i, head):
+        c.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1000\r\n\r\n" + b"y" * 400)
+        return False  # a clean close, 600 bytes short
+
+    server = script(answer)
+    err = _fault(_sessions()[which], server.url())
+    assert type(err) is ShortBodyError and classify(err) == "short"
+
+
+@pytest.mark.parametrize("which", ["http1", "aiohttp"])
+def test_a_silent_server_is_the_same_timeout_type_from_both_sessions(script, which: str) -> None:
+    from streamdata.errors import TransportTimeoutError
+
+    release = threading.Event()
+
+    def answer(c, i, head):
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        release.wait(30)  # then silence
+        return False
+
+    server = script(answer)
+    try:
+        err = _fault(_sessions(timeout=0.5)[which], server.url(), timeout=0.5)
+    finally:
+        release.set()
+    assert type(err) is TransportTimeoutError and isinstance(err, TimeoutError)
+    assert classify(err) == "timeout"
+
+
+@pytest.mark.parametrize("which", ["http1", "aiohttp"])
+def test_an_untrusted_certificate_is_the_same_type_from_both_sessions_and_never_retried(
+        script, tmp_path: Path, which: str) -> None:
+    import ssl
+
+    from streamdata.errors import CertificateError
+
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    server = script(lambda c, i, head: c.sendall(ok(b"secret bytes")) or True, tls=server_ctx)
+    err = _fault(_sessions()[which], server.url(scheme="https", host="localhost"))
+    assert type(err) is CertificateError and isinstance(err, ssl.SSLCertVerificationError)
+    assert classify(err) is None  # permanent: a retry cannot make the certificate trusted

@@ -123,9 +123,7 @@ def test_throttle_blocks_past_the_limit_and_hands_slots_out_oldest_first():
     (OSError("b/k: HTTP 500 <Code>InternalError</Code>"), "server"),
     (TimeoutError(), "timeout"),
     (ConnectionResetError("reset by peer"), "connection"),
-    (OSError("ClientPayloadError: <ContentLengthError: 400, message='Not enough data'>"), "short"),
-    (OSError("Response payload is not completed: <ContentLengthError: 400>. ConnectionResetError(104)"),
-     "connection"),
+    (ConnectionRefusedError(111, "Connection refused"), "connection"),
     (_caused(FileNotFoundError("http://h/x"), ConnectionRefusedError()), "connection"),
     (OSError("b/k: HTTP 404 <Code>NoSuchKey</Code>"), None),
     (OSError("b/k: HTTP 500 <Code>NoSuchKey</Code>"), None),  # the body says it is gone
@@ -138,6 +136,60 @@ def test_throttle_blocks_past_the_limit_and_hands_slots_out_oldest_first():
 def test_failures_are_classified_permanent_or_by_retry_reason(exc, reason):
     assert classify(exc) == reason
     assert reason is None or reason in RETRY_REASONS
+
+
+def _aiohttp_errors():
+    """aiohttp's exceptions as aiohttp raises them (its payload errors' texts included), each
+    with the reason its type stands for."""
+    import ssl
+
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    key = ConnectionKey("h", 443, True, True, None, None, None)
+    cert = ssl.SSLCertVerificationError(1, "certificate verify failed: self-signed certificate")
+    return [
+        (aiohttp.ClientPayloadError("Response payload is not completed: <ContentLengthError: 400, "
+                                    "message='Not enough data to satisfy content length header.'>"), "short"),
+        (aiohttp.ClientPayloadError("Response payload is not completed: <ContentLengthError: 400, "
+                                    "message='Not enough data to satisfy content length header.'>. "
+                                    "ConnectionResetError(104, 'Connection reset by peer')"), "connection"),
+        (aiohttp.ServerDisconnectedError(), "connection"),
+        (aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connection refused")), "connection"),
+        (aiohttp.ClientOSError(104, "Connection reset by peer"), "connection"),
+        (aiohttp.ServerTimeoutError("Timeout on reading data from socket"), "timeout"),
+        (aiohttp.ClientConnectorCertificateError(key, cert), None),
+    ]
+
+
+def test_aiohttp_errors_are_classified_by_their_type():
+    from streamdata.errors import TransportError
+    from streamdata.store.session import transport_error
+
+    for exc, reason in _aiohttp_errors():
+        assert classify(exc) == reason, exc
+        typed = transport_error(exc, "https://h/o")
+        assert isinstance(typed, TransportError) and typed.__cause__ is exc
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    # a type no retry can fix, whatever its message says
+    (lambda e: e.CertificateError("connection reset, timeout: ConnectionResetError"), None),
+    (lambda e: PermissionError("timed out: Connection reset by peer"), None),
+    (lambda e: e.AccessDeniedError("TimeoutError: ClientPayloadError"), None),
+    # a transport type, whatever its message says
+    (lambda e: e.ShortBodyError("timeout; ConnectionResetError; HTTP 404 NoSuchKey"), "short"),
+    (lambda e: e.TransportTimeoutError("Connection reset by peer"), "timeout"),
+    (lambda e: e.ConnectionLostError("IncompleteRead, ContentLengthError, timeout"), "connection"),
+    # names of transport errors in the text of something else make it none of them
+    (lambda e: ValueError("ConnectionResetError: timeout, ServerDisconnectedError"), "other"),
+    (lambda e: OSError("ClientPayloadError: <ContentLengthError: 400, message='Not enough data'>"), "other"),
+    (lambda e: RuntimeError("Response payload is not completed. ConnectionResetError(104)"), "other"),
+])
+def test_transport_failures_are_classified_by_type_not_by_message(exc, reason):
+    from streamdata import errors
+
+    assert classify(exc(errors)) == reason
 
 
 def test_backoff_is_full_jitter_below_a_cap():

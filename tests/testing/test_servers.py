@@ -201,7 +201,7 @@ def test_http_stop_closes_idle_connections(tmp_path: Path) -> None:
 def test_http_client_that_resets_mid_request_prints_no_traceback(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A client that aborts (RST) while the server reads its request is no server error: tests
-    that check a quiet stderr must not fail on the test server's own noise (CI, stop 22)."""
+    that check a quiet stderr must not fail on the test server's own noise."""
     import struct
     import time
 

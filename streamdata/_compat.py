@@ -1,0 +1,153 @@
+"""Every third-party private API streamdata relies on, each behind one named function.
+
+A private attribute can change in any release of the library that owns it. Each function here
+names the version it was checked against, and ``tests/test_compat.py`` has a test per function
+that fails when the private it wraps is gone or behaves otherwise: an upgrade that breaks one
+shows up there, by name, not as a hang or a leak somewhere downstream. Callers import the
+function, never the private name. Heavy libraries are imported inside the functions, so this
+module costs nothing at ``import streamdata``. Sections: torch, the standard library, aiohttp.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+
+    import torch
+    from torch.utils.data import DataLoader
+
+__all__ = ["aiohttp_forget", "aiohttp_no_hidden_retry", "aiohttp_payload_reset", "aiohttp_session_of",
+           "dataloader_iterator", "default_executor", "detach_dataloader_iterator",
+           "executor_threads", "new_shared_storage", "shutdown_workers", "storage_use_count",
+           "worker_processes"]
+
+
+# --- torch ---
+# Checked against torch 2.13.0 (the version in the development environment; pyproject: torch>=2.1).
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references hold ``storage``'s underlying C++ storage (tensors, storages, the
+    shared-memory mapping): 1 when only ``storage`` itself does.
+
+    ``torch._C._storage_Use_Count(storage._cdata)`` (torch 2.13.0)."""
+    import torch
+
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """A new storage of ``nbytes`` allocated in shared memory (``/dev/shm``), without first
+    allocating it in private memory and copying. Raises RuntimeError when the filesystem is full.
+
+    ``torch.UntypedStorage._new_shared(nbytes)`` (torch 2.13.0)."""
+    import torch
+
+    return torch.UntypedStorage._new_shared(nbytes)
+
+
+def dataloader_iterator(loader: DataLoader) -> Any | None:
+    """The iterator a DataLoader keeps between epochs (its persistent workers), or None when it
+    keeps none (no persistent workers, or none started yet).
+
+    ``DataLoader._iterator`` (torch 2.13.0)."""
+    return getattr(loader, "_iterator", None)
+
+
+def detach_dataloader_iterator(loader: DataLoader) -> Any | None:
+    """Take the kept iterator (``dataloader_iterator``) off the DataLoader, which then starts new
+    workers at its next ``iter()``; the iterator, or None.
+
+    ``DataLoader._iterator`` (torch 2.13.0)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        loader._iterator = None
+    return iterator
+
+
+def shutdown_workers(iterator: Any) -> None:
+    """Stop a multi-process DataLoader iterator's workers and threads now (what its ``__del__``
+    does); nothing for a single-process iterator.
+
+    ``_MultiProcessingDataLoaderIter._shutdown_workers()`` (torch 2.13.0)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def worker_processes(iterator: Any) -> list[Any]:
+    """A DataLoader iterator's worker processes (``multiprocessing.Process``); [] for a
+    single-process iterator.
+
+    ``_MultiProcessingDataLoaderIter._workers`` (torch 2.13.0)."""
+    return list(getattr(iterator, "_workers", ()))
+
+
+# --- stdlib ---
+# Checked against CPython 3.11.7 (pyproject: requires-python >= 3.11).
+
+
+def executor_threads(executor: concurrent.futures.Executor | None) -> list[threading.Thread]:
+    """The threads a thread pool has started (to join them after ``shutdown``); [] for None or
+    an executor without threads.
+
+    ``ThreadPoolExecutor._threads`` (a set of ``threading.Thread``; CPython 3.11.7)."""
+    return list(getattr(executor, "_threads", ()))
+
+
+def default_executor(loop: asyncio.AbstractEventLoop) -> concurrent.futures.Executor | None:
+    """The executor ``loop.run_in_executor(None, ...)`` has made, or None before the first such call.
+
+    ``BaseEventLoop._default_executor`` (CPython 3.11.7)."""
+    return getattr(loop, "_default_executor", None)
+
+
+# --- aiohttp ---
+
+
+def aiohttp_no_hidden_retry(session: Any) -> None:
+    """Stop an aiohttp ``ClientSession`` from re-sending a GET, at once and unseen, when a
+    reused connection drops before the answer: retries are ours (by deadline, throttled,
+    counted). aiohttp has no public switch: its private ``ClientSession._retry_connection``
+    flag (aiohttp 3.14.5)."""
+    session._retry_connection = False
+
+
+def aiohttp_forget(session: Any) -> None:
+    """Drop an aiohttp ``ClientSession`` inherited through fork without touching its
+    connections: finalising it in the child would close the parent's keep-alive sockets under
+    the parent (seen: the parent's next request hung until its time-out). Detaches the
+    private ``_connector``, marked closed (``_closed``) with its idle connections (``_conns``)
+    forgotten, so neither the session's nor the connector's finaliser closes a socket
+    (``ClientSession._connector``, ``BaseConnector._closed`` / ``._conns``: aiohttp 3.14.5)."""
+    connector = session._connector
+    if connector is not None:
+        session._connector = None
+        connector._closed = True
+        connector._conns.clear()
+
+
+def aiohttp_payload_reset(exc: BaseException) -> bool:
+    """Whether an aiohttp ``ClientPayloadError`` (a body that ended early) ended because the
+    connection was reset, not closed cleanly. aiohttp keeps the connection's error only in
+    the message it builds (``"Response payload is not completed: <ContentLengthError ...>.
+    ConnectionResetError(104, ...)"``); its ``__cause__`` is the parser's error either way.
+    No private attribute: the message's text is the private detail (aiohttp 3.14.5)."""
+    text = str(exc)
+    return any(name in text for name in ("ConnectionResetError", "ConnectionAbortedError",
+                                          "BrokenPipeError"))
+
+
+def aiohttp_session_of(fs: Any) -> Any:
+    """The aiohttp ``ClientSession`` an fsspec filesystem keeps (HTTP's and gcsfs's private
+    ``HTTPFileSystem._session``, made by ``set_session``), or ``None`` (not made yet, or another
+    backend). Checked against fsspec 2026.9.0 and gcsfs 2026.10.1."""
+    import sys
+
+    aiohttp = sys.modules.get("aiohttp")  # a session exists only once aiohttp is imported
+    session = getattr(fs, "_session", None)
+    return session if aiohttp is not None and isinstance(session, aiohttp.ClientSession) else None
