@@ -44,6 +44,7 @@ _counter = itertools.count()
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
 _exit_hooks = itertools.count()  # next() is atomic: the first loop registers CLOSE-AT-EXIT
 _EXIT_TIMEOUT = 5.0  # seconds, per loop, that closing at exit may take
+_CANCEL_ROUND_S = 0.05  # a close cancels what is left of its tasks again after this long
 
 
 class LoopThread:
@@ -108,11 +109,7 @@ class LoopThread:
         helpers: list[threading.Thread] = []
 
         async def shutdown() -> None:
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(self.loop.time() + timeout / 2)
             if cleanup is not None:
                 try:
                     await asyncio.wait_for(cleanup(), timeout)
@@ -130,6 +127,25 @@ class LoopThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
             wait_threads_gone([self._thread, *helpers], timeout)
+
+
+async def _cancel_all(end: float) -> None:
+    """Cancel every other task of the running loop, in rounds, until none is left or the loop's
+    clock passes ``end``: a task may take its cancellation and then wait for a task it started
+    (``asyncio.wait_for`` waits for its inner task), or a task may start another as it ends;
+    each round cancels what is still there, and every outcome is retrieved (no asyncio
+    "never retrieved" or "destroyed but pending" message later)."""
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    while True:
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        if not tasks or loop.time() >= end:
+            return
+        for task in tasks:
+            task.cancel()
+        done, _ = await asyncio.wait(tasks, timeout=_CANCEL_ROUND_S)
+        for task in done:
+            if not task.cancelled():
+                task.exception()
 
 
 def wait_future(fut: concurrent.futures.Future[T], timeout: float | None, *, what: str = "request",
