@@ -31,10 +31,11 @@ modules' after-fork hooks run first and allocate), and back on in both processes
 child's collections then walk only what it allocates itself. What it costs: inherited objects
 still die by reference counting, but a reference cycle that includes an inherited object is
 never collected in the child, also when the child's own objects are in it (their memory stays
-until the child ends); ``gc.get_objects()`` in the child lists only its own. It applies to
-every child forked while streamdata is imported, not only DataLoader workers; not on
-free-threaded builds (there ``gc.freeze`` walks every object). The parent's collector is
-otherwise untouched. ``STREAMDATA_FREEZE_AT_FORK=0`` turns it off.
+until the child ends); ``gc.get_objects()`` in the child lists only its own. It acts only on
+a fork that starts a torch DataLoader worker (``_fork.starting_dataloader_worker``), once the
+fork hooks are installed (a dataset or loader iterated): any other child the process forks,
+and the parent's collector, are left as Python has them. Not on free-threaded builds (there
+``gc.freeze`` walks every object). ``STREAMDATA_FREEZE_AT_FORK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ import sys
 import threading
 
 from streamdata import config
-from streamdata._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
+from streamdata._fork import (
+    at_fork_before,
+    at_fork_in_child,
+    at_fork_in_parent,
+    starting_dataloader_worker,
+)
 
 __all__ = ["freeze_inherited", "keep_freed_memory"]
 
@@ -114,17 +120,24 @@ def _resume_in_parent() -> None:
 
 
 def freeze_inherited() -> None:
-    """INHERITED-HEAP: in a forked child, hide every inherited object from its collector."""
-    global _pause
-    _pause = threading.Lock()  # another thread may have held the parent's at the fork
+    """INHERITED-HEAP: in a forked DataLoader worker, hide every inherited object from its collector."""
     if config.freeze_at_fork() and not _FREE_THREADED:
         gc.freeze()
+
+
+def _reset_in_child() -> None:
+    """In every forked child: the pause's lock and count start afresh (another thread may have
+    held the parent's lock, or paused for a worker's fork, at this fork); a worker freezes."""
+    global _pause
+    _pause = threading.Lock()
+    if starting_dataloader_worker():
+        freeze_inherited()
     if _pauses[0]:
         _pauses[0] = 0
         if _pauses[1]:
             gc.enable()
 
 
-at_fork_before(_pause_for_fork)
-at_fork_in_parent(_resume_in_parent)
-at_fork_in_child("heap", freeze_inherited)
+at_fork_before(_pause_for_fork, workers_only=True)
+at_fork_in_parent(_resume_in_parent, workers_only=True)
+at_fork_in_child("heap", _reset_in_child)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Spec, expand_spec
 from streamdata.config import FetchConfig
@@ -332,6 +333,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                      in_flight: int | None = None) -> EpochIterator:
         """This reader's pass, batched by ``batch_size`` (None: samples). ``sd.loader`` calls it
         to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
+        install()  # FORK-RESET from the first pass on (``_fork``; import installs nothing)
         p = self.reader_pass(batch_size, drop_last)
         self._note_plan(p)
         policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe())

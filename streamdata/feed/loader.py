@@ -20,6 +20,7 @@ from streamdata._compat import (
     shutdown_workers,
     worker_processes,
 )
+from streamdata._fork import install
 from streamdata.batch import recycle
 from streamdata.batch.batches import batches
 from streamdata.batch.collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
@@ -131,7 +132,8 @@ class _Unwrapped:
 
     def __init__(self, dataloader: DataLoader, init: _WorkerInit) -> None:
         self.dataloader, self.init = dataloader, init
-        self.boards = [init.board]  # every board made for this loader, closed with it
+        # every board made for this loader, closed with it (made only where init has one)
+        self.boards: list[recycle.Board] = [init.board] if init.board is not None else []
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -176,6 +178,7 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._started = True
         source = iter(self._source)
         if self._positions is not None:

@@ -117,6 +117,7 @@ class Prefetcher:
         self._inflight = 0
         self._closed = False
         self._wake = asyncio.Event()
+        self._io.close_at_exit(self.close)  # CLOSE-AT-EXIT: the cache's entries and files too
         self._scheduler = self._io.submit(self._schedule())
 
     # ---- consumer side (the reader's thread) -------------------------------------------

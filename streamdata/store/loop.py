@@ -5,11 +5,23 @@ created lazily in the process that uses them (a DataLoader worker), never inheri
 through fork.  s3fs, gcsfs and aiohttp sessions hang when used across a fork
 (fsspec#835, s3fs#914, gcsfs#379); a loop inherited by a child is marked dead at the
 "loops" stage of FORK-RESET (``_fork``) and refuses work instead of hanging.
+
+Invariant (CLOSE-AT-EXIT): no loop thread outlives the interpreter's ``atexit`` stage. A loop
+thread is a daemon: at exit Python does not wait for it, and once finalisation has begun a
+daemon thread that wakes up (a timer, a socket) is stopped the moment it needs the
+interpreter, in whatever native code it is in, and cannot finish what its owner's
+``__del__`` asks of it (seen: each exit with an open iterator waited out a 5 s close time-out;
+asyncio printed "Task was destroyed but it is pending!"). So an ``atexit`` hook, registered
+when the first loop starts, closes every loop still open: through its owner's close where one
+was named (``close_at_exit``: connections and caches closed too), else cancelling and awaiting
+its tasks; each within a bounded time-out. An owner's ``__del__`` at finalisation then finds
+its loop closed and returns at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import os
@@ -20,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from streamdata._compat import default_executor, executor_threads
-from streamdata._fork import at_fork_in_child
+from streamdata._fork import at_fork_in_child, install
 from streamdata.errors import FetchTimeoutError, StreamDataError
 
 __all__ = ["LoopThread", "wait_future", "wait_threads_gone"]
@@ -30,13 +42,20 @@ T = TypeVar("T")
 _POLL = 0.1  # seconds: waits are taken in slices this long so Ctrl-C and shutdown work
 _counter = itertools.count()
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+_exit_hooks = itertools.count()  # next() is atomic: the first loop registers CLOSE-AT-EXIT
+_EXIT_TIMEOUT = 5.0  # seconds, per loop, that closing at exit may take
+_CANCEL_ROUND_S = 0.05  # a close cancels what is left of its tasks again after this long
 
 
 class LoopThread:
     """A daemon thread running one asyncio loop; sync code submits coroutines to it."""
 
     def __init__(self, name: str = "io") -> None:
+        install()  # a child forked from now on inherits this loop: FORK-RESET must run there
+        if next(_exit_hooks) == 0:
+            atexit.register(_close_at_exit)
         self._inherited = False  # set in a forked child (FORK-RESET)
+        self._owner_close: weakref.WeakMethod | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run, name=f"streamdata-{name}-{next(_counter)}", daemon=True
@@ -44,6 +63,11 @@ class LoopThread:
         self._closed = False
         self._thread.start()
         _live.add(self)
+
+    def close_at_exit(self, close: Callable[[], None]) -> None:
+        """CLOSE-AT-EXIT: at interpreter exit, close this loop by calling ``close`` (a bound
+        method of the loop's owner, held weakly) if the loop is still open then."""
+        self._owner_close = weakref.WeakMethod(close)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -85,11 +109,7 @@ class LoopThread:
         helpers: list[threading.Thread] = []
 
         async def shutdown() -> None:
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(self.loop.time() + timeout / 2)
             if cleanup is not None:
                 try:
                     await asyncio.wait_for(cleanup(), timeout)
@@ -107,6 +127,25 @@ class LoopThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
             wait_threads_gone([self._thread, *helpers], timeout)
+
+
+async def _cancel_all(end: float) -> None:
+    """Cancel every other task of the running loop, in rounds, until none is left or the loop's
+    clock passes ``end``: a task may take its cancellation and then wait for a task it started
+    (``asyncio.wait_for`` waits for its inner task), or a task may start another as it ends;
+    each round cancels what is still there, and every outcome is retrieved (no asyncio
+    "never retrieved" or "destroyed but pending" message later)."""
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    while True:
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        if not tasks or loop.time() >= end:
+            return
+        for task in tasks:
+            task.cancel()
+        done, _ = await asyncio.wait(tasks, timeout=_CANCEL_ROUND_S)
+        for task in done:
+            if not task.cancelled():
+                task.exception()
 
 
 def wait_future(fut: concurrent.futures.Future[T], timeout: float | None, *, what: str = "request",
@@ -147,6 +186,21 @@ def wait_threads_gone(threads: list[threading.Thread], timeout: float = 5.0) -> 
     while os.path.isdir("/proc/self/task") and time.monotonic() < deadline and any(
             os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
         time.sleep(0.001)
+
+
+def _close_at_exit() -> None:
+    """CLOSE-AT-EXIT: close every loop still open, through its owner where one was named."""
+    for lt in list(_live):
+        if lt._closed:
+            continue
+        owner_close = lt._owner_close() if lt._owner_close is not None else None
+        try:
+            if owner_close is not None:
+                owner_close()
+            if not lt._closed:
+                lt.close(timeout=_EXIT_TIMEOUT)
+        except Exception:  # the process is ending: one loop failing to close keeps no other open
+            pass
 
 
 def _forget_loops() -> None:
