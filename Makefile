@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamdata tests benchmarks
+	$(BIN)/mypy
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -325,7 +325,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._resume = Loaded(epoch, stages, [batching[0], bool(batching[1])])
         self._epoch, self._passes, self._live = epoch, 0, None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> EpochIterator:
         return self.iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn)
 
     def iter_batches(self, batch_size: int | None, *, drop_last: bool = False,

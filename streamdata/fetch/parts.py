@@ -42,7 +42,7 @@ def first_part_size(configured: int, endpoint: tuple[str, str, int] | None) -> i
     return max(configured, WARM_FIRST_PART) if waiting(endpoint) else configured
 
 
-class _Arrivals:
+class Arrivals:
     """Whether the parts that start in an item's first FIRST_HOLD_BYTES have all arrived
     (FIRST-BYTES-FIRST); holds no reference to their bytes (BYTE-BUDGET)."""
 
@@ -62,7 +62,7 @@ class _Arrivals:
         return len(self._arrived) >= self._count
 
 
-def first_parts(todo: collections.deque) -> _Arrivals:
+def first_parts(todo: collections.deque) -> Arrivals:
     """Watch ``todo``'s ((start, end), future) parts that start in its first FIRST_HOLD_BYTES."""
     futures, at = [], 0
     for (start, end), fut in todo:
@@ -70,7 +70,7 @@ def first_parts(todo: collections.deque) -> _Arrivals:
             break
         futures.append(fut)
         at += FIRST_HOLD_BYTES if end is None else end - start
-    return _Arrivals(futures)
+    return Arrivals(futures)
 
 
 def split_parts(ranges: Sequence[Range], part_size: int, first_part: int | None = None) -> list[Range]:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from streamdata.config import FetchConfig
@@ -34,6 +35,7 @@ from streamdata.fetch.budget import Budget
 from streamdata.fetch.cache import Cache, CorruptEntry, Entry
 from streamdata.fetch.parts import (
     FIRST_HOLD_MAX_S,
+    Arrivals,
     Range,
     first_part_size,
     first_parts,
@@ -74,6 +76,10 @@ def _ahead_count(cfg: FetchConfig) -> int:
     keeps in flight, within ``max_requests``."""
     return max(1, min(cfg.max_requests, cfg.byte_budget // cfg.part_size))
 
+
+
+def _arrived(first: Arrivals) -> bool:
+    return first.done
 
 class Prefetcher:
     """Fetch ``items`` ahead of the consumer; iterate to get one ``ItemReader`` per item.
@@ -254,6 +260,9 @@ class Prefetcher:
         """A part of ``need`` bytes fits the budget now (BYTE-BUDGET: or nothing is reserved)."""
         return self._reserved == 0 or self._reserved + need <= self.budget.limit
 
+    def _may_send(self, need: int) -> bool:
+        return self._inflight < self.throttle.allowed and self._fits(need)
+
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
             self._wake.clear()
@@ -276,7 +285,7 @@ class Prefetcher:
         cfg = self.config
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index in itertools.count():  # items may be added (``extend``): wait for them
-            await self._until(lambda index=index: self._due(index))
+            await self._until(functools.partial(self._due, index))
             item = self.items[index]
             try:
                 ranges = item.ranges
@@ -300,7 +309,8 @@ class Prefetcher:
                 continue
             # each part's offset in the item's bytes (the cache entry): parts tile the ranges
             offsets = itertools.accumulate(((e if e is not None else s) - s for s, e in parts), initial=0)
-            todo = collections.deque((part, concurrent.futures.Future()) for part in parts)
+            todo: collections.deque[tuple[Range, concurrent.futures.Future]] = collections.deque(
+                (part, concurrent.futures.Future()) for part in parts)
             # the reader gets its own queue of the same futures: each side drops a future
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
@@ -313,13 +323,11 @@ class Prefetcher:
                 offset = next(offsets)
                 need = (end if end is not None else start + cfg.part_size) - start
                 # No slow start: the window's requests all go out at once, in consumption
-                # order. Measured (benchmarks/README.md): starting at 4 in flight and adding
-                # one per completed part cost 30-60% of the throughput at 25-100 ms one-way
-                # delay, for no better first batch. READER-THROTTLE (``retry``): at most as many
+                # order (a slow start cost throughput for no better first batch:
+                # benchmarks/README.md, "Latency"). READER-THROTTLE (``retry``): at most as many
                 # parts in flight as the reader's throttle allows (max_requests, unless throttled).
                 held = not self._fits(need)
-                await self._until(lambda need=need: self._inflight < self.throttle.allowed
-                                  and self._fits(need))
+                await self._until(functools.partial(self._may_send, need))
                 self._reserved += need
                 self._inflight += 1
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
@@ -329,7 +337,7 @@ class Prefetcher:
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
                     async with asyncio.timeout(FIRST_HOLD_MAX_S):
-                        await self._until(lambda first=first: first.done)
+                        await self._until(functools.partial(_arrived, first))
                 except TimeoutError:
                     pass
 
@@ -383,7 +391,7 @@ class ItemReader:
         """What this reader reads: the object and its byte ranges."""
         return self._fetcher.items[self.index]
 
-    def chunks(self) -> Iterator[bytes]:
+    def chunks(self) -> Generator[bytes, None, None]:
         """Yield the item's bytes in order, in pieces of any size. Budget is released once the
         reader has asked for the next piece (a MiB at a time, and at the end of each part)."""
         f = self._fetcher
