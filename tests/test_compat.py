@@ -25,7 +25,7 @@ from streamdata._compat import (
     aiohttp_payload_reset,
     aiohttp_session_of,
 )
-from tests.store.test_h1 import Script, ok, script  # noqa: F401  (the fixture)
+from tests.store.test_h1 import Script, answer_once_then_close, ok, script  # noqa: F401  (the fixture)
 
 # --- torch and the standard library ---
 
@@ -120,13 +120,7 @@ def test_every_wrapper_names_its_private_and_version(name):
 def test_aiohttp_no_hidden_retry_stops_the_silent_resend(script) -> None:  # noqa: F811
     import aiohttp
 
-    def answer(c, i, head):
-        if i == 0:
-            c.sendall(ok(b"first"))
-            return True
-        return False  # read the second request, close without an answer
-
-    server = script(answer)
+    server = script(answer_once_then_close)
 
     async def go():
         async with aiohttp.ClientSession() as session:

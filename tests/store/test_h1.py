@@ -280,16 +280,18 @@ def test_a_bad_chunk_is_a_protocol_error(script) -> None:
         fetch_once(server)
 
 
+def answer_once_then_close(c, i, head):
+    """A script that answers its first request and closes on the second, unanswered."""
+    if i == 0:
+        c.sendall(ok(b"first"))
+        return True
+    return False  # read the second request, close without an answer
+
+
 def test_no_hidden_resend_when_a_kept_alive_connection_drops(script) -> None:
     """aiohttp re-sends at once, unseen, when a reused connection drops before the answer
     (``_compat.aiohttp_no_hidden_retry``); this client reports it, and the request was sent once."""
-    def answer(c, i, head):
-        if i == 0:
-            c.sendall(ok(b"first"))
-            return True
-        return False  # read the second request, close without an answer
-
-    server = script(answer)
+    server = script(answer_once_then_close)
 
     async def go():
         pool = h1.Pool(4, timeout=10)
