@@ -57,6 +57,7 @@ def _read(spec: str, options: dict) -> tuple[float, int]:
 def run(args: argparse.Namespace) -> dict[str, list[float]]:
     import streamdata as sd
     from benchmarks.proxy import LatencyProxy
+    from streamdata.catalog.index import read_index
     from streamdata.testing import S3Server
 
     with S3Server() as server:
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
                 print(f"round {r + 1}: index {index:7.1f} MB/s   read {read:7.1f} MB/s   "
                       f"index / read {index / read:.2f}   fixed cost (rebuild, nothing to read) "
                       f"{fixed[-1]:.2f} s", flush=True)
-            entries = sd.index.read_index(f"s3://{bucket}/idx/round-0.sdx", server.storage_options)
+            entries = read_index(f"s3://{bucket}/idx/round-0.sdx", server.storage_options)
             assert sum(e.samples for e in entries) == samples, "the index must count every sample"
     ratios = [i / r for i, r in zip(rates["index"], rates["read"], strict=True)]
     print(f"median of {args.rounds} rounds: index {statistics.median(rates['index']):.1f} MB/s, read "
