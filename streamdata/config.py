@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from streamdata.errors import SpecError
 
-__all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "Switches", "env_int", "env_setdefault",
-           "env_snapshot", "env_str", "lite_http", "switches", "use_switches"]
+__all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
+           "env_str", "handover", "lite_http", "spare_connections"]
 
 MiB = 1 << 20
 
@@ -40,55 +39,27 @@ def env_snapshot(names: Iterable[str]) -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in names}
 
 
-@dataclass(frozen=True)
-class Switches:
-    """Process-wide switches of the HTTP path, read from the environment once per process (the
-    first time one is asked for; a forked worker inherits its parent's) by :func:`switches`.
-
-    lite_http: LITE-HTTP (``store.http1``): LITE-S3's GETs go over streamdata's own HTTP/1.1
-               client, so no process imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts
-               them back on aiohttp (the A/B of benchmarks/lite_http.py; a way out if a server
-               needs what only aiohttp does).
-    handover:  WARM-HANDOVER (``store.handover``): the constructor's idle plain-http keep-alive
-               connections go to the reader that sends next. ``STREAMDATA_HANDOVER=0`` closes
-               them instead (the A/B of benchmarks/startup.py).
-    """
-
-    lite_http: bool = True
-    handover: bool = True
-
-    @classmethod
-    def from_env(cls) -> Switches:
-        return cls(lite_http=env_str("STREAMDATA_LITE_HTTP", "1") != "0",
-                   handover=env_str("STREAMDATA_HANDOVER", "1") != "0")
-
-
-_switches: Switches | None = None  # this process's, once read (``switches``)
-
-
-def switches() -> Switches:
-    """This process's :class:`Switches`: read from the environment on the first call, then kept."""
-    global _switches
-    if _switches is None:
-        _switches = Switches.from_env()
-    return _switches
-
-
-@contextlib.contextmanager
-def use_switches(**changes: bool) -> Iterator[Switches]:
-    """``switches()`` with ``changes`` inside the block (tests' A/B in one process), as before after it."""
-    global _switches
-    before = switches()
-    _switches = dataclasses.replace(before, **changes)
-    try:
-        yield _switches
-    finally:
-        _switches = before
-
-
 def lite_http() -> bool:
-    """``switches().lite_http`` (LITE-HTTP)."""
-    return switches().lite_http
+    """LITE-HTTP (``h1``): LITE-S3's GETs go over streamdata's own HTTP/1.1 client, so no process
+    imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts them back on aiohttp (the A/B of
+    benchmarks/startup.py; a way out if a server needs what only aiohttp does)."""
+    return env_str("STREAMDATA_LITE_HTTP", "1") != "0"
+
+
+def handover() -> bool:
+    """WARM-HANDOVER (``handover``): the constructor's idle plain-http keep-alive connections go to
+    the reader that sends next. ``STREAMDATA_HANDOVER=0`` closes them instead (the A/B)."""
+    return env_str("STREAMDATA_HANDOVER", "1") != "0"
+
+
+def spare_connections() -> int:
+    """WARM-SPARES (``handover``): connections the constructor opens while its listing's request
+    is in flight, offered to the readers (plain http only). ``STREAMDATA_SPARE_CONNECTIONS``,
+    default 8 (two workers' first shards and more); ``0`` opens none."""
+    count = env_int("STREAMDATA_SPARE_CONNECTIONS", 8)
+    if count is None or count < 0:
+        raise SpecError(f"STREAMDATA_SPARE_CONNECTIONS must be >= 0, got {count}")
+    return count
 
 
 def freeze_at_fork() -> bool:

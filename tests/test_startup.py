@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import streamdata as sd
-from streamdata import config
 from streamdata.config import FetchConfig
 from streamdata.store.client import AsyncClient
 from streamdata.store.presigned import content_total
@@ -259,7 +258,7 @@ def test_lite_listing_follows_every_page(s3_bucket) -> None:
 
 
 @pytest.mark.parametrize("handed", [True, False])
-def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, handed) -> None:
+def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, monkeypatch, handed) -> None:
     """WARM-HANDOVER + FIRST-BYTES-FIRST: with the listing's connection waiting for the reader,
     its first shard's first part is the bytes the hold covers (4 MiB) as one GET on it, not
     256 KiB doubling (each of those others would open a connection first)."""
@@ -269,10 +268,12 @@ def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, h
     from streamdata.store import handover
     from streamdata.store.s3lite import LiteS3
 
+    if not handed:
+        monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
     server, bucket = s3_bucket
     blob = [{"__key__": f"k{i}", "bin": os.urandom(1 << 20)} for i in range(6)]  # 6 MiB and headers
     server.boto3_client().put_object(Bucket=bucket, Key="w/s-0.tar", Body=tar_bytes(blob))
-    with FaultProxy(server.endpoint_url) as proxy, config.use_switches(handover=handed):  # =1 / =0
+    with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
         ds = sd.TarDataset(f"s3://{bucket}/w/s-{{0..0}}.tar", storage_options=options, decode=False,
                            index=None)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from streamdata.config import FetchConfig
+from streamdata.config import FetchConfig, lite_http
 from streamdata.errors import AccessDeniedError, ShardNotFoundError, SpecError
 from streamdata.store.backends import (
     call_with_deadline,
@@ -134,7 +134,8 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
                delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
     """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
-    filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
+    filesystem). The first request overlaps the readers' imports (``warm_imports``) and the
+    readers' spare connections' handshakes (WARM-SPARES, ``handover``)."""
     lite = b.lite(protocol)
     if lite is None:
         return None
@@ -149,7 +150,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
         try:
             # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
             return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
-                             while_waiting=warm)
+                             while_waiting=warm, spares=lite_http())  # readers on LITE-HTTP claim them
         except LiteUnsupported:
             return None
 

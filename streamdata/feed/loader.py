@@ -29,6 +29,7 @@ from streamdata.errors import SpecError
 from streamdata.feed.checkpoint import Positioned, Positions, Stripped
 from streamdata.feed.cuda import CudaPrefetcher
 from streamdata.feed.together import EndTogether
+from streamdata.store.handover import share_among
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 
@@ -180,6 +181,10 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._started = True
+        loader = self.dataloader
+        kept = loader.persistent_workers and dataloader_iterator(loader) is not None
+        if loader.num_workers > 0 and not kept:
+            share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
         source = iter(self._source)
         if self._positions is not None:
             source = self._positions.deliver(source)

@@ -27,7 +27,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from streamdata.store.handover import claim, offer
+from streamdata.store.handover import claim, offer, spare, withdraw
 
 __all__ = ["ENV_NAMES", "LiteS3", "LiteUnsupported"]
 
@@ -148,17 +148,19 @@ class LiteS3:
 
     def list(self, bucket: str, prefix: str, *, timeout: float, delimiter: str | None = None,
              while_waiting: Callable[[], None] | None = None,
-             page_size: int | None = None) -> list[tuple[str, int, str | None]]:
+             page_size: int | None = None, spares: bool = False) -> list[tuple[str, int, str | None]]:
         """``(key, size, etag)`` of every object under ``prefix`` (all pages: ListObjectsV2), over
         one connection (``page_size``: keys per page, the server's default 1,000 when ``None``).
         ``while_waiting`` runs once, after the first request is sent, before its answer is read
-        (work that overlaps the round trip). Raises
+        (work that overlaps the round trip); so does, with ``spares``, the opening of spare
+        connections for the readers (WARM-SPARES, ``handover.spare``). Raises
         ``FileNotFoundError`` (404: no such bucket), ``LiteUnsupported`` (another 4xx),
         ``OSError`` (the rest)."""
         conn = self._connection(timeout)
         resp: http.client.HTTPResponse | None = None
         out: list[tuple[str, int, str | None]] = []
         token: str | None = None
+        started: list = []  # spares opened for the readers: closed again if the listing fails
         try:
             while True:
                 query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
@@ -170,8 +172,14 @@ class LiteS3:
                     query["continuation-token"] = token
                 resp = None  # until this page's answer is read, the connection is in no state to offer
                 conn.request("GET", self._target(bucket, "", query))
+                if spares and conn.sock is not None:
+                    spares = False
+                    try:
+                        started = spare(self.conn_key, conn.sock.getpeername())
+                    except OSError:  # the peer is gone already: the listing's answer will say so
+                        started = []
                 if while_waiting is not None:
-                    hook, while_waiting = while_waiting, None  # once: the first page's
+                    hook, while_waiting = while_waiting, None  # once: the first page's wait
                     hook()
                 resp = conn.getresponse()
                 body = resp.read()
@@ -192,8 +200,11 @@ class LiteS3:
                 token = top.get("NextContinuationToken")
                 if top.get("IsTruncated") != "true" or not token:
                     return out
-        except ET.ParseError as exc:
-            raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
+        except BaseException as exc:
+            withdraw(started)  # nobody reads next: the spares close again
+            if isinstance(exc, ET.ParseError):
+                raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
+            raise
         finally:
             self._finish(conn, resp)
 

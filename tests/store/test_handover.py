@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import pytest
 
 import streamdata as sd
-from streamdata import config
 from streamdata.store import handover
 from streamdata.store.s3lite import LiteS3
 
@@ -30,8 +29,11 @@ KEYS = sorted(s["__key__"] for shard in make_samples(COUNTS) for s in shard)
 
 
 @pytest.fixture(autouse=True)
-def _empty_registry():
-    """No offer left by another test (the S3 server, and so the key, is the session's)."""
+def _empty_registry(monkeypatch):
+    """No offer left by another test (the S3 server, and so the key, is the session's); no
+    spare connections (WARM-SPARES) but in the tests that ask for them."""
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "0")
+    monkeypatch.setattr(handover, "_children", (0, 0.0))  # no share hint left by another test
     def drop() -> None:
         with handover._lock:
             for _, sock, _ in handover._offers:
@@ -82,15 +84,16 @@ def _epoch_with_workers(ds: sd.TarDataset) -> tuple[list[str], dict[int, dict[st
     return sorted(keys), stats
 
 
-@pytest.mark.parametrize("offered", [True, False])
-def test_worker_zero_adopts_the_listing_connection(shards, offered: bool) -> None:
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_worker_zero_adopts_the_listing_connection(shards, monkeypatch, enabled: str) -> None:
     proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_HANDOVER", enabled)
     before = handover.stats()
-    with config.use_switches(handover=offered):  # STREAMDATA_HANDOVER=1 / 0
-        ds = _dataset(opts, spec)
-        assert proxy.connections == 1  # the listing's
-        assert len(handover._offers) == int(offered)
-        keys, stats = _epoch_with_workers(ds)
+    ds = _dataset(opts, spec)
+    assert proxy.connections == 1  # the listing's
+    offered = enabled == "1"
+    assert len(handover._offers) == int(offered)
+    keys, stats = _epoch_with_workers(ds)
     assert keys == KEYS and not any(ds.retried.values())
     # worker 0 (forked first) took the listing's connection and nothing else; worker 1 none
     assert stats[0]["claimed"] == int(offered) and stats[0]["offered"] == int(offered)
@@ -175,33 +178,58 @@ def test_offer_and_claim(shards) -> None:
     assert not handover.offer(("https", key[1], key[2]), tls) and tls.fileno() == -1
 
 
-def test_each_forked_worker_gets_one_offer(shards) -> None:
-    """Three offers (the listing's and two more), two forked workers: each gets the first offer
-    left at its fork, rides it for its requests (one each: ``max_requests=1``), and the parent
-    keeps the third."""
+def _wait_for(what, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_spares_open_with_the_listing_and_sd_loader_workers_share_them(shards, monkeypatch) -> None:
+    """WARM-SPARES: the constructor opens 4 connections while its listing travels and offers
+    them with the listing's (5); ``sd.loader`` tells the fork hooks 2 workers are coming, so
+    worker 0 gets 3 and worker 1 the other 2, and neither opens a connection of its own."""
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "4")
+    before = handover.stats()
+    ds = _dataset(opts, spec)
+    _wait_for(lambda: proxy.connections == 5)
+    assert proxy.connections == 5 and len(handover._offers) == 5
+    assert handover.stats()["spared"] - before["spared"] == 4
+    keys, stats = _epoch_with_workers(ds)
+    assert keys == KEYS and not any(ds.retried.values())
+    assert (stats[0]["offered"], stats[1]["offered"]) == (3, 2)
+    assert stats[0]["claimed"] >= 1 and stats[1]["claimed"] >= 1
+    assert handover._offers == [] and handover.stats()["handed"] - before["handed"] == 5
+    assert proxy.connections == 5  # every request rode a connection the constructor opened
+
+
+def test_a_plain_dataloader_hands_one_offer_to_each_worker(shards, monkeypatch) -> None:
+    """Without ``share_among`` (a DataLoader of the user's own) each child gets one offer, as
+    before WARM-SPARES; the parent keeps the rest until they age."""
     import torch.utils.data
 
     proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "3")
     ds = _dataset(opts, spec)
-    key = _key(opts)
-    for _ in range(2):
-        assert handover.offer(key, socket.create_connection((key[1], key[2])))
-    deadline = time.monotonic() + 5
-    while proxy.connections < 3 and time.monotonic() < deadline:  # both accepted by the proxy
-        time.sleep(0.01)
+    _wait_for(lambda: proxy.connections == 4)
     before = handover.stats()
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-    assert sorted(s["__key__"] for s in loader) == KEYS and not any(ds.retried.values())
-    assert len(handover._offers) == 1 and handover.stats()["handed"] - before["handed"] == 2
-    assert proxy.connections == 3  # no worker opened one of its own
+    assert sorted(s["__key__"] for s in loader) == KEYS
+    assert len(handover._offers) == 2 and handover.stats()["handed"] - before["handed"] == 2
 
 
-def test_the_switch_is_read_once(monkeypatch) -> None:
-    monkeypatch.setattr(config, "_switches", None)  # as in a fresh process
-    monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
-    assert config.switches().handover is False
-    monkeypatch.setenv("STREAMDATA_HANDOVER", "1")
-    assert config.switches().handover is False  # kept: the environment is not read again
+def test_a_spare_that_could_not_connect_is_dropped_not_claimed() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    key = ("http", "127.0.0.1", port)
+    before = handover.stats()
+    assert len(handover.spare(key, ("127.0.0.1", port), 2)) == 2
+    _wait_for(lambda: all(handover._state(entry[1]) != handover._OPENING for entry in handover._offers))
+    assert handover.waiting(key) == 2 and handover.claim(key) is None  # refused: both dropped
+    after = handover.stats()
+    assert after["dropped"] - before["dropped"] == 2 and handover._offers == []
+    assert handover.spare(("https", "127.0.0.1", port), ("127.0.0.1", port), 2) == []  # TLS: never
 
 
 def test_a_fork_hook_that_times_out_leaves_another_threads_fork_alone() -> None:
@@ -217,6 +245,36 @@ def test_a_fork_hook_that_times_out_leaves_another_threads_fork_alone() -> None:
     finally:
         handover._in_parent()
     assert not handover._lock.locked() and handover._forking == {}
+
+
+def test_no_spares_where_no_reader_would_claim_them(shards, monkeypatch) -> None:
+    """Readers off LITE-HTTP (aiohttp) claim nothing: the constructor opens no spare for them;
+    and an https or hand-over-off process never reads the spare count (a bad value is harmless)."""
+    proxy, opts, spec = shards
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "4")
+    monkeypatch.setenv("STREAMDATA_LITE_HTTP", "0")
+    before = handover.stats()
+    ds = _dataset(opts, spec)
+    assert handover.stats()["spared"] == before["spared"] and len(handover._offers) == 1
+    assert sorted(s["__key__"] for s in ds) == KEYS
+    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "many")
+    assert handover.spare(("https", "127.0.0.1", 1), ("127.0.0.1", 1)) == []
+    monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
+    assert handover.spare(("http", "127.0.0.1", 1), ("127.0.0.1", 1)) == []
+
+
+def test_spares_count_what_is_offered_already(shards) -> None:
+    proxy, opts, _ = shards
+    key = _key(opts)
+    address = (key[1], key[2])
+    assert len(handover.spare(key, address, 3)) == 3
+    assert handover.spare(key, address, 3) == []  # three are there
+    assert len(handover.spare(key, address, 5)) == 2
+    _wait_for(lambda: proxy.connections == 5)
+    got = [handover.claim(key) for _ in range(5)]
+    assert all(sock is not None for sock in got) and handover.claim(key) is None
+    for sock in got:
+        sock.close()
 
 
 _PAGE = ('<?xml version="1.0"?><ListBucketResult><IsTruncated>{more}</IsTruncated>{token}'
