@@ -1,8 +1,13 @@
 """The package's one ``os.register_at_fork`` hook: the resets a forked child runs, in a fixed order.
 
 ``import streamdata`` registers nothing with the interpreter. :func:`install` does, once: the
-first time a dataset or ``sd.loader`` iterates, or a loop thread starts (the first state a
-child could inherit); the hooks then run at every fork of the process.
+first time a dataset or ``sd.loader`` iterates, and the first time an owner below holds state
+a child could inherit (a loop thread starts, a connection is offered for the next reader);
+the hooks then run at every fork of the process. An owner calls :func:`install` *before* it
+holds such state, from whichever thread makes it: a plain ``DataLoader`` forks its workers
+from a process that may never iterate, after a constructor that only listed (seen: two
+workers inherited the listing's offered connections without the reset, and each read the
+other's answers).
 
 Invariant (FORK-RESET): a process forked from one that did I/O (a DataLoader worker) inherits
 objects bound to threads and sockets that exist only in its parent. Right after the fork, in

@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 
-from streamdata._fork import at_fork_before, at_fork_in_child, at_fork_in_parent
+from streamdata._fork import at_fork_before, at_fork_in_child, at_fork_in_parent, install
 from streamdata.config import handover, spare_connections
 
 __all__ = ["MAX_IDLE_S", "MAX_OFFERS", "claim", "offer", "share_among", "spare", "stats", "waiting",
@@ -117,6 +117,7 @@ def offer(key: Key, sock: socket.socket) -> bool:
     if key[0] != "http" or not handover():
         _close(sock)
         return False
+    install()  # a child forked from now on inherits the offer: FORK-RESET must run there
     with _lock:
         _prune(time.monotonic())
         _offers.append((key, sock, time.monotonic()))
@@ -138,6 +139,7 @@ def spare(key: Key, address: tuple, count: int | None = None) -> list[socket.soc
     if count <= 0:
         return []
     family = socket.AF_INET6 if len(address) == 4 else socket.AF_INET
+    install()  # as in ``offer``
     with _lock:
         _prune(time.monotonic())
         room = min(count - sum(entry[0] == key for entry in _offers), MAX_OFFERS - len(_offers))

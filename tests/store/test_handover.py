@@ -218,6 +218,53 @@ def test_a_plain_dataloader_hands_one_offer_to_each_worker(shards, monkeypatch) 
     assert len(handover._offers) == 2 and handover.stats()["handed"] - before["handed"] == 2
 
 
+_FRESH_PLAIN_LOADER = r"""
+import json, os, sys
+import torch.utils.data
+import streamdata as sd
+from streamdata import _fork
+from streamdata.store import handover
+
+spec, out = sys.argv[1], sys.argv[2]
+ds = sd.TarDataset(spec, storage_options=json.loads(os.environ["SD_OPTIONS"]), index=None,
+                   decode=False, max_requests=1)
+offered = [s.getsockname()[1] for _, s, _ in handover._offers]
+
+def report(worker):  # in the child, after FORK-RESET: the connections it may send on
+    with open(f"{out}/worker{worker}.json", "w") as f:
+        json.dump([s.getsockname()[1] for _, s, _ in handover._offers], f)
+
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=report)
+keys = sorted(s["__key__"] for s in loader)
+print(json.dumps({"installed": _fork.installed(), "offered": offered, "keys": keys,
+                  "kept": [s.getsockname()[1] for _, s, _ in handover._offers]}))
+"""
+
+
+def test_a_fresh_process_never_shares_an_offer_between_plain_dataloader_workers(shards, tmp_path) -> None:
+    """FORK-RESET from the first offer: in a fresh interpreter whose only streamdata work before
+    a plain DataLoader forks is the constructor's listing (no iteration, no loop thread), the
+    offers its listing left are still split: each worker holds connections no other process
+    holds (without the reset both workers inherit them all and read each other's answers)."""
+    import json
+    import os
+    import subprocess
+
+    proxy, opts, spec = shards
+    env = {**os.environ, "SD_OPTIONS": json.dumps(opts), "STREAMDATA_SPARE_CONNECTIONS": "3",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = subprocess.run([sys.executable, "-c", _FRESH_PLAIN_LOADER, spec, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["keys"] == KEYS and report["installed"]
+    assert len(report["offered"]) == 4  # the listing's connection and three spares
+    workers = [json.loads((tmp_path / f"worker{w}.json").read_text()) for w in (0, 1)]
+    assert [len(w) for w in workers] == [1, 1]
+    held = workers[0] + workers[1] + report["kept"]
+    assert sorted(held) == sorted(report["offered"])  # every offer in exactly one process
+
+
 def test_a_spare_that_could_not_connect_is_dropped_not_claimed() -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
