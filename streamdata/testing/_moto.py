@@ -101,6 +101,12 @@ def _serve_s3(host: str, port: int, latency: float, ready_file: str | None) -> N
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.create_server((host, port), family=family)
     bound = listener.getsockname()[1]
+    # path-style always, as an S3-compatible store on its own host name (MinIO, Ceph) answers:
+    # moto would take the first label of a dotted host (``bucket.corp.test``, reached through a
+    # proxy) for a bucket name; read by moto's settings at import
+    from streamdata.config import env_setdefault
+
+    env_setdefault("S3_IGNORE_SUBDOMAIN_BUCKETNAME", "true")
 
     from moto.moto_server.werkzeug_app import (
         DomainDispatcherApplication,
