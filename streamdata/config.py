@@ -10,8 +10,8 @@ from typing import Any
 
 from streamdata.errors import SpecError
 
-__all__ = ["OBJECT_MAX_REQUESTS", "UNIT_WINDOW", "FetchConfig", "env_int", "env_setdefault", "env_snapshot",
-           "env_str", "handover", "lite_http", "spare_connections"]
+__all__ = ["OBJECT_MAX_REQUESTS", "PRESIGN_LIFETIME_MAX", "UNIT_WINDOW", "FetchConfig", "env_int",
+           "env_setdefault", "env_snapshot", "env_str", "handover", "lite_http", "spare_connections"]
 
 MiB = 1 << 20
 
@@ -21,6 +21,8 @@ MiB = 1 << 20
 # either way. ObjectDataset fetches a whole batch's objects at once.
 UNIT_WINDOW = 16
 OBJECT_MAX_REQUESTS = 64
+# S3 refuses a SigV4 presigned URL signed for longer than 7 days (FetchConfig.presign_lifetime)
+PRESIGN_LIFETIME_MAX = 7 * 24 * 3600
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -117,6 +119,12 @@ class FetchConfig:
                   rank of a node.
     cache_limit:  bytes the cache directory may hold (least recently used entries are evicted);
                   ``None``: no limit but the disk's (a full disk degrades to streaming).
+    presign_lifetime: seconds an S3 presigned GET URL is signed for (``X-Amz-Expires``;
+                  PRESIGN-LIFETIME in ``store.presigned``): whole seconds, 1 to 604800 (7 days,
+                  S3's longest). A URL is re-signed once half of it has passed, or sooner where
+                  the credentials that signed it expire sooner. 900 s (15 min): well under the
+                  hour that temporary credentials typically live, so a URL leaked into a log or
+                  an error message is worth little.
     """
 
     window: int = 32
@@ -132,8 +140,16 @@ class FetchConfig:
     timeout: float = 60.0
     cache_dir: str | None = None
     cache_limit: int | None = None
+    presign_lifetime: int = 900
 
     def __post_init__(self) -> None:
+        life: Any = self.presign_lifetime
+        if isinstance(life, float) and life.is_integer():
+            life = int(life)
+            object.__setattr__(self, "presign_lifetime", life)
+        if isinstance(life, bool) or not isinstance(life, int) or not 1 <= life <= PRESIGN_LIFETIME_MAX:
+            raise SpecError(f"FetchConfig.presign_lifetime (STREAMDATA_PRESIGN_LIFETIME) must be whole "
+                            f"seconds from 1 to {PRESIGN_LIFETIME_MAX} (7 days, S3's longest), got {life!r}")
         if self.cache_dir is not None:
             if not isinstance(self.cache_dir, (str, os.PathLike)):
                 raise SpecError(f"FetchConfig.cache_dir must be a path or None, got {self.cache_dir!r}")
@@ -193,7 +209,7 @@ class FetchConfig:
     @classmethod
     def from_env(cls) -> FetchConfig:
         """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET /
-        _BYTE_BUDGET_MAX and STREAMDATA_CACHE_DIR / _CACHE_LIMIT."""
+        _BYTE_BUDGET_MAX, STREAMDATA_CACHE_DIR / _CACHE_LIMIT and STREAMDATA_PRESIGN_LIFETIME."""
         base = cls()
         return base.replace(**{field: (env_str if field in _ENV_STR else env_int)(name, getattr(base, field))
                                for field, name in _ENV.items()})
@@ -202,5 +218,6 @@ class FetchConfig:
 _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
         "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET",
         "byte_budget_max": "STREAMDATA_BYTE_BUDGET_MAX",
-        "cache_dir": "STREAMDATA_CACHE_DIR", "cache_limit": "STREAMDATA_CACHE_LIMIT"}
+        "cache_dir": "STREAMDATA_CACHE_DIR", "cache_limit": "STREAMDATA_CACHE_LIMIT",
+        "presign_lifetime": "STREAMDATA_PRESIGN_LIFETIME"}
 _ENV_STR = {"cache_dir"}  # read as text; the others as integers

@@ -43,6 +43,8 @@ __all__ = [
     "FetchTimeoutError",
     "FormatError",
     "NameResolutionError",
+    "ProxyAuthError",
+    "ProxyError",
     "ShardFetchError",
     "ShardNotFoundError",
     "SharedMemoryError",
@@ -215,7 +217,9 @@ class TransportError(StreamDataError, OSError):
         +-- TransportTimeoutError (TimeoutError)      retried: "timeout": no connection or no
         |                                             bytes within the timeout
         +-- CertificateError (ssl.SSLCertVerificationError)  NOT retried: the server's TLS
-                                                      certificate is not trusted
+        |                                             certificate is not trusted
+        +-- ProxyError (ConnectionError)              the forward proxy would not open the way
+            +-- ProxyAuthError (PermissionError)      NOT retried: the proxy wants credentials
     """
 
 
@@ -249,4 +253,13 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 class CertificateError(TransportError, ssl.SSLCertVerificationError):
     """The server's TLS certificate failed verification: a retry cannot fix it. Trust its CA
-    (``SSL_CERT_FILE``) or fix the endpoint."""
+    (``AWS_CA_BUNDLE``, ``REQUESTS_CA_BUNDLE``, ``SSL_CERT_FILE``, or ``verify=`` in the storage
+    options) or fix the endpoint."""
+
+
+class ProxyError(TransportError, ConnectionError):
+    """The forward proxy answered a ``CONNECT`` with an error (it could not reach the host)."""
+
+
+class ProxyAuthError(ProxyError, PermissionError):
+    """The forward proxy asked for credentials (407): give them in the proxy's URL."""

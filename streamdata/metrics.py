@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CACHE_EVENTS", "COUNTERS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "RESIGN_REASONS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -27,6 +27,10 @@ RETRY_REASONS = ("throttled", "server", "timeout", "connection", "short", "other
 # teed), entries evicted under cache_limit, entries found corrupt (deleted, re-fetched), and
 # OSErrors (the first one of a process stops its writing to the cache)
 CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
+# why a presigned S3 URL was signed again (store.presigned): it reached half its lifetime or
+# its credentials' expiry ("age"), an answer said it or its token expired ("expired"), or a
+# reused URL was refused once (credentials rotated: "refused")
+RESIGN_REASONS = ("age", "expired", "refused")
 # every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
 # (drop_last), summed over epochs (streamdata.epoch.plan); resumed.reread: samples read again after a
@@ -34,7 +38,7 @@ CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
-            *(f"cache.{e}" for e in CACHE_EVENTS))
+            *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

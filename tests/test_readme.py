@@ -261,6 +261,24 @@ def test_gpu_feed_recipe(aws):
     assert all(b["npy"].device.type == want for b in seen)
 
 
+def test_networks_recipe(aws):
+    """Through a real forward proxy (CONNECT), the only way to the name, to a TLS front whose
+    certificate only the recipe's CA file trusts; botocore signs (keys from the environment)."""
+    from streamdata.testing import ForwardProxy, TLSFront
+
+    server, _, data = aws
+    code = _blocks("### Networks: proxies and private certificates")[0]
+    with ForwardProxy({"s3.corp.example": "127.0.0.1"}) as proxy, \
+            TLSFront(server.endpoint_url, names=["s3.corp.example"]) as front:
+        code = (code.replace("https://s3.corp.example", f"https://s3.corp.example:{front.port}")
+                .replace("http://proxy.corp.example:3128", proxy.url)
+                .replace("/etc/ssl/certs/corp-ca.pem", front.ca_file))
+        _, seen = _run(code)
+    assert sorted(s["__key__"] for s in seen) == sorted(_keys(data["train"]))
+    assert any(method == "CONNECT" and target.startswith("s3.corp.example:")
+               for method, target in proxy.requests)
+
+
 def test_errors_recipe(aws, capsys):
     _, _, data = aws
     code = _blocks("### Errors")[0]

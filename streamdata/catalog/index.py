@@ -31,6 +31,9 @@ from streamdata.catalog.specs import Spec, expand_spec, listing_deadline
 from streamdata.config import FetchConfig
 from streamdata.errors import (
     AccessDeniedError,
+    CertificateError,
+    ProxyAuthError,
+    ShardFetchError,
     ShardNotFoundError,
     SpecError,
     StaleIndexError,
@@ -229,6 +232,14 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
         warnings.warn(f"could not read the sample index at {shown} (access denied: {exc.message[:200]}); "
                       "reading without it (index=None skips the lookup)", stacklevel=2)
         return None
+    except ShardFetchError as exc:
+        if not auto or not isinstance(exc.__cause__, (CertificateError, ProxyAuthError)):
+            raise
+        # the shards' own host refused us in a way no retry or index fixes: say so of the
+        # shards, which the user named, not of an index file looked up on their behalf
+        first = shards[0].url
+        raise ShardFetchError(f"cannot read {redact_url(first)} ({len(shards)} shards): "
+                              f"{exc.__cause__}", url=first) from exc.__cause__
     if entries is None:
         if auto:
             return None

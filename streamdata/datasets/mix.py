@@ -133,6 +133,11 @@ class Mix(torch.utils.data.IterableDataset):
         """The sources' retried requests, per reason, summed."""
         return _summed(s.retried for s in self.sources)
 
+    @property
+    def resigned(self) -> dict[str, int]:
+        """The sources' presigned URLs signed again, per reason, summed."""
+        return _summed(s.resigned for s in self.sources)
+
     # ---- the state -------------------------------------------------------------------
 
     def describe(self) -> dict:

@@ -53,6 +53,12 @@ class ObjectDataset(torch.utils.data.Dataset):
         return self._counters.snapshot("retried.")
 
     @property
+    def resigned(self) -> dict[str, int]:
+        """Presigned S3 URLs signed again so far, per reason, over every worker
+        (``metrics.RESIGN_REASONS``: age, expired, refused)."""
+        return self._counters.snapshot("resigned.")
+
+    @property
     def counts(self) -> dict[str, int]:
         """Every counter (``retried.*``, ``cache.*``), over every worker."""
         return self._counters.snapshot()

@@ -150,6 +150,12 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         return self._counters.snapshot("retried.")
 
     @property
+    def resigned(self) -> dict[str, int]:
+        """Presigned S3 URLs signed again so far, per reason, over every worker
+        (``metrics.RESIGN_REASONS``: age, expired, refused)."""
+        return self._counters.snapshot("resigned.")
+
+    @property
     def counts(self) -> dict[str, int]:
         """Every counter (``skipped.*``, ``retried.*``, ``accepted.*``, ``budget.grown``, ...:
         ``metrics.COUNTERS``), over every worker."""

@@ -12,22 +12,25 @@ import logging
 import random
 import time
 import types
+import urllib.parse
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from streamdata.config import env_snapshot
+from streamdata.config import env_snapshot, env_str
 from streamdata.errors import (
     AccessDeniedError,
     BackendMissingError,
     CertificateError,
     FetchTimeoutError,
+    ProxyAuthError,
     ShardFetchError,
     ShardNotFoundError,
     SpecError,
     StreamDataError,
     TransportError,
 )
+from streamdata.store.network import certificate_hint, network_for
 from streamdata.store.session import transport_error
 
 __all__ = ["call_with_deadline", "close_filesystem", "close_sessions", "filesystem", "inherited_signer",
@@ -63,6 +66,7 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     options = dict(cls._get_kwargs_from_urls(url)) if url else {}
     options.update(storage_options or {})
     options.update(extra)
+    options = _networked(protocol, options, url)
     if timeout is not None:
         options = _bounded(protocol, options, timeout)
     if protocol in ("s3", "s3a") and not {"session", "profile"} & set(options):
@@ -94,6 +98,81 @@ def _one_try_per_gcs_request(fs: Any) -> None:
     raw = getattr(type(fs)._request, "__wrapped__", None)
     if raw is not None:
         fs._request = types.MethodType(raw, fs)
+
+
+def _networked(protocol: str, options: dict[str, Any], url: str | None) -> dict[str, Any]:
+    """``options`` saying to the backend's own client what ``network`` decides for ours
+    (PROXY-ROUTE, TRUST), in the words that client takes; what the user set is kept.
+
+    - s3 (botocore): ``proxies``/``verify`` given at the top go where s3fs passes them on
+      (``config_kwargs["proxies"]``, ``client_kwargs["verify"]``); botocore reads
+      ``HTTP(S)_PROXY``/``NO_PROXY`` and ``AWS_CA_BUNDLE`` itself; ``ALL_PROXY`` and
+      ``REQUESTS_CA_BUNDLE``, which it does not read, are given to it explicitly;
+    - gs (gcsfs) and http(s) (fsspec's HTTP), both aiohttp: the environment's proxies through
+      ``trust_env`` (aiohttp reads ``HTTP(S)_PROXY`` and ``NO_PROXY``), those of the options
+      as the session's or the requests' ``proxy``; a CA bundle or ``verify=False`` as the
+      requests' ``ssl`` (fsspec's HTTP; gcsfs takes no per-request options: there the system's
+      store, ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` apply).
+    """
+    if protocol not in ("s3", "s3a", "gs", "gcs", "http", "https"):
+        return options
+    net = network_for(options, protocol)
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        client = dict(options.get("client_kwargs") or {})
+        top = options.pop("proxies", None)
+        if top is not None:
+            config.setdefault("proxies", top)
+        elif "proxies" not in config and net.proxied and not any(
+                env_str(name) for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY")):
+            config["proxies"] = {scheme: route for scheme in ("http", "https")
+                                 if (route := net.proxy_url(scheme)) is not None}  # ALL_PROXY
+        if "verify" in options:
+            client.setdefault("verify", options.pop("verify"))
+        elif "verify" not in client and net.bundle_source == "REQUESTS_CA_BUNDLE":
+            client["verify"] = net.bundle
+        if config:
+            options["config_kwargs"] = config
+        if client:
+            options["client_kwargs"] = client
+        return options
+    given = any("proxies" in holder for holder in (options, options.get("config_kwargs") or {},
+                                                   options.get("client_kwargs") or {}))
+    options.pop("proxies", None)
+    if protocol in ("gs", "gcs"):
+        where = str(options.get("endpoint_url") or "https://storage.googleapis.com")
+    else:
+        where = url if url and "://" in url else f"{protocol}://localhost"
+    proxy = net.proxy(where) if given else None
+    verify = options.pop("verify", None)
+    if protocol in ("gs", "gcs"):
+        session = dict(options.get("session_kwargs") or {})
+        if proxy is not None:
+            session.setdefault("proxy", f"http://{proxy.host}:{proxy.port}")
+            if proxy.user is not None:
+                import aiohttp
+
+                user, _, password = proxy.basic_credentials().partition(":")
+                session.setdefault("proxy_auth", aiohttp.BasicAuth(user, password))
+        elif not given:
+            session.setdefault("trust_env", True)
+        options["session_kwargs"] = session
+        return options
+    client = dict(options.get("client_kwargs") or {})
+    client.pop("proxies", None)
+    if proxy is not None:
+        options.setdefault("proxy", f"http://{proxy.host}:{proxy.port}")
+        if proxy.authorization:
+            headers = dict(options.get("proxy_headers") or {})
+            headers.setdefault("Proxy-Authorization", proxy.authorization)
+            options["proxy_headers"] = headers
+    elif not given:
+        client.setdefault("trust_env", True)
+    if verify is False or net.bundle is not None:
+        options.setdefault("ssl", net.ssl_context(where))
+    options["client_kwargs"] = client
+    return options
 
 
 def _bounded(protocol: str, options: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -295,9 +374,16 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
     name = type(exc).__name__
     text = str(exc)
     status = getattr(exc, "code", None) or getattr(exc, "status", None)  # gcsfs, aiohttp
+    if isinstance(exc, (CertificateError, ProxyAuthError)):  # permanent; the text says what to do
+        if isinstance(exc, CertificateError) and "a retry cannot fix this" not in text:
+            host = urllib.parse.urlsplit(exc.url or url).hostname or url
+            text += "; " + certificate_hint(host)
+        err: StreamDataError = ShardFetchError(f"cannot {action} {url}: {text}", url=url)
+        err.__cause__ = exc
+        return err
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text \
             or status == 404:
-        err: StreamDataError = ShardNotFoundError(
+        err = ShardNotFoundError(
             f"cannot {action} {url}: no such bucket or object. Check the bucket name, the key, "
             f"and the endpoint in storage_options ({name}: {text})", url=url)
     elif isinstance(exc, PermissionError) or "Credentials" in name or "AccessDenied" in text \
@@ -307,9 +393,6 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
             f"cannot {action} {url}: access denied. Check credentials (storage_options key/secret "
             f"or token, AWS_PROFILE / AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS) and the "
             f"bucket policy ({name}: {text})", url=url)
-    elif isinstance(exc, CertificateError):
-        err = ShardFetchError(f"cannot {action} {url}: the server's TLS certificate failed verification; "
-                              f"trust its CA (SSL_CERT_FILE) or fix the endpoint ({name}: {text})", url=url)
     elif isinstance(exc, TimeoutError) or any("Timeout" in c.__name__ for c in type(exc).__mro__):
         err = FetchTimeoutError(f"cannot {action} {url}: no answer within the timeout ({name}"
                                 f"{': ' + text if text else ''}); check the endpoint and the network",
@@ -323,7 +406,7 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
 def _transient(err: StreamDataError) -> bool:
     """Worth another try: a timeout or a failed request, not a missing object, refused access
     or an untrusted certificate."""
-    if isinstance(err.__cause__, CertificateError):
+    if isinstance(err.__cause__, (CertificateError, ProxyAuthError)):
         return False
     return isinstance(err, FetchTimeoutError) or (
         isinstance(err, ShardFetchError) and not isinstance(err, (ShardNotFoundError, AccessDeniedError)))

@@ -31,6 +31,7 @@ from streamdata.store.backends import (
     translate_error,
 )
 from streamdata.store.loop import LoopThread, wait_threads_gone
+from streamdata.store.network import network_for
 from streamdata.store.presigned import Body, PresignedS3, http_probe
 from streamdata.store.retry import Throttle, backoff_s, classify, retry_after
 
@@ -69,6 +70,7 @@ class ClientStats:
     received: int = 0
     refetched: int = 0
     waited_as_asked: int = 0  # retries that waited as an answer's Retry-After asked
+    resigned: int = 0  # presigned URLs signed again (``presigned``)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -156,10 +158,19 @@ class AsyncClient:
         lite = self._lite()
         if lite is not None:  # LITE-S3: signed here; s3fs is imported only if a GET needs re-signing
             self._presigned = PresignedS3(None, self.config.max_requests, lite, lite=True,
-                                           make_fs=self._full_fs, timeout=self.config.timeout)
+                                           make_fs=self._full_fs, timeout=self.config.timeout,
+                                           lifetime=self.config.presign_lifetime, on_resign=self._resigned,
+                                           network=network_for(self._options, self.protocol))
             self._fs = _LitePaths()
             return self._fs
         return await self._full_fs()
+
+    def _resigned(self, why: str) -> None:
+        """A presigned URL signed again (``metrics.RESIGN_REASONS``); on the loop's thread, which
+        also writes ``retried.*`` (ONE-WRITER-PER-ROW holds)."""
+        self.stats.add(resigned=1)
+        if self.counters is not None:
+            self.counters.add(f"resigned.{why}")
 
     async def _full_fs(self) -> Any:
         import fsspec
@@ -192,7 +203,9 @@ class AsyncClient:
             self._executor = ThreadPoolExecutor(self.config.max_requests,
                                                 thread_name_prefix="streamdata-fileio")
         if fast and self._presigned is None:
-            self._presigned = PresignedS3(fs, self.config.max_requests, signer)
+            self._presigned = PresignedS3(fs, self.config.max_requests, signer,
+                                           lifetime=self.config.presign_lifetime, on_resign=self._resigned,
+                                           network=network_for(self._options, self.protocol))
         if self._fs is None:
             self._fs = fs
         else:  # LITE-S3's fallback: closed with the client

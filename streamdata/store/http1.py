@@ -27,7 +27,12 @@ released. Rules, each a test in tests/store/test_h1.py:
 - a new plain-http connection is first claimed from ``handover`` (WARM-HANDOVER): an idle
   one the constructor left (``adopted``, not ``opened``);
 - ``connect_ahead`` opens connections before the requests that will use them (CONNECT-AHEAD):
-  a reader's window goes out on connections already open, one round trip earlier.
+  a reader's window goes out on connections already open, one round trip earlier;
+- a pool made with a ``network.Network`` goes through the proxy it names for each URL
+  (PROXY-ROUTE): ``http://`` as absolute-form requests on a connection to the proxy,
+  ``https://`` through a ``CONNECT`` tunnel, TLS then started inside it; such connections are
+  never claimed from ``handover`` (those go direct). TLS verifies with the network's context
+  (TRUST); a certificate that fails is a ``CertificateError`` whose message says what to do.
 """
 
 from __future__ import annotations
@@ -43,12 +48,15 @@ from typing import Any
 from streamdata.errors import (
     BadResponseError,
     ConnectionLostError,
+    ProxyAuthError,
+    ProxyError,
     ShortBodyError,
     TransportError,
     TransportTimeoutError,
 )
 from streamdata.store.handover import claim, waiting
-from streamdata.store.session import transport_error
+from streamdata.store.network import Network, Proxy
+from streamdata.store.session import connect_error, transport_error
 
 __all__ = ["MAX_HEAD", "MAX_HEADERS", "Headers", "Pool", "Response", "default_ssl_context"]
 
@@ -222,8 +230,10 @@ class Pool:
     """Keep-alive connections for one event loop: at most ``limit`` in use at once. A
     ``session.Session``."""
 
-    def __init__(self, limit: int, timeout: float, ssl_context: Any = None) -> None:
+    def __init__(self, limit: int, timeout: float, ssl_context: Any = None, *,
+                 network: Network | None = None) -> None:
         self.limit, self.timeout, self._ssl = limit, timeout, ssl_context
+        self.network = network  # PROXY-ROUTE and TRUST; None: direct, the default context
         self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
         self._slots: asyncio.Semaphore | None = None
         self._busy: set[_Conn] = set()
@@ -248,8 +258,14 @@ class Pool:
         key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         host = parts.netloc.rpartition("@")[2]
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        proxy = self._proxy(key)
+        via: list[str] = []
+        if proxy is not None and parts.scheme == "http":  # absolute-form, to the proxy
+            target = f"http://{host}{target}"
+            if proxy.authorization:
+                via = [f"Proxy-Authorization: {proxy.authorization}"]
         lines = [f"GET {target} HTTP/1.1", f"Host: {host}", "Accept-Encoding: identity",
-                 "User-Agent: streamdata", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+                 "User-Agent: streamdata", *via, *(f"{k}: {v}" for k, v in headers.items()), "", ""]
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
         try:
@@ -261,7 +277,7 @@ class Pool:
         conn = None
         try:
             conn = self._reuse(key)
-            if conn is None and not waiting(key):  # a handed-over connection goes first
+            if conn is None and (proxy is not None or not waiting(key)):  # a handed-over one goes first
                 conn = await self._take_ahead(key)
             if conn is None:
                 self._opening[key] = self._opening.get(key, 0) + 1  # counted by connect_ahead
@@ -344,14 +360,27 @@ class Pool:
         conn.abort()
         return None
 
+    def _proxy(self, key: tuple[str, str, int]) -> Proxy | None:
+        return None if self.network is None else self.network.proxy(f"{key[0]}://{key[1]}:{key[2]}")
+
+    def _tls(self, origin: str) -> Any:
+        if self._ssl is not None:
+            return self._ssl
+        return self.network.ssl_context(origin) if self.network is not None else default_ssl_context()
+
     async def _connect(self, key: tuple[str, str, int], handed: bool = True) -> _Conn:
         scheme, hostname, port = key
-        tls = (self._ssl or default_ssl_context()) if scheme == "https" else None
+        origin = f"{scheme}://{hostname}:{port}"
+        tls = self._tls(origin) if scheme == "https" else None
+        proxy = self._proxy(key)
+        if proxy is not None:
+            conn = await self._through(proxy, key, tls)
+            self.opened += 1
+            return conn
         loop = asyncio.get_running_loop()
         # WARM-HANDOVER: the constructor's idle one (not for CONNECT-AHEAD: a request takes it)
         sock = claim(key) if tls is None and handed else None
         where = {"sock": sock} if sock is not None else {"host": hostname, "port": port}
-        origin = f"{scheme}://{hostname}:{port}"
         try:
             async with asyncio.timeout(self.timeout):
                 _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), **where,
@@ -360,12 +389,58 @@ class Pool:
             raise TransportTimeoutError(f"connecting to {origin} took over {self.timeout:g} s",
                                         url=origin) from None
         except OSError as exc:  # refused, unreachable, a name not resolved, a TLS handshake
-            raise transport_error(exc, origin) from exc
+            raise connect_error(exc, origin, self.network) from exc
         if sock is not None:
             self.adopted += 1
         else:
             self.opened += 1
         return conn
+
+    async def _through(self, proxy: Proxy, key: tuple[str, str, int], tls: Any) -> _Conn:
+        """A connection to ``key`` by way of ``proxy`` (PROXY-ROUTE): to the proxy itself for
+        http (absolute-form requests follow), a ``CONNECT`` tunnel with TLS inside for https."""
+        scheme, hostname, port = key
+        origin = f"{scheme}://{hostname}:{port}"
+        via = f" through proxy {proxy.shown} ({proxy.source})"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout):
+                _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout),
+                                                       host=proxy.host, port=proxy.port)
+                if tls is None:
+                    return conn
+                try:
+                    auth = [f"Proxy-Authorization: {proxy.authorization}"] if proxy.authorization else []
+                    authority = f"[{hostname}]:{port}" if ":" in hostname else f"{hostname}:{port}"
+                    conn.transport.write("\r\n".join([f"CONNECT {authority} HTTP/1.1", f"Host: {authority}",
+                                                        *auth, "", ""]).encode("latin-1"))
+                    head = await conn.read_until(b"\r\n\r\n", MAX_HEAD, "response head")
+                    match = _STATUS.match(head)
+                    status = int(match.group(2)) if match else 0
+                    if status == 407:
+                        raise ProxyAuthError(
+                            f"the proxy {proxy.shown} ({proxy.source}) refused CONNECT {authority}: 407 "
+                            "Proxy Authentication Required; give the proxy's user and password in its "
+                            "URL (http://user:password@host:port)", url=origin)
+                    if not 200 <= status < 300:
+                        line = head.split(b"\r\n", 1)[0][:80].decode("latin-1", "replace")
+                        raise ProxyError(f"the proxy {proxy.shown} ({proxy.source}) answered CONNECT "
+                                         f"{authority} with {line!r}", url=origin)
+                    if conn.chunks:
+                        raise BadResponseError(f"the proxy {proxy.shown} sent bytes after its CONNECT "
+                                               "answer", url=origin)
+                    conn.transport = await loop.start_tls(conn.transport, conn, tls, server_hostname=hostname)
+                except BaseException:
+                    conn.abort()
+                    raise
+                return conn
+        except TimeoutError:
+            raise TransportTimeoutError(f"connecting to {origin}{via} took over {self.timeout:g} s",
+                                        url=origin) from None
+        except TransportError:
+            raise
+        except OSError as exc:
+            raise connect_error(exc, origin, self.network, via) from exc
 
     async def _response(self, conn: _Conn) -> Response:
         host = conn.key[1]

@@ -4,15 +4,42 @@ pool, ``http1``, or aiohttp's, adapted).
 What one ranged GET has received is kept in a ``Body`` across its tries (RESUME, see
 ``client.AsyncClient.get``); a size probe's answer carries the object's size in its
 ``Content-Range`` (HEAD-START, see ``client.AsyncClient.size``).
+
+Rules for presigned URLs (``PresignedS3``):
+
+- PRESIGN-LIFETIME: a URL is signed for ``lifetime`` seconds (``FetchConfig.presign_lifetime``)
+  and reused for the same object only while less than half of that has passed since the
+  moment it carries, in whole seconds as the server counts (SigV4's ``X-Amz-Date``; SigV2's
+  ``Expires`` less the lifetime: botocore's S3 presigner signs SigV2 unless told
+  ``signature_version="s3v4"``), and never past ``CREDENTIALS_MARGIN`` before the expiry of
+  the botocore credentials that signed it (temporary credentials: assume-role,
+  ``credential_process``, web identity, container or instance metadata). Wall-clock time,
+  as the server's check. A URL without a signature (anonymous access) never expires.
+- RESIGN-ON-STALE: an answer that says the URL's signature or credentials are no longer good
+  (S3's ``AccessDenied`` "Request has expired", ``ExpiredToken``, ``TokenRefreshRequired``,
+  ``SignatureDoesNotMatch``; 400 or 403) drops the URL and re-signs once: botocore refreshes
+  refreshable credentials when the signer asks for them, and LITE-S3's static keys sign anew
+  with a fresh timestamp. Still refused after that, it is an ``AccessDeniedError``, not retried.
+  Any other ``AccessDenied`` to a LITE-S3 URL is the object's answer (``_not_the_signature``).
+- RESIGN-COUNTED: every re-sign is counted, by why: ``"age"`` (PRESIGN-LIFETIME), ``"expired"``
+  (RESIGN-ON-STALE), ``"refused"`` (another refusal of a URL signed earlier, or of the inherited
+  signer's URL: once, with the filesystem's own client), in ``PresignedS3.resigned`` and
+  ``resigned_by`` and through the ``on_resign`` callback (the client's counters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import calendar
+import datetime
+import math
 import re
 import time
+import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
+from streamdata.store.network import Network
 from streamdata.store.retry import parse_retry_after
 from streamdata.store.session import AiohttpSession, Session
 
@@ -54,14 +81,29 @@ class PresignedS3:
     library only: no aiohttp import, 0.3 s), unless ``config.lite_http()`` says otherwise; with
     a botocore signer aiohttp is imported already (aiobotocore needs it) and is used, through
     ``session.AiohttpSession``. Either way the same contract, the same error types.
+
+    URLs expire and are re-signed, and every re-sign is counted: PRESIGN-LIFETIME,
+    RESIGN-ON-STALE and RESIGN-COUNTED in the module's docstring. ``lifetime``: seconds a URL
+    is signed for (``None``: ``FetchConfig``'s default); ``on_resign(why)`` is called on every
+    re-sign, on the loop's thread.
     """
 
-    LIFETIME = 3600
-
     def __init__(self, fs: Any, max_requests: int, signer: Any = None, *, make_fs: Any = None,
-                 lite: bool = False, timeout: float = 60.0) -> None:
-        from streamdata.config import lite_http
+                 lite: bool = False, timeout: float = 60.0, lifetime: int | None = None,
+                 on_resign: Callable[[str], None] | None = None, network: Network | None = None) -> None:
+        from streamdata.config import PRESIGN_LIFETIME_MAX, FetchConfig, lite_http
+        from streamdata.errors import SpecError
 
+        if lifetime is None:
+            lifetime = FetchConfig.presign_lifetime
+        if isinstance(lifetime, bool) or not isinstance(lifetime, int) \
+                or not 1 <= lifetime <= PRESIGN_LIFETIME_MAX:
+            raise SpecError(f"FetchConfig.presign_lifetime must be whole seconds from 1 to "
+                            f"{PRESIGN_LIFETIME_MAX}, got {lifetime!r}")
+        self.lifetime = lifetime
+        self.on_resign = on_resign
+        self.resigned = 0  # RESIGN-COUNTED: every re-sign
+        self.resigned_by: dict[str, int] = {}  # ... by why: "age", "expired", "refused"
         self.fs = fs  # None with a LITE-S3 signer: ``make_fs()`` builds it if ever needed
         self._make_fs = make_fs
         self.signer = signer  # an inherited client (SIGNER-REUSE in backends), else the fs's own
@@ -71,28 +113,40 @@ class PresignedS3:
         if lite and lite_http():
             from streamdata.store.http1 import Pool
 
-            self.session = Pool(max_requests, timeout)
+            self.session = Pool(max_requests, timeout, network=network)
         else:
-            self.session = AiohttpSession.new(max_requests)
-        self._urls: dict[str, tuple[str, float, bool]] = {}  # path: (url, re-sign after, inherited)
+            self.session = AiohttpSession.new(max_requests, network)
+        # path: (url, re-sign once time.time() reaches this, inherited signer made it)
+        self._urls: dict[str, tuple[str, float, bool]] = {}
         self._own_client = asyncio.Lock()  # older s3fs builds several clients if raced
 
-    async def _url(self, path: str) -> tuple[str, bool]:
-        """A presigned URL for ``path`` and whether the inherited signer made it."""
-        loop = asyncio.get_running_loop()
+    def _count(self, why: str) -> None:
+        """RESIGN-COUNTED."""
+        self.resigned += 1
+        self.resigned_by[why] = self.resigned_by.get(why, 0) + 1
+        if self.on_resign is not None:
+            self.on_resign(why)
+
+    async def _url(self, path: str) -> tuple[str, bool, bool]:
+        """A presigned URL for ``path``, whether the inherited signer made it, and whether it
+        was signed before (reused, not signed for this request)."""
         hit = self._urls.get(path)
-        if hit is not None and hit[1] > loop.time():
-            return hit[0], hit[2]
+        if hit is not None:
+            # wall clock, not the loop's: the server checks the URL's X-Amz-Date against its own
+            if time.time() < hit[1]:
+                return hit[0], hit[2], True
+            self._count("age")  # PRESIGN-LIFETIME
+        signed_at = time.time()
         if self.fs is None:
             bucket, _, key = path.partition("/")
         else:
             bucket, key, _ = self.fs.split_path(path)
         params = {"Bucket": bucket, "Key": key}
-        url, inherited = None, self.signer is not None
+        url, inherited, client = None, self.signer is not None, self.signer
         if self.signer is not None:
             try:
                 url = await self.signer.generate_presigned_url("get_object", Params=params,
-                                                               ExpiresIn=self.LIFETIME)
+                                                               ExpiresIn=self.lifetime)
             except Exception:  # e.g. refreshable credentials bound to the parent's loop
                 self.signer, inherited = None, False
         if url is None:
@@ -102,9 +156,23 @@ class PresignedS3:
                 await self.fs.set_session()  # builds the fs's own client on first use, once
             client = await self.fs.get_s3(bucket)
             url = await client.generate_presigned_url("get_object", Params=params,
-                                                      ExpiresIn=self.LIFETIME)
-        self._urls[path] = (url, loop.time() + self.LIFETIME / 2, inherited)
-        return url, inherited
+                                                      ExpiresIn=self.lifetime)
+        self._urls[path] = (url, self._reuse_until(url, client, signed_at), inherited)
+        return url, inherited, False
+
+    def _reuse_until(self, url: str, signer: Any, signed_at: float) -> float:
+        """The wall-clock time from which ``url`` is no longer reused (PRESIGN-LIFETIME)."""
+        if "Signature=" not in url:  # anonymous: nothing in it expires
+            return math.inf
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+        born = _signed_at(query, self.lifetime)
+        # the URL's life counts from the moment it carries, whole seconds: up to 1 s before
+        # signed_at, so that is where half of it is counted from, not from signed_at
+        until = (math.floor(signed_at) if born is None else born) + self.lifetime / 2
+        expiry = _credentials_expiry(signer, query)
+        if expiry is not None:
+            until = min(until, expiry - CREDENTIALS_MARGIN)
+        return until
 
     async def cat_file(self, path: str, start: int, end: int | None, body: Body, *,
                        probe: bool = False) -> int | None:
@@ -115,9 +183,9 @@ class PresignedS3:
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        stale: str | None = None
         for attempt in range(2):
-            cached = path in self._urls
-            url, inherited = await self._url(path)
+            url, inherited, reused = await self._url(path)
             async with self.session.get(url, headers, self.timeout) as resp:
                 status = resp.status
                 total = content_total(resp.headers.get("Content-Range"))
@@ -129,16 +197,31 @@ class PresignedS3:
                 data = await resp.read()
             if probe and status == 416 and total is not None:
                 return total
-            if attempt == 0 and ((status == 403 and cached) or (
+            stale = stale_answer(status, data)
+            if attempt == 0 and stale is not None:
+                # RESIGN-ON-STALE: a fresh signature (and credentials, where they refresh)
+                # fixes this. LITE-S3 signs again itself: its keys are the options' own and a
+                # new timestamp is what helps; but a URL of its own that never worked may be
+                # signed wrong (a region it guessed), so that one goes to botocore, as below.
+                # An inherited botocore signer is dropped: the filesystem's own client
+                # resolves the credentials anew
+                self._urls.pop(path, None)
+                if inherited and not (self.lite and (reused or stale != "SignatureDoesNotMatch")):
+                    self.signer = None
+                self._count("expired")
+                continue
+            if attempt == 0 and ((status == 403 and reused) or (
                     inherited and 300 <= status < 500 and status != 429
                     and not (self.lite and _not_the_signature(status, data)))):
-                # temporary credentials may have rotated; or the inherited signer does not
-                # fit this process (other credentials, endpoint or region from the
-                # environment: a redirect or a 4xx): re-sign once, with the filesystem's own
-                # client. 429 and 5xx are the server's trouble, not the signature's
+                # temporary credentials may have rotated (an answer that does not say so); or
+                # the inherited signer does not fit this process (other credentials, endpoint
+                # or region from the environment: a redirect or a 4xx): re-sign once, with the
+                # filesystem's own client. 429 and 5xx are the server's trouble, not the
+                # signature's
                 self._urls.pop(path, None)
                 if inherited:
                     self.signer = None
+                self._count("refused")
                 continue
             break
         if status == 200:  # a server that ignores Range
@@ -147,8 +230,8 @@ class PresignedS3:
         detail = data[:300].decode("utf-8", "replace")
         if status == 404:
             raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
-        if status == 403:
-            raise PermissionError(f"{path}: HTTP 403 {detail}")
+        if status == 403 or stale is not None:  # S3 says ExpiredToken with a 400
+            raise PermissionError(f"{path}: HTTP {status} {detail}")
         if status == 416:
             raise _status_error(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it "
                                 "is shorter than listed or changed", status, None)
@@ -213,5 +296,72 @@ async def http_probe(fs: Any, url: str, head: int, body: Body) -> int | None:
 def _not_the_signature(status: int, body: bytes) -> bool:
     """An answer to a LITE-S3 URL that re-signing by botocore cannot change: the endpoint is
     the options' own, so a missing object, a range past its end or a refused access (S3's
-    ``AccessDenied``, not ``SignatureDoesNotMatch``) is the object's answer."""
-    return status in (404, 416) or (status == 403 and b"<Code>AccessDenied</Code>" in body)
+    ``AccessDenied``, not ``SignatureDoesNotMatch``) is the object's answer. Not an expired
+    URL's ``AccessDenied`` ("Request has expired"): ``stale_answer`` tells that one."""
+    return status in (404, 416) or (status == 403 and b"<Code>AccessDenied</Code>" in body
+                                    and stale_answer(status, body) is None)
+
+
+# a second: a URL is taken within microseconds of the check and sent at once; what is left
+# covers the trip and a little clock skew. One that still arrives late is answered
+# ExpiredToken and re-signed (RESIGN-ON-STALE)
+CREDENTIALS_MARGIN = 1.0
+
+# S3's error codes that say the signature or its credentials are no longer good: a re-sign
+# fixes them (RESIGN-ON-STALE). SignatureDoesNotMatch: credentials rotated, or a clock moved
+_STALE_CODES = ("ExpiredToken", "TokenRefreshRequired", "SignatureDoesNotMatch")
+_CODE = re.compile(rb"<Code>\s*([A-Za-z]+)\s*</Code>")
+_EXPIRED_MESSAGE = re.compile(rb"<Message>\s*Request has expired", re.IGNORECASE)
+
+
+def stale_answer(status: int, body: bytes) -> str | None:
+    """The S3 error code of an answer that a fresh signature can fix (RESIGN-ON-STALE), or
+    ``None``: ``"ExpiredToken"``, ``"TokenRefreshRequired"``, ``"SignatureDoesNotMatch"``, or
+    ``"RequestExpired"`` for the ``AccessDenied`` whose message is "Request has expired" (an
+    expired URL; any other ``AccessDenied`` is the object's answer). Only a 400 or a 403."""
+    if status not in (400, 403):
+        return None
+    m = _CODE.search(body[:4096])
+    code = m.group(1).decode() if m else None
+    if code == "AccessDenied" and _EXPIRED_MESSAGE.search(body[:4096]):
+        return "RequestExpired"
+    return code if code in _STALE_CODES else None
+
+
+def _signed_at(query: dict[str, list[str]], lifetime: int) -> float | None:
+    """When a presigned URL (its ``query``) says it was signed, as a Unix time, or ``None``:
+    SigV4's ``X-Amz-Date`` (``20240102T030405Z``; LITE-S3's, and botocore's under
+    ``signature_version="s3v4"``), or SigV2's ``Expires`` (the end, a Unix time; what
+    botocore's S3 presigner makes by default) less ``lifetime``."""
+    stamp = (query.get("X-Amz-Date") or [""])[0]
+    end = (query.get("Expires") or [""])[0]
+    try:
+        if stamp:
+            return float(calendar.timegm(time.strptime(stamp, "%Y%m%dT%H%M%SZ")))
+        return float(end) - lifetime if end else None
+    except ValueError:
+        return None
+
+
+def _credentials_expiry(signer: Any, query: dict[str, list[str]]) -> float | None:
+    """When the botocore credentials that signed a URL (its ``query``) expire, as a Unix time;
+    ``None`` where they do not (static keys, LITE-S3) or it cannot be told.
+
+    botocore has no public accessor: ``RefreshableCredentials`` (and aiobotocore's) keep it in
+    ``_expiry_time``, and ``get_frozen_credentials()`` returns keys and token only, so the
+    signer's credentials are read where every botocore since 1.x keeps them, with ``getattr``.
+    They may have been refreshed by another request since this URL was signed: where their
+    key or token is not the URL's, the URL's own expiry is unknown, and it is not reused."""
+    creds = getattr(getattr(signer, "_request_signer", None), "_credentials", None)
+    expiry = getattr(creds, "_expiry_time", None)
+    if not isinstance(expiry, datetime.datetime):
+        return None
+    # SigV4 names them X-Amz-Credential (key/scope) and X-Amz-Security-Token; SigV2
+    # AWSAccessKeyId and x-amz-security-token
+    key = (query.get("X-Amz-Credential") or query.get("AWSAccessKeyId") or [""])[0].split("/", 1)[0]
+    token = (query.get("X-Amz-Security-Token") or query.get("x-amz-security-token") or [""])[0] or None
+    if key != getattr(creds, "_access_key", key) or token != getattr(creds, "_token", token):
+        return 0.0  # refreshed since: re-sign at the next use
+    if expiry.tzinfo is None:  # botocore parses ISO 8601 to an aware time; naive would be UTC
+        expiry = expiry.replace(tzinfo=datetime.UTC)
+    return expiry.timestamp()

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 
 from streamdata.errors import (
     CertificateError,
+    ProxyAuthError,
     ShortBodyError,
     ShortReadError,
     StreamDataError,
@@ -52,7 +53,7 @@ PERMANENT_CODES = ("NoSuchKey", "NoSuchBucket", "NoSuchVersion", "AccessDenied",
 THROTTLE_CODES = ("SlowDown", "Throttl", "TooManyRequests", "RequestLimitExceeded", "rateLimitExceeded",
                   "Reduce your request rate")
 # HTTP statuses that no retry can fix (416: the object is shorter than asked: it changed)
-PERMANENT_STATUS = frozenset({400, 401, 403, 404, 405, 410, 411, 412, 416})
+PERMANENT_STATUS = frozenset({400, 401, 403, 404, 405, 407, 410, 411, 412, 416})
 
 _STATUS_IN_TEXT = re.compile(r"\b(?:HTTP|status(?: code)?)[ :=]*([1-5]\d\d)\b", re.IGNORECASE)
 
@@ -96,7 +97,7 @@ def classify(exc: BaseException) -> str | None:
         return classify(exc.__cause__)
     exc = transport_error(exc)
     if isinstance(exc, TransportError):
-        if isinstance(exc, CertificateError):
+        if isinstance(exc, (CertificateError, ProxyAuthError)):
             return None
         if isinstance(exc, ShortBodyError):
             return "short"

@@ -14,6 +14,11 @@ WARM-HANDOVER (``handover``): on a plain-http endpoint a request starts on an of
 connection when there is one, and a connection whose last answer was read whole and that the
 server keeps alive is offered, not closed, so the next request (a reader's first GET, in this
 process or in the DataLoader worker forked next) skips the TCP handshake.
+
+PROXY-ROUTE and TRUST (``network``): a request goes through the forward proxy the options or
+the environment name for the endpoint (absolute-form for http, a ``CONNECT`` tunnel for
+https) and verifies TLS against the bundle they name; a proxied connection is never offered
+or claimed (those go direct), and no spare is opened for it.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from streamdata.errors import ProxyAuthError, ProxyError
 from streamdata.store.handover import claim, offer, spare, withdraw
+from streamdata.store.network import Network, network_for
+from streamdata.store.session import connect_error
 
 __all__ = ["ENV_NAMES", "LiteS3", "LiteUnsupported"]
 
 _TOP = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
-        "skip_instance_cache", "use_listings_cache"}
-_CLIENT = {"endpoint_url", "region_name"}
-_CONFIG = {"connect_timeout", "read_timeout", "retries", "max_pool_connections", "s3"}
+        "skip_instance_cache", "use_listings_cache", "proxies", "verify"}
+_CLIENT = {"endpoint_url", "region_name", "verify"}
+_CONFIG = {"connect_timeout", "read_timeout", "retries", "max_pool_connections", "s3", "proxies"}
 _REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
 _PROFILE_ENV = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_DEFAULT_PROFILE")  # a region may hide there
 ENV_NAMES = _REGION_ENV + _PROFILE_ENV  # what ``from_options``'s ``env`` holds: a botocore client's reads
@@ -62,7 +70,7 @@ class LiteS3:
     """Signs S3 GETs for one endpoint, region and set of static credentials (or none)."""
 
     def __init__(self, endpoint: str, region: str, key: str | None = None, secret: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, *, network: Network | None = None) -> None:
         parts = urllib.parse.urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise LiteUnsupported(f"endpoint {endpoint!r}")
@@ -74,7 +82,9 @@ class LiteS3:
         self.conn_key = (parts.scheme, parts.hostname, parts.port or default)  # as h1.Pool keys it
         self.base_path = parts.path.rstrip("/")
         self.region = region
-        self.ssl_context: Any = None  # https: None, the default verifying context
+        self.ssl_context: Any = None  # https: None, the network's (TRUST)
+        self.network = network or Network(None, protocol="s3")
+        self.proxy = self.network.proxy(f"{self.scheme}://{self.host}")  # PROXY-ROUTE: None, direct
         self._key, self._secret, self._token = key, secret, token
 
     def __repr__(self) -> str:  # never the secret
@@ -104,7 +114,7 @@ class LiteS3:
             region = "us-east-1"
         try:
             return cls(endpoint, str(region), None if anon else key, None if anon else secret,
-                       None if anon else options.get("token"))
+                       None if anon else options.get("token"), network=network_for(options, "s3"))
         except LiteUnsupported:
             return None
 
@@ -171,8 +181,8 @@ class LiteS3:
                 if token:
                     query["continuation-token"] = token
                 resp = None  # until this page's answer is read, the connection is in no state to offer
-                conn.request("GET", self._target(bucket, "", query))
-                if spares and conn.sock is not None:
+                self._send(conn, self._target(bucket, "", query))
+                if spares and conn.sock is not None and self.proxy is None:
                     spares = False
                     try:
                         started = spare(self.conn_key, conn.sock.getpeername())
@@ -183,6 +193,7 @@ class LiteS3:
                     hook()
                 resp = conn.getresponse()
                 body = resp.read()
+                self._proxy_answer(resp.status, f"s3://{bucket}/{prefix}")
                 if resp.status == 404:
                     raise FileNotFoundError(f"NoSuchBucket: {bucket}: {body[:200]!r}")
                 if 400 <= resp.status < 500 and resp.status not in (408, 429):
@@ -216,12 +227,13 @@ class LiteS3:
         conn = self._connection(timeout)
         resp: http.client.HTTPResponse | None = None
         try:
-            conn.request("GET", self._target(bucket, key))
+            self._send(conn, self._target(bucket, key))
             if while_waiting is not None:
                 while_waiting()
             resp = conn.getresponse()
             body = resp.read()
             what = f"s3://{bucket}/{key}"
+            self._proxy_answer(resp.status, what)
             if resp.status == 404:
                 raise FileNotFoundError(f"{what}: HTTP 404 {body[:200]!r}")
             if 400 <= resp.status < 500 and resp.status not in (408, 429):
@@ -235,13 +247,49 @@ class LiteS3:
     # ---- connections (WARM-HANDOVER) ---------------------------------------------------------
 
     def _target(self, bucket: str, key: str = "", query: Mapping[str, str] | None = None) -> str:
-        url = urllib.parse.urlsplit(self.url(bucket, key, query))
+        signed = self.url(bucket, key, query)
+        if self.proxy is not None and self.scheme == "http":
+            return signed  # absolute-form, for the proxy
+        url = urllib.parse.urlsplit(signed)
         return f"{url.path}?{url.query}" if url.query else url.path
 
+    def _headers(self) -> dict[str, str]:
+        if self.proxy is not None and self.scheme == "http" and self.proxy.authorization:
+            return {"Proxy-Authorization": self.proxy.authorization}
+        return {}
+
+    def _send(self, conn: http.client.HTTPConnection, target: str) -> None:
+        """Send the GET; a failure to connect is raised typed, with what to do about it."""
+        origin = f"{self.scheme}://{self.host}"
+        try:
+            conn.request("GET", target, headers=self._headers())
+        except OSError as exc:
+            via = f" through proxy {self.proxy.shown} ({self.proxy.source})" if self.proxy else ""
+            if self.proxy is not None and str(exc).startswith("Tunnel connection failed"):
+                raise _proxy_refused(self.proxy.shown, self.proxy.source, str(exc), origin) from exc
+            raise connect_error(exc, origin, self.network, via) from exc
+
+    def _proxy_answer(self, status: int, origin: str) -> None:
+        """A proxy's 407 to an absolute-form request: permanent, with what to do."""
+        if status == 407 and self.proxy is not None:
+            raise _proxy_refused(self.proxy.shown, self.proxy.source, "407 Proxy Authentication Required",
+                                 origin)
+
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        """A connection to the endpoint: on plain http an offered idle one where there is one."""
+        """A connection to the endpoint (through the proxy where one routes it); on plain http
+        an offered idle one where there is one."""
+        proxy = self.proxy
         if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, timeout=timeout, context=self.ssl_context)
+            context = self.ssl_context or self.network.ssl_context(f"https://{self.host}")
+            if proxy is None:
+                return http.client.HTTPSConnection(self.host, timeout=timeout, context=context)
+            tunnel = http.client.HTTPSConnection(proxy.host, proxy.port, timeout=timeout, context=context)
+            host, port = self.conn_key[1], self.conn_key[2]
+            tunnel.set_tunnel(host, port, headers={"Proxy-Authorization": proxy.authorization}
+                              if proxy.authorization else None)
+            return tunnel
+        if proxy is not None:
+            return http.client.HTTPConnection(proxy.host, proxy.port, timeout=timeout)
         conn = http.client.HTTPConnection(self.host, timeout=timeout)
         sock = claim(self.conn_key)
         if sock is not None:
@@ -253,8 +301,15 @@ class LiteS3:
         """Close ``conn``, or offer its socket where it may be reused: plain http, its last
         answer read whole, kept alive by the server."""
         sock = conn.sock
-        if (self.scheme == "http" and sock is not None and resp is not None and resp.isclosed()
-                and not resp.will_close):
+        if (self.scheme == "http" and self.proxy is None and sock is not None and resp is not None
+                and resp.isclosed() and not resp.will_close):
             conn.sock = None  # detached: ``close`` below leaves it open
             offer(self.conn_key, sock)
         conn.close()
+
+
+def _proxy_refused(shown: str, source: str, answer: str, url: str) -> ProxyError:
+    if "407" in answer:
+        return ProxyAuthError(f"the proxy {shown} ({source}) refused {url}: {answer}; give the proxy's "
+                              "user and password in its URL (http://user:password@host:port)", url=url)
+    return ProxyError(f"the proxy {shown} ({source}) could not open the way to {url}: {answer}", url=url)

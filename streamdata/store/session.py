@@ -36,8 +36,9 @@ from streamdata.errors import (
     TransportError,
     TransportTimeoutError,
 )
+from streamdata.store.network import Network, certificate_hint, resolution_hint
 
-__all__ = ["AiohttpSession", "Response", "Session", "transport_error"]
+__all__ = ["AiohttpSession", "Response", "Session", "connect_error", "transport_error"]
 
 
 class Response(Protocol):
@@ -65,7 +66,11 @@ class Response(Protocol):
 
 
 class Session(Protocol):
-    """Sends GETs on connections of its own (kept alive, at most ``limit`` in use)."""
+    """Sends GETs on connections of its own (kept alive, at most ``limit`` in use), through
+    the proxies and with the trust its ``network`` decides (PROXY-ROUTE, TRUST in ``network``;
+    ``None``: direct, the system's trust store)."""
+
+    network: Network | None
 
     def get(self, url: str, headers: Mapping[str, str] | None = None,
             timeout: float | None = None) -> AbstractAsyncContextManager[Response]:
@@ -95,18 +100,20 @@ class AiohttpSession:
     its hidden re-send off. ``options``: keyword arguments every request takes (fsspec HTTP's
     ``client_kwargs``: auth, ssl, ...)."""
 
-    def __init__(self, session: Any, options: Mapping[str, Any] | None = None, *, owned: bool = True) -> None:
+    def __init__(self, session: Any, options: Mapping[str, Any] | None = None, *, owned: bool = True,
+                 network: Network | None = None) -> None:
         self.session = session
         self.options = dict(options or {})
         self.owned = owned  # closed by ``close``; a borrowed one (fsspec's) is its owner's to close
+        self.network = network  # PROXY-ROUTE and TRUST (``network``) per request; None: aiohttp's own
         aiohttp_no_hidden_retry(session)
 
     @classmethod
-    def new(cls, limit: int) -> AiohttpSession:
+    def new(cls, limit: int, network: Network | None = None) -> AiohttpSession:
         """A session of its own, at most ``limit`` connections in use."""
         import aiohttp
 
-        return cls(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)))
+        return cls(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)), network=network)
 
     def get(self, url: Any, headers: Mapping[str, str] | None = None,
             timeout: float | None = None) -> _AiohttpGet:
@@ -140,10 +147,19 @@ class _AiohttpGet:
 
             options["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
                                                        sock_read=self.timeout)
+        net = self.owner.network
+        if net is not None:
+            proxy = net.proxy(self.where)
+            if proxy is not None and "proxy" not in options:
+                options["proxy"] = f"http://{proxy.host}:{proxy.port}"
+                if proxy.authorization:
+                    options["proxy_headers"] = {"Proxy-Authorization": proxy.authorization}
+            if self.where.startswith("https:") and "ssl" not in options:
+                options["ssl"] = net.ssl_context(self.where)
         try:
             raw = await self.owner.session.get(self.url, **options)
         except Exception as exc:
-            raise transport_error(exc, self.where) from exc
+            raise connect_error(exc, self.where, net) from exc
         self.resp = _AiohttpResponse(raw, self.where)
         return self.resp
 
@@ -199,6 +215,32 @@ def transport_error(exc: BaseException, url: str | None = None) -> BaseException
         err.errno = code
     err.__cause__ = exc
     return err
+
+
+def connect_error(exc: BaseException, url: str, network: Network | None = None,
+                  via: str = "") -> BaseException:
+    """``transport_error(exc, url)``, its message saying what to do where that is known: an
+    untrusted certificate (``network.certificate_hint``), a host name that does not resolve
+    (``network.resolution_hint``: whether a proxy is configured, which variable routes it).
+    ``via``: how the connection went (" through proxy ..."), for the message."""
+    err = transport_error(exc, url)
+    if not isinstance(err, TransportError) or isinstance(exc, StreamDataError):
+        return err
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or url
+    hint = None
+    if isinstance(err, CertificateError):
+        hint = certificate_hint(host, network)
+    elif isinstance(err, NameResolutionError) and not via:
+        hint = resolution_hint(host, url, network)
+    if not (via or hint):
+        return err
+    text = f"GET {url}{via}: {type(exc).__name__}: {exc}" + (f"; {hint}" if hint else "")
+    hinted = type(err)(text, url=url)
+    hinted.errno = err.errno
+    hinted.__cause__ = exc
+    return hinted
 
 
 def _foreign_kind(exc: BaseException) -> type[TransportError] | None:
