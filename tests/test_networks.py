@@ -160,12 +160,20 @@ def test_https_urls_through_connect(tmp_path, http_server, proxy, env) -> None:
     assert any(method == "CONNECT" and target == f"{NAME}:{front.port}" for method, target in proxy.requests)
 
 
-@pytest.mark.parametrize("trust", ["AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "verify"])
-def test_https_s3_through_connect_with_a_private_ca(s3_shards, proxy, env, trust) -> None:
+@pytest.mark.parametrize(("trust", "keys_from"), [
+    ("AWS_CA_BUNDLE", "options"), ("REQUESTS_CA_BUNDLE", "options"), ("verify", "options"),
+    ("AWS_CA_BUNDLE", "environment"), ("REQUESTS_CA_BUNDLE", "environment")])
+def test_https_s3_through_connect_with_a_private_ca(s3_shards, proxy, env, trust, keys_from) -> None:
+    """Our signer (keys in the options) or botocore's (keys from the environment), through a
+    CONNECT tunnel to a certificate only the named bundle trusts."""
     server, spec, keys = s3_shards
     with TLSFront(server.endpoint_url, names=[NAME]) as front:
         env.setenv("HTTPS_PROXY", proxy.url)
         options = _renamed_options(server, f"https://{NAME}:{front.port}")
+        if keys_from == "environment":
+            env.setenv("AWS_ACCESS_KEY_ID", options.pop("key"))
+            env.setenv("AWS_SECRET_ACCESS_KEY", options.pop("secret"))
+            env.setenv("AWS_DEFAULT_REGION", server.region)
         if trust == "verify":
             options["client_kwargs"] = dict(options["client_kwargs"], verify=front.ca_file)
         else:
@@ -202,6 +210,22 @@ def test_a_name_only_a_proxy_resolves_says_which_variable_routes_it(s3_shards, e
     with pytest.raises(sd.StreamDataError) as caught:
         sd.TarDataset(spec, storage_options=options, fetch_config=sd.FetchConfig(retry_deadline=2))
     assert "HTTP_PROXY" in str(caught.value) and NAME in str(caught.value)
+
+
+def test_https_through_an_authenticating_proxy(s3_shards, env) -> None:
+    """The CONNECT carries Proxy-Authorization (our HTTP/1.1 client and the listing's)."""
+    server, spec, keys = s3_shards
+    with ForwardProxy({NAME: "127.0.0.1"}, auth=("alice", "s3cr3t-pw")) as guarded, \
+            TLSFront(server.endpoint_url, names=[NAME]) as front:
+        env.setenv("HTTPS_PROXY", guarded.url_with_auth)
+        env.setenv("AWS_CA_BUNDLE", front.ca_file)
+        options = _renamed_options(server, f"https://{NAME}:{front.port}")
+        assert sorted(read_keys(sd.TarDataset(spec, storage_options=options, decode=False), 2)) == keys
+        assert guarded.denied == 0 and sum(m == "CONNECT" for m, _ in guarded.requests) >= 2
+        env.setenv("HTTPS_PROXY", guarded.url)
+        with pytest.raises(sd.StreamDataError) as caught:
+            sd.TarDataset(spec, storage_options=options, decode=False)
+        assert "407" in str(caught.value) and "s3cr3t" not in str(caught.value)
 
 
 def test_proxy_credentials_work_and_are_never_shown(s3_shards, env) -> None:
