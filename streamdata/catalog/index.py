@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import re
 import time
 import uuid
 import warnings
@@ -233,13 +234,15 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
                       "reading without it (index=None skips the lookup)", stacklevel=2)
         return None
     except ShardFetchError as exc:
-        if not auto or not isinstance(exc.__cause__, (CertificateError, ProxyAuthError)):
+        refused_by = getattr(exc, "refused_by", None)  # set by store.backends.translate_error
+        if not auto or refused_by not in (CertificateError.__name__, ProxyAuthError.__name__):
             raise
         # the shards' own host refused us in a way no retry or index fixes: say so of the
         # shards, which the user named, not of an index file looked up on their behalf
         first = shards[0].url
-        raise ShardFetchError(f"cannot read {redact_url(first)} ({len(shards)} shards): "
-                              f"{exc.__cause__}", url=first) from exc.__cause__
+        cause = re.sub(r" \[url: [^\]]*\]", "", exc.message.split(f"{shown}: ")[-1])
+        raise ShardFetchError(f"cannot read {redact_url(first)} ({len(shards)} shards): {cause}",
+                              url=first) from exc
     if entries is None:
         if auto:
             return None

@@ -380,6 +380,7 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
             text += "; " + certificate_hint(host)
         err: StreamDataError = ShardFetchError(f"cannot {action} {url}: {text}", url=url)
         err.__cause__ = exc
+        err.refused_by = type(exc).__name__  # type: ignore[attr-defined]  # kept across processes
         return err
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text \
             or status == 404:
