@@ -414,7 +414,7 @@ class _LoopServer(_Managed):
     def _sockets(self) -> list[socket.socket]:
         """The listening socket and every connection's. asyncio shows a connection's socket
         only wrapped (``TransportSocket``, which has no ``close``): the socket itself is its
-        ``_sock`` (a private name; tests/testing/test_network.py notices if it goes)."""
+        ``_sock`` (a private name; tests/testing/test_proxy_servers.py notices if it goes)."""
         found = [] if self._listener is None else [self._listener]
         for writer in list(self._writers):
             sock = getattr(writer.get_extra_info("socket"), "_sock", None)
