@@ -134,15 +134,16 @@ def verdict(m: Metrics) -> str | None:
 
 
 def gather_ranks(mine: Metrics) -> Metrics:
-    """Every rank's dict (a collective: call it on every rank) and the straggler, the rank that
-    waited longest for data; in a single process, this one's."""
+    """Every rank's dict, with its ``rank`` (a collective: call it on every rank over the gloo
+    group, ``ranks.gloo_group``), and the straggler: the rank that waited longest for data. In a
+    single process, this one's."""
     if multi_rank():
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=gloo_group())
+        dist.all_gather_object(gathered, {**mine, "rank": dist.get_rank()}, group=gloo_group())
     else:
-        gathered = [mine]
+        gathered = [{**mine, "rank": 0}]
     straggler = max(range(len(gathered)), key=lambda r: gathered[r].get("data_wait_s", 0.0))
     return {"ranks": gathered, "straggler": straggler,
             "straggler_data_wait_s": gathered[straggler].get("data_wait_s", 0.0)}
