@@ -258,9 +258,9 @@ class FeedTimes:
 class _StreamOps:
     """Every CUDA call the prefetcher makes, in one place (NOTE [side-stream copy])."""
 
-    def __init__(self, device: torch.device, times: FeedTimes | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.times = FeedTimes() if times is None else times
+        self.times = FeedTimes()
         self.stream = torch.cuda.Stream(device=device)
         self._made: dict[int, list[torch.cuda.Event]] = {}  # id(batch): where its CUDA tensors are ready
 
@@ -424,7 +424,8 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         device = self.device
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        ops = _StreamOps(device, self._times)
+        ops = _StreamOps(device)
+        ops.times = self._times  # every pass's, together
         if self.thread:
             host = iter(_ReadyAhead(self.iterable, ops, depth=self.depth, pin=self.pin,
                                     join_timeout=self.join_timeout))
