@@ -11,7 +11,8 @@ from typing import Any
 from streamdata.errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "PRESIGN_LIFETIME_MAX", "UNIT_WINDOW", "FetchConfig", "env_int",
-           "env_setdefault", "env_snapshot", "env_str", "handover", "lite_http", "spare_connections"]
+           "env_setdefault", "env_snapshot", "env_str", "handover", "lite_http", "spare_connections",
+           "stage_times"]
 
 MiB = 1 << 20
 
@@ -69,6 +70,13 @@ def freeze_at_fork() -> bool:
     collector's sight at once. ``STREAMDATA_FREEZE_AT_FORK=0`` leaves the child's collector as
     Python has it."""
     return env_str("STREAMDATA_FREEZE_AT_FORK", "1") != "0"
+
+
+def stage_times() -> bool:
+    """Each reader times its stages (``metrics.StageClock``; ``loader.metrics()``).
+    ``STREAMDATA_STAGE_TIMES=0`` leaves the clock out of the pass (the A/B of
+    benchmarks/metrics_overhead.py); read at each pass's start, in the reader."""
+    return env_str("STREAMDATA_STAGE_TIMES", "1") != "0"
 
 
 def env_int(name: str, default: int | None = None) -> int | None:

@@ -1,4 +1,5 @@
-"""Counters every reader adds to and any process can read: skips now, retries and more later.
+"""Counters every reader adds to and any process can read: skips, retries, and each reader's
+stage timings (``READER_STATS``, kept by :class:`StageClock`).
 
 Invariant (ONE-WRITER-PER-ROW): the counts live in one small int64 tensor in shared memory,
 made with the dataset in the main process and handed to DataLoader workers with it (by fork,
@@ -12,11 +13,14 @@ the rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["CACHE_EVENTS", "COUNTERS", "RESIGN_REASONS", "RETRY_REASONS", "SKIP_REASONS", "Counters"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS", "SKIP_REASONS",
+           "STAGES", "Counters", "StageClock", "batch_len"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -40,6 +44,19 @@ COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in R
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
+# where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk
+# reads of cached items), parsing (tar / Parquet bytes -> records, decompression included),
+# decoding (``prepare``: fields by extension, Arrow -> tensors), the dataset's ``map``, and
+# collating: the rest of the reader's work (batching, the shuffle buffer, positions)
+STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
+# a table of its own beside COUNTERS (ONE-WRITER-PER-ROW too), in integer nanoseconds and counts:
+# per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
+# flush; busy_ns, time inside the pass's ``next()`` (the stages add up to it); the
+# prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
+# and first-byte latency (summed over ``first_bytes`` parts whose backend tells it)
+READER_STATS = ("samples", "batches", "wall_ns", "busy_ns", *(f"{s}_ns" for s in STAGES),
+                "requests", "bytes", "first_byte_ns", "first_bytes")
+
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 
 
@@ -55,9 +72,20 @@ class Counters:
         """Add ``n`` to ``name`` in this reader's row (see ONE-WRITER-PER-ROW)."""
         from torch.utils.data import get_worker_info
 
-        info = get_worker_info()
-        row = 0 if info is None else 1 + info.id % (_ROWS - 1)
-        self._table[row, self._index[name]] += n
+        self._table[_row(get_worker_info()), self._index[name]] += n
+
+    def add_many(self, counts: Mapping[str, int]) -> None:
+        """Add each of ``counts`` in this reader's row, in one write (ONE-WRITER-PER-ROW)."""
+        from torch.utils.data import get_worker_info
+
+        values = [0] * len(self.names)
+        for name, n in counts.items():
+            values[self._index[name]] = n
+        self._table[_row(get_worker_info())] += torch.tensor(values, dtype=torch.int64)
+
+    def rows(self) -> list[dict[str, int]]:
+        """Each row that any reader wrote to, as its own counts (row 0: the main process)."""
+        return [dict(zip(self.names, row, strict=True)) for row in self._table.tolist() if any(row)]
 
     def snapshot(self, prefix: str = "") -> dict[str, int]:
         """Every counter's total so far, over all readers; with ``prefix`` (``"skipped."``),
@@ -71,3 +99,63 @@ class Counters:
 
     def __repr__(self) -> str:
         return f"Counters({self.snapshot()})"
+
+
+def _row(info: Any) -> int:
+    """This reader's row: 0 in the main process, ``1 + worker id`` in a DataLoader worker."""
+    return 0 if info is None else 1 + info.id % (_ROWS - 1)
+
+
+class StageClock:
+    """One reader's pass's stage times (``STAGES``), in plain ints in ``acc``, flushed into the
+    shared ``READER_STATS`` table at most every ``FLUSH_NS`` and when the pass ends.
+
+    Only the reader's thread touches ``acc``. Each stage adds the nanoseconds of the calls it
+    made, timed per record or per part (``perf_counter_ns``): the pull of the next record
+    (``PULL``: parsing, the prefetcher's waits within it), a record's ``prepare`` (``DECODE``)
+    and ``map`` (``MAP``), the prefetcher's waits (``WAIT``), and the whole ``next()`` of the
+    pass (``BUSY``). Nested times are taken apart at each flush: parsing is the pulls less the
+    waits, collating what ``BUSY`` holds beyond the pulls, decoding and ``map``.
+    """
+
+    WAIT, PULL, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)
+    FLUSH_NS = 20_000_000
+
+    __slots__ = ("_last", "acc", "table")
+
+    def __init__(self, table: Counters) -> None:
+        self.table = table
+        self.acc = [0] * 7
+        self._last = time.perf_counter_ns()  # the pass's start, then the last flush
+
+    def due(self, now: int) -> bool:
+        return now - self._last >= self.FLUSH_NS
+
+    def flush(self, now: int | None = None) -> None:
+        """What the pass did since the last flush, into this reader's row of the table."""
+        now = time.perf_counter_ns() if now is None else now
+        wait, pull, decode, mapped, busy, samples, nbatches = self.acc
+        self.acc[:] = [0] * 7
+        self.table.add_many({
+            "samples": samples, "batches": nbatches, "wall_ns": now - self._last, "busy_ns": busy,
+            "wait_bytes_ns": wait, "parse_ns": max(0, pull - wait), "decode_ns": decode, "map_ns": mapped,
+            "collate_ns": max(0, busy - max(pull, wait) - decode - mapped)})
+        self._last = now
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in ``batch``: the length of its first field (a tensor, array or list), found in
+    nested dicts and tuples (a list is a field, or a list of samples); 1 for a batch with no
+    such field."""
+    while True:
+        if isinstance(batch, Mapping):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, tuple) and batch:
+            batch = batch[0]
+        elif isinstance(batch, (str, bytes)) or batch is None:
+            return 1
+        else:
+            try:
+                return len(batch) if not isinstance(batch, torch.Tensor) or batch.dim() else 1
+            except TypeError:
+                return 1

@@ -35,6 +35,7 @@ from streamdata.epoch.rewind import dropped, placeholder_tables, record_size
 from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
+from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -140,7 +141,7 @@ class _ArrowTables(ShardedDataset):
         (one per batch, or one per row without ``batch_size``) -> ``map``. A batch that cannot be
         converted (nulls without ``fill_null``, a failing decoder) is skipped or raised per
         ``on_error``; so is one that ``map`` fails on."""
-        tables = policy.each(records, self.prepare)
+        tables = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             tables = placeholder_tables(tables, rewind.sizes, rewind.first)
@@ -153,12 +154,12 @@ class _ArrowTables(ShardedDataset):
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
             if self._live is not None:  # counted as delivered (state_dict)
                 tables = self._live.count(tables, record_size)
-            items = policy.each(tables, lambda t: to_tensors(t, opts))
+            items = policy.each(tables, lambda t: to_tensors(t, opts), run=StageClock.DECODE)
         else:
-            items = (row for rows in policy.each(tables, lambda t: list(to_rows(t, opts)))
-                     for row in rows)
+            rows = policy.each(tables, lambda t: list(to_rows(t, opts)), run=StageClock.DECODE)
+            items = (row for batch in rows for row in batch)
             items = items if self._live is None else self._live.count(items)
-        return items if self.map is None else policy.each(items, self.map)
+        return items if self.map is None else policy.each(items, self.map, run=StageClock.MAP)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "

@@ -6,6 +6,8 @@ formats (:mod:`streamdata.datasets.tar`, :mod:`streamdata.datasets.parquet`).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -15,6 +17,7 @@ from streamdata.epoch.plan import SampleSlice, Skip, Span, batch_sizes
 from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.world import World
 from streamdata.errors import FormatError
+from streamdata.metrics import StageClock, batch_len
 from streamdata.redact import redact_url
 
 __all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count"]
@@ -37,10 +40,13 @@ class EpochIterator:
     """
 
     def __init__(self, items: Iterator[Any], close: Callable[[], None], *,
-                 keep: Callable[[], bool] | None = None) -> None:
+                 keep: Callable[[], bool] | None = None, clock: StageClock | None = None,
+                 batched: bool = True) -> None:
         self._items = items
         self._close: Callable[[], None] | None = close
         self._keep = keep
+        self._clock = clock  # the pass's stage timings: each next() is the reader's busy time
+        self._batched = batched  # items are batches (``metrics.batch_len``), else samples
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -49,7 +55,22 @@ class EpochIterator:
         if self._close is None:
             raise StopIteration
         try:
-            return next(self._items)
+            if self._clock is None:
+                return next(self._items)
+            acc, start = self._clock.acc, time.perf_counter_ns()
+            try:
+                item = next(self._items)
+            finally:
+                now = time.perf_counter_ns()
+                acc[StageClock.BUSY] += now - start
+            if self._batched:
+                acc[StageClock.BATCHES] += 1
+                acc[StageClock.SAMPLES] += batch_len(item)
+            else:
+                acc[StageClock.SAMPLES] += 1
+            if self._clock.due(now):
+                self._clock.flush(now)
+            return item
         except StopIteration:
             self.close(finished=True)
             raise
@@ -61,6 +82,9 @@ class EpochIterator:
         """End the pass; ``finished``: it ran to its end (only then may ``keep`` keep the fetch)."""
         close, self._close = self._close, None
         if close is not None:
+            if self._clock is not None:
+                with contextlib.suppress(Exception):  # best effort when collected at exit
+                    self._clock.flush()
             getattr(self._items, "close", lambda: None)()
             if not (finished and self._keep is not None and self._keep()):
                 close()

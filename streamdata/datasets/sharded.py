@@ -23,7 +23,7 @@ import torch.utils.data
 from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Spec, expand_spec
-from streamdata.config import FetchConfig
+from streamdata.config import FetchConfig, stage_times
 from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stale_count
 from streamdata.epoch import blocks
 from streamdata.epoch.buffer import shuffled
@@ -43,7 +43,7 @@ from streamdata.epoch.state import (
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
-from streamdata.metrics import COUNTERS, Counters
+from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.policy import ErrorPolicy, OnError
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -114,6 +114,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.collate_fn = collate_fn  # None: each sample into a shared-memory batch as it comes
         self.map = map
         self._counters = Counters(COUNTERS)
+        self._stats = Counters(READER_STATS)  # each reader's stage timings and requests (``reader_stats``)
         self._epoch = 0
         self._passes = 0
         self.early_next_epoch = False  # NEXT-EPOCH-EARLY; sd.loader sets it for persistent workers
@@ -160,6 +161,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """Every counter (``skipped.*``, ``retried.*``, ``accepted.*``, ``budget.grown``, ...:
         ``metrics.COUNTERS``), over every worker."""
         return self._counters.snapshot()
+
+    def reader_stats(self) -> list[dict[str, int]]:
+        """Each reader's ``metrics.READER_STATS`` so far (nanoseconds and counts), one dict per
+        reader that read (the main process's first, with ``num_workers=0``)."""
+        return self._stats.rows()
 
     # ---- what a format supplies --------------------------------------------------------
 
@@ -342,7 +348,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         install()  # FORK-RESET from the first pass on (``_fork``; import installs nothing)
         p = self.reader_pass(batch_size, drop_last)
         self._note_plan(p)
-        policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe())
+        clock = StageClock(self._stats) if stage_times() else None
+        policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe(), clock=clock)
         early, self._early = self._early, None
         if early is not None and early.p == p:  # NEXT-EPOCH-EARLY: its requests may be out already
             reads, fetcher, first = early.reads, early.fetcher, early.first
@@ -351,6 +358,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 early.fetcher.close()
             reads, items = self._items(p, policy)
             fetcher, first = self._fetcher(items, p), 0
+        fetcher.times = None if clock is None else clock.acc  # its waits for bytes, this pass's
         queued: _Early | None = None
 
         def queue() -> None:  # NEXT-EPOCH-EARLY
@@ -362,7 +370,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
                             p.windows)
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
-                             keep=lambda: self._hand_on(queued))
+                             keep=lambda: self._hand_on(queued), clock=clock,
+                             batched=batch_size is not None)
 
     def _read(self, p: ReaderPass, unit: Any, part: SampleSlice | Skip | None,
               reader: ItemReader) -> Iterable[Any]:
@@ -406,7 +415,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def _fetcher(self, items: list[FetchItem], p: ReaderPass) -> Prefetcher:
         """A pass's prefetcher, whose requests start now."""
         return Prefetcher(items, self.storage_options, self.fetch_config, where=p.world.describe(),
-                          counters=self._counters)
+                          counters=self._counters, stats=self._stats)
 
     def _queue_next(self, fetcher: Prefetcher, batch_size: int | None, drop_last: bool) -> _Early | None:
         """NEXT-EPOCH-EARLY: in a persistent worker (``early_next_epoch``), the next pass (the
@@ -453,9 +462,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
-        samples = policy.each(records, self.prepare)
+        samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
         if self.map is not None:
-            samples = policy.each(samples, self.map)
+            samples = policy.each(samples, self.map, run=StageClock.MAP)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             samples = placeholder_items(samples, rewind.first)

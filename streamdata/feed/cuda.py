@@ -51,6 +51,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -244,11 +245,22 @@ class PinAhead(_PassOwner, Generic[T]):
 
 
 
+class FeedTimes:
+    """Host time pinning (written by the thread that reads the source) and issuing copies (the
+    consumer's thread): one writer each, per pass (two live passes may lose an addition)."""
+
+    __slots__ = ("copy_ns", "pin_ns")
+
+    def __init__(self) -> None:
+        self.pin_ns = self.copy_ns = 0
+
+
 class _StreamOps:
     """Every CUDA call the prefetcher makes, in one place (NOTE [side-stream copy])."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.times = FeedTimes()
         self.stream = torch.cuda.Stream(device=device)
         self._made: dict[int, list[torch.cuda.Event]] = {}  # id(batch): where its CUDA tensors are ready
 
@@ -263,6 +275,13 @@ class _StreamOps:
             self._made[id(batch)] = events  # the batch lives (in the queue) until copy() pops this
 
     def copy(self, batch: Any, transform: Callable[[Any], Any] | None) -> tuple[Any, Any]:
+        start = time.perf_counter_ns()
+        try:
+            return self._copy(batch, transform)
+        finally:
+            self.times.copy_ns += time.perf_counter_ns() - start
+
+    def _copy(self, batch: Any, transform: Callable[[Any], Any] | None) -> tuple[Any, Any]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         made = self._made.pop(id(batch), ())
         for event in made:
@@ -307,7 +326,10 @@ def _marked(ops: Any, pin_fn: Callable[[Any], Any] | None) -> Callable[[Any], An
     mark where its CUDA tensors were made (``ops.produced``, NOTE [side-stream copy] 6)."""
 
     def prepare(batch: Any) -> Any:
-        batch = pin_fn(batch) if pin_fn is not None else batch
+        if pin_fn is not None:
+            start = time.perf_counter_ns()
+            batch = pin_fn(batch)
+            ops.times.pin_ns += time.perf_counter_ns() - start
         ops.produced(batch)
         return batch
 
@@ -378,6 +400,13 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         self.join_timeout = join_timeout
         self.thread = thread
         self._passes = _Passes()
+        self._times = FeedTimes()  # every pass's pinning and copies (``times``)
+
+    def times(self) -> dict[str, float]:
+        """Host seconds spent pinning batches (``pin_s``, in the pin-ahead thread or, with
+        ``thread=False``, the consumer's) and issuing their copies to the device (``copy_s``;
+        the copies themselves run on the side stream, unseen here): ``loader.metrics()``."""
+        return {"pin_s": self._times.pin_ns * 1e-9, "copy_s": self._times.copy_ns * 1e-9}
 
     def __iter__(self) -> Iterator[Any]:
         kind = self.device.type
@@ -396,6 +425,7 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         ops = _StreamOps(device)
+        ops.times = self._times  # every pass's, together
         if self.thread:
             host = iter(_ReadyAhead(self.iterable, ops, depth=self.depth, pin=self.pin,
                                     join_timeout=self.join_timeout))

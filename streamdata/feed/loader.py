@@ -28,6 +28,7 @@ from streamdata.epoch.state import STATE_FORMAT
 from streamdata.errors import SpecError
 from streamdata.feed.checkpoint import Positioned, Positions, Stripped
 from streamdata.feed.cuda import CudaPrefetcher
+from streamdata.feed.metrics import Metrics, Stopwatch, gather_ranks, reporter, summary
 from streamdata.feed.together import EndTogether
 from streamdata.store.handover import share_among
 
@@ -164,7 +165,12 @@ class Loader:
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
                  batches: _Unwrapped | None = None, *, dataset: Any = None,
-                 end_together: bool = True, positions: Positions | None = None) -> None:
+                 end_together: bool = True, positions: Positions | None = None,
+                 log_every: int | None = None, on_metrics: Callable[[Metrics], None] | None = None) -> None:
+        if log_every is not None and log_every < 1:
+            raise SpecError(f"log_every must be >= 1 or None, got {log_every}")
+        if on_metrics is not None and log_every is None:
+            raise SpecError("on_metrics needs log_every: the steps between two calls")
         self.dataloader = dataloader
         self.dataset = dataloader.dataset if dataset is None else dataset
         self.prefetcher = feed
@@ -172,6 +178,7 @@ class Loader:
         self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
         self._together = EndTogether() if end_together else None
         self._positions, self._started = positions, False  # mid-epoch resume (``checkpoint``)
+        self.stopwatch = Stopwatch(log_every or 0, reporter(log_every, on_metrics, self.metrics))
 
     @property
     def board(self) -> recycle.Board | None:
@@ -189,8 +196,17 @@ class Loader:
         if self._positions is not None:
             source = self._positions.deliver(source)
         if self._together is not None and self._together.active():
-            return self._together.wrap(source)  # END-TOGETHER
-        return source
+            source = self._together.wrap(source)  # END-TOGETHER
+        return self.stopwatch.wrap(source)
+
+    def metrics(self, all_ranks: bool = False) -> Metrics:
+        """Is the training loop waiting for data? A flat, JSON-ready dict (docs/metrics.md):
+        ``steps``, ``wall_s``, ``data_wait_s``, ``first_batch_s``, ``stall_fraction``, the
+        readers' ``stage.*_s`` summed over workers, ``samples``, ``bytes``, ``requests``,
+        ``retries``, the dataset's counters and a ``verdict``. ``all_ranks=True`` (a collective:
+        call it on every rank) gathers every rank's: ``{"ranks": [...], "straggler": rank, ...}``."""
+        mine = summary(self.stopwatch, self.dataset, self.prefetcher)
+        return gather_ranks(mine) if all_ranks else mine
 
     def state_dict(self) -> dict:
         """Every reader's position in the epoch, as plain data: with torch.distributed, every
@@ -272,6 +288,8 @@ def loader(
     recycle_buffers: bool = True,
     reuse_worker_memory: bool = True,
     end_together: bool = True,
+    log_every: int | None = None,
+    on_metrics: Callable[[dict], None] | None = None,
     **dataloader_kwargs: Any,
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
@@ -292,7 +310,9 @@ def loader(
     (:mod:`streamdata._alloc`).  ``end_together`` (a multi-rank job): every rank ends an
     epoch at the step where the first rank runs out of batches, so DDP never hangs on uneven
     data; what the other ranks did not deliver is counted in ``loader.undelivered``
-    (:mod:`streamdata.feed.together`).  Other keyword arguments go to ``DataLoader`` unchanged.
+    (:mod:`streamdata.feed.together`).  ``log_every`` (steps): every that many steps,
+    ``on_metrics(loader.metrics())``, or without ``on_metrics`` a line on the ``streamdata``
+    logger at INFO (docs/metrics.md).  Other keyword arguments go to ``DataLoader`` unchanged.
     """
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
@@ -351,4 +371,4 @@ def loader(
     feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
                            transform, thread=own_thread) if device is not None else None)
     return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
-                  positions=positions)
+                  positions=positions, log_every=log_every, on_metrics=on_metrics)

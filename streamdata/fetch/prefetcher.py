@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import functools
 import itertools
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ from streamdata.fetch.parts import (
 )
 from streamdata.fetch.tail import Tail
 from streamdata.fetch.tee import CacheTee
-from streamdata.metrics import Counters
+from streamdata.metrics import Counters, StageClock
 from streamdata.store.backends import translate_error
 from streamdata.store.client import AsyncClient, Chunks, body_size
 from streamdata.store.loop import wait_future
@@ -91,7 +92,7 @@ class Prefetcher:
 
     def __init__(self, items: Sequence[FetchItem | Shard], storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, where: str = "",
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, stats: Counters | None = None) -> None:
         self.items = Tail(_as_item(i) for i in items)
         self.config = config or FetchConfig()
         self.where = where
@@ -115,6 +116,10 @@ class Prefetcher:
         self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,  # BUDGET-GROWTH
                              key=self._endpoint or self.client.protocol)
         self._counters = counters
+        # READER_STATS (``metrics``): the parts fetched, written by the loop's thread; and the
+        # pass's stage clock (``StageClock.acc``), where the reader's thread adds its waits
+        self._stats = stats
+        self.times: list[int] | None = None
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: Tail = Tail(concurrent.futures.Future() for _ in self.items)
         self._consumer = 0
@@ -203,10 +208,17 @@ class Prefetcher:
         lets go of them."""
         self._io.call_soon(self._advance, index)
         url = self.items[index].url
+        start = time.perf_counter_ns()
         plan = wait_future(self._plans[index], self._wait_timeout(), what="the shard's size",
                            url=url, check=self._check)
+        self.waited(start)
         self._plans[index] = _DONE
         return plan
+
+    def waited(self, start: int) -> None:
+        """The reader waited for bytes since ``start`` (``perf_counter_ns``): a stage time."""
+        if self.times is not None:
+            self.times[StageClock.WAIT] += time.perf_counter_ns() - start
 
     def wait(self, fut: concurrent.futures.Future, what: str, url: str) -> Any:
         """A part's result, waited for within the fetch's time limit; raises if the prefetcher
@@ -351,6 +363,9 @@ class Prefetcher:
             elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
                 self._budget_event(self.budget.far, latency[0])
             size = body_size(data)
+            if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
+                self._stats.add_many({"requests": 1, "bytes": size} if not latency else {
+                    "requests": 1, "bytes": size, "first_byte_ns": int(latency[0] * 1e9), "first_bytes": 1})
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
                 fut.reserved_fix = size - reserved  # type: ignore[attr-defined]
@@ -405,7 +420,10 @@ class ItemReader:
             while pending:
                 (start, end), fut = pending[0]
                 stalled = not fut.done()
+                waiting = time.perf_counter_ns() if stalled else 0
                 data = f.wait(fut, f"bytes {start}..{end}", self.url)
+                if stalled:
+                    f.waited(waiting)
                 if stalled and hasattr(fut, "latency"):  # BUDGET-GROWTH
                     f.stalled(fut.latency)
                 pending.popleft()
@@ -444,7 +462,13 @@ class ItemReader:
         f, done = self._fetcher, 0
         try:
             try:
-                for block in entry.blocks():
+                blocks = entry.blocks()
+                while True:
+                    reading = time.perf_counter_ns()  # from disk: a wait for bytes too
+                    block = next(blocks, None)
+                    f.waited(reading)
+                    if block is None:
+                        break
                     yield block
                     done += len(block)
             except (CorruptEntry, OSError) as exc:
