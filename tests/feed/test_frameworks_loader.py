@@ -13,7 +13,7 @@ import pytest
 
 import streamdata as sd
 from streamdata._compat import dataloader_iterator
-from tests.helpers import write_shards
+from tests.helpers import rank_env, write_shards
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11, 6, 4, 13, 8]  # 89 samples, 13 uneven shards
 
@@ -159,3 +159,18 @@ def test_held_ahead_is_checked_and_the_loader_has_no_sampler(spec):
     with _loader(spec) as loader:
         assert loader.sampler is None  # frameworks find none to replace with a DistributedSampler
 
+
+def test_accelerates_resplitting_wrapper_is_refused(spec):
+    """SELF-SPLIT: a plain DataLoader that accelerator.prepare() wrapped calls set_epoch from
+    IterableDatasetShard (more than one process): refused with what to do instead."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    ds = sd.TarDataset(spec, decode=False, batch_size=4)
+    with rank_env(0, 2):
+        with pytest.raises(sd.SpecError, match="sd.loader"):
+            data_loader.IterableDatasetShard(ds, batch_size=4, num_processes=2, process_index=0).set_epoch(1)
+    data_loader.IterableDatasetShard(ds, batch_size=4, num_processes=1, process_index=0).set_epoch(1)
+    ds.set_epoch(2)  # called by anyone else: as before
+    mix = sd.Mix([sd.TarDataset(spec, decode=False)], weights=[1.0], seed=0, batch_size=4)
+    with rank_env(0, 2):
+        with pytest.raises(sd.SpecError, match="sd.loader"):
+            data_loader.IterableDatasetShard(mix, batch_size=4, num_processes=2, process_index=0).set_epoch(1)
