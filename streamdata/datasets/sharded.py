@@ -443,7 +443,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         runs to its end (``_hand_on``); the next pass adopts it only if it is that same pass,
         else closes it; a worker that ends drops it with its process. A failure here is left
         for the next pass to meet."""
-        if not self.early_next_epoch or torch.utils.data.get_worker_info() is None:
+        if (not self.early_next_epoch or torch.utils.data.get_worker_info() is None
+                or fetcher.protocol is None):  # a pass with nothing to read (a resumed span, done)
             return None
         try:
             nxt = self._plan_pass(self.epoch, batch_size, drop_last)

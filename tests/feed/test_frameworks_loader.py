@@ -174,3 +174,21 @@ def test_accelerates_resplitting_wrapper_is_refused(spec):
     with rank_env(0, 2):
         with pytest.raises(sd.SpecError, match="sd.loader"):
             data_loader.IterableDatasetShard(mix, batch_size=4, num_processes=2, process_index=0).set_epoch(1)
+
+
+
+def test_a_prefetcher_made_without_items_takes_no_other_protocols_items():
+    """A resumed worker whose span was all delivered makes a prefetcher with nothing to read (a
+    client for no protocol); NEXT-EPOCH-EARLY once queued the next epoch's S3 items in it, read
+    as local paths (found under Lightning, resuming near an epoch's end). Now refused, and the
+    dataset does not queue there."""
+    from streamdata.fetch.prefetcher import Prefetcher
+    from streamdata.store.urls import Shard
+
+    empty = Prefetcher([])
+    try:
+        assert empty.protocol is None
+        with pytest.raises(sd.SpecError, match="protocol"):
+            empty.extend([Shard("s3://bkt/shard-000.tar", 10)])
+    finally:
+        empty.close()
