@@ -5,7 +5,8 @@ names the version it was checked against, and ``tests/test_compat.py`` has a tes
 that fails when the private it wraps is gone or behaves otherwise: an upgrade that breaks one
 shows up there, by name, not as a hang or a leak somewhere downstream. Callers import the
 function, never the private name. Heavy libraries are imported inside the functions, so this
-module costs nothing at ``import streamdata``. Sections: torch, the standard library, aiohttp.
+module costs nothing at ``import streamdata``. Sections: torch, the standard library, aiohttp,
+accelerate.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["aiohttp_forget", "aiohttp_no_hidden_retry", "aiohttp_payload_reset", "aiohttp_session_of",
            "dataloader_iterator", "default_executor", "detach_dataloader_iterator",
-           "executor_threads", "new_shared_storage", "shutdown_workers", "storage_use_count",
-           "worker_processes"]
+           "executor_threads", "new_shared_storage", "prepared_by_accelerate", "shutdown_workers",
+           "storage_use_count", "worker_processes"]
 
 
 # --- torch ---
@@ -151,3 +152,21 @@ def aiohttp_session_of(fs: Any) -> Any:
     aiohttp = sys.modules.get("aiohttp")  # a session exists only once aiohttp is imported
     session = getattr(fs, "_session", None)
     return session if aiohttp is not None and isinstance(session, aiohttp.ClientSession) else None
+
+
+# --- accelerate ---
+# Checked against accelerate 1.15.0 (the test extra; streamdata does not import it).
+
+
+def prepared_by_accelerate(caller: Any) -> str | None:
+    """The class name of the accelerate loader whose method the frame ``caller`` (the caller's
+    ``sys._getframe(1)``, CPython 3.11) runs, or None.
+
+    A DataLoader that ``accelerator.prepare()`` wrapped calls its dataset's ``set_epoch`` as each
+    iteration starts, from ``accelerate.data_loader``: ``DataLoaderShard.set_epoch`` (through
+    ``IterableDatasetShard.set_epoch`` with more than one process) or
+    ``DataLoaderDispatcher.set_epoch`` (accelerate 1.15.0)."""
+    if caller is None or caller.f_globals.get("__name__") != "accelerate.data_loader":
+        return None
+    owner = caller.f_locals.get("self")
+    return type(owner).__name__ if owner is not None else "accelerate.data_loader"

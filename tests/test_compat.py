@@ -110,7 +110,7 @@ def test_every_wrapper_names_its_private_and_version(name):
     doc = getattr(_compat, name).__doc__ or ""
     if name != "aiohttp_payload_reset":  # the one private detail that is a message's text
         assert "._" in doc, f"{name}: say which private it wraps"
-    versions = ("torch 2.", "CPython 3.", "aiohttp 3.", "fsspec 20")
+    versions = ("torch 2.", "CPython 3.", "aiohttp 3.", "fsspec 20", "accelerate 1.")
     assert any(v in doc for v in versions), f"{name}: say which version it was checked against"
 
 
@@ -189,3 +189,26 @@ def test_aiohttp_session_of_finds_fsspec_http_session() -> None:
 
     asyncio.run(go())
     assert aiohttp_session_of(object()) is None
+
+
+# --- accelerate ---
+
+
+def test_prepared_by_accelerate_names_the_wrapper_that_sets_the_epoch():
+    """accelerate's prepared loaders call ``dataset.set_epoch`` from accelerate.data_loader."""
+    import sys
+
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    seen = []
+
+    class Recorder(IterableDataset):
+        def set_epoch(self, epoch):
+            seen.append(_compat.prepared_by_accelerate(sys._getframe(1)))
+
+        def __iter__(self):
+            return iter(())
+
+    data_loader.IterableDatasetShard(Recorder(), batch_size=2, num_processes=2, process_index=0).set_epoch(1)
+    data_loader.DataLoaderShard(Recorder(), batch_size=None).set_epoch(1)
+    Recorder().set_epoch(1)
+    assert seen == ["IterableDatasetShard", "DataLoaderShard", None]

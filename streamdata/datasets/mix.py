@@ -20,6 +20,7 @@ has left (RESUME-ELASTIC) and starts a new choice sequence for the new stage. Se
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.utils.data
 
 from streamdata.batch.batches import batches
 from streamdata.datasets.passes import EpochIterator
-from streamdata.datasets.sharded import ShardedDataset
+from streamdata.datasets.sharded import ShardedDataset, refuse_resplitting
 from streamdata.epoch.blocks import with_mode
 from streamdata.epoch.mix import (
     CYCLE_STRIDE,
@@ -107,6 +108,7 @@ class Mix(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch to read next; in a worker it also advances by one per pass (as the datasets)."""
+        refuse_resplitting(sys._getframe(1))  # SELF-SPLIT
         self._epoch, self._passes, self._live = int(epoch), 0, None
 
     @property

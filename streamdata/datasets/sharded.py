@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from streamdata._compat import prepared_by_accelerate
 from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Spec, expand_spec
@@ -65,6 +67,21 @@ class _Early:
     reads: list[Read]
     fetcher: Prefetcher
     first: int
+
+
+def refuse_resplitting(caller: Any) -> None:
+    """SELF-SPLIT: a streamdata dataset reads its own share of each epoch on each rank. A plain
+    DataLoader over it that ``accelerator.prepare()`` wrapped splits it again (rank 0's share
+    dispatched to every rank, or each rank's share cut by ``IterableDatasetShard``): part of the
+    epoch would never be read. Such a loader calls ``set_epoch`` as it starts: refuse it there."""
+    wrapper = prepared_by_accelerate(caller)
+    if wrapper is not None and (World.current().world_size > 1 or wrapper == "DataLoaderDispatcher"):
+        raise SpecError(
+            f"accelerate's prepare() wrapped a DataLoader over a streamdata dataset ({wrapper}): the dataset "
+            "already reads one share of the epoch per rank, and accelerate would split that share again "
+            "(dispatch_batches: rank 0's share sent to every rank; otherwise IterableDatasetShard drops part "
+            "of each rank's), so part of every epoch would never be read. Build the loader with "
+            "sd.loader(ds, ...): prepare() passes it through unchanged (docs/frameworks.md)")
 
 
 class ShardedDataset(torch.utils.data.IterableDataset):
@@ -131,6 +148,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         ``DistributedSampler``).  A persistent worker's copy of the dataset cannot see this
         call, so inside a DataLoader worker the epoch also advances by one per pass: calling
         ``set_epoch(0), set_epoch(1), ...`` gives the same orders with or without persistence."""
+        refuse_resplitting(sys._getframe(1))
         self._epoch = int(epoch)
         self._passes = 0
         self._live = None  # state_dict(): this epoch's start
@@ -425,7 +443,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         runs to its end (``_hand_on``); the next pass adopts it only if it is that same pass,
         else closes it; a worker that ends drops it with its process. A failure here is left
         for the next pass to meet."""
-        if not self.early_next_epoch or torch.utils.data.get_worker_info() is None:
+        if (not self.early_next_epoch or torch.utils.data.get_worker_info() is None
+                or fetcher.protocol is None):  # a pass with nothing to read (a resumed span, done)
             return None
         try:
             nxt = self._plan_pass(self.epoch, batch_size, drop_last)

@@ -9,6 +9,13 @@ out), so the recorded position is what the loop received, whatever was prefetche
 have delivered nothing yet, and, with ``torch.distributed`` initialised, gathers every rank's:
 the result holds every reader's position (``state.merge_states``) and restarts on any world
 shape (RESUME-ELASTIC in ``resume``).
+
+CONSUMED-POSITION: the saved position counts the batches the training step consumed. A framework
+that takes batches ahead of its step (Lightning's fetcher, Ray's ``prepare_data_loader`` wrapper:
+one) holds them when it saves; with ``held_ahead=k`` the last ``k`` batches handed out are left out
+of the state until the epoch's iteration has ended (then the framework holds none: it met the end
+while taking ahead), so a resume reads them again. Once an epoch's iteration has ended, the state
+is the next epoch's start: a checkpoint taken at an epoch's end resumes with the next epoch.
 """
 
 from __future__ import annotations
@@ -49,11 +56,16 @@ class Positioned:
 
 
 class Positions:
-    """The latest state each worker's delivered batch carried, on the main process's side."""
+    """The latest state each worker's delivered batch carried, on the main process's side
+    (CONSUMED-POSITION: less the last ``held_ahead`` batches while the epoch's iteration runs)."""
 
-    def __init__(self, dataset: Any, num_workers: int) -> None:
+    def __init__(self, dataset: Any, num_workers: int, held_ahead: int = 0) -> None:
         self.dataset, self.num_workers = dataset, max(num_workers, 1)
+        self.held_ahead = held_ahead
         self.latest: dict[int, dict] = {}
+        self.delivered = 0  # batches handed out since the loader was made
+        self.ended = False  # the last iteration ran to its end: the state is the next epoch's start
+        self._held: collections.deque[Tagged | None] = collections.deque()  # handed out, maybe held
         self._pending: collections.deque[Tagged | None] = collections.deque()  # (``strip``)
 
     def strip(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -72,9 +84,27 @@ class Positions:
         self._pending.clear()
         for item in batches:
             tag = item if isinstance(item, Tagged) else self._pending.popleft() if self._pending else None
-            if tag is not None and tag.state is not None:
-                self.latest[tag.worker] = tag.state
+            self._record(tag)
             yield item.batch if isinstance(item, Tagged) else item
+
+    def _record(self, tag: Tagged | None) -> None:
+        if self.ended:  # the first batch of another pass
+            self.ended = False
+            self._held.clear()
+        self.delivered += 1
+        self._held.append(tag if tag is not None and tag.state is not None else None)
+        while len(self._held) > self.held_ahead:  # consumed: a framework holds only held_ahead
+            self._commit(self._held.popleft())
+
+    def _commit(self, tag: Tagged | None) -> None:
+        if tag is not None and tag.state is not None:
+            self.latest[tag.worker] = tag.state
+
+    def end(self) -> None:
+        """The epoch's iteration ran to its end: every batch handed out is consumed."""
+        while self._held:
+            self._commit(self._held.popleft())
+        self.ended = True
 
     def state_dict(self) -> dict:
         """Every reader's position: this rank's workers, and every rank's when torch.distributed
@@ -82,25 +112,31 @@ class Positions:
         import torch.distributed as dist
 
         base = self.dataset.state_dict()  # the epoch's start, or the position loaded
-        mine = [s for s in self.latest.values() if s.get("epoch") == max(
-            x.get("epoch", 0) for x in self.latest.values())]
-        state = merge_states(mine) if mine else base
-        state = _fill(state, base, World.current().rank)
+        if self.ended:  # CONSUMED-POSITION: after the epoch's end, the next epoch's start
+            epoch = max((s.get("epoch", 0) for s in self.latest.values()), default=base.get("epoch", 0))
+            state = {**base, "epoch": int(epoch) + 1, "stages": []}
+        else:
+            mine = [s for s in self.latest.values() if s.get("epoch") == max(
+                x.get("epoch", 0) for x in self.latest.values())]
+            state = merge_states(mine) if mine else base
+            state = _fill(state, base, World.current().rank)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, state)
             state = merge_states(every)
         return json.loads(json.dumps(state))
 
-    def load_state_dict(self, state: dict, started: bool) -> None:
-        if started:
-            raise SpecError("load_state_dict() must come before the loader's first iteration "
-                            "(its workers read the position when they start)")
+    def load_state_dict(self, state: dict) -> None:
+        if self.delivered:
+            raise SpecError("load_state_dict() must come before the loader's first iteration delivers a "
+                            "batch (its workers read the position when they start)")
         self.dataset.load_state_dict(state)
-        self.latest.clear()
+        self.reset()
 
     def reset(self) -> None:
         self.latest.clear()
+        self._held.clear()
+        self.ended = False
 
 
 class Stripped:

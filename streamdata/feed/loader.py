@@ -161,7 +161,11 @@ class Loader:
     ``len()`` works when the DataLoader's does; ``set_epoch`` reaches the dataset in this
     process (persistent workers hold their own copy: the dataset must make the epoch reach
     them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
+    An iterator starts nothing (workers, requests) before its first ``next()`` (LAZY-START):
+    a framework's probing ``iter()`` costs nothing and leaves the epoch as it was.
     """
+
+    sampler = None  # the dataset splits itself: nothing for a framework to replace or set an epoch on
 
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
                  batches: _Unwrapped | None = None, *, dataset: Any = None,
@@ -177,7 +181,8 @@ class Loader:
         self._batches = batches  # with recycled buffers: unwraps, and owns the boards
         self._source: Any = feed if feed is not None else batches if batches is not None else dataloader
         self._together = EndTogether() if end_together else None
-        self._positions, self._started = positions, False  # mid-epoch resume (``checkpoint``)
+        self._positions = positions  # mid-epoch resume (``checkpoint``)
+        self._running = 0  # iterations started and not ended
         self.stopwatch = Stopwatch(log_every or 0, reporter(log_every, on_metrics, self.metrics))
 
     @property
@@ -186,18 +191,27 @@ class Loader:
         return self._batches.init.board if self._batches is not None else None
 
     def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        """One pass, started at the first ``next()`` (LAZY-START)."""
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
-        self._started = True
-        loader = self.dataloader
-        kept = loader.persistent_workers and dataloader_iterator(loader) is not None
-        if loader.num_workers > 0 and not kept:
-            share_among(loader.num_workers)  # workers start now: the constructor's connections (WARM-SPARES)
-        source = iter(self._source)
-        if self._positions is not None:
-            source = self._positions.deliver(source)
-        if self._together is not None and self._together.active():
-            source = self._together.wrap(source)  # END-TOGETHER
-        return self.stopwatch.wrap(source)
+        self._running += 1
+        try:
+            loader = self.dataloader
+            kept = loader.persistent_workers and dataloader_iterator(loader) is not None
+            if loader.num_workers > 0 and not kept:
+                share_among(loader.num_workers)  # workers start: the constructor's connections (WARM-SPARES)
+            source = iter(self._source)
+            if self._positions is not None:
+                source = self._positions.deliver(source)
+            if self._together is not None and self._together.active():
+                source = self._together.wrap(source)  # END-TOGETHER
+            yield from self.stopwatch.wrap(source)
+            if self._positions is not None:
+                self._positions.end()  # CONSUMED-POSITION: the state is the next epoch's start
+        finally:
+            self._running -= 1
 
     def metrics(self, all_ranks: bool = False) -> Metrics:
         """Is the training loop waiting for data? A flat, JSON-ready dict (docs/metrics.md):
@@ -217,10 +231,13 @@ class Loader:
         return self._positions.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the saved epoch at the saved position: call it before the first iteration."""
+        """Resume the saved epoch at the saved position: call it before the loader delivers its
+        first batch. Workers an iteration started without delivering a batch (a framework's probe)
+        read the old position: they are shut down, and the next iteration starts new ones."""
         if self._positions is None:
             raise AttributeError(f"{type(self.dataset).__name__} has no load_state_dict()")
-        self._positions.load_state_dict(state, self._started)
+        self._positions.load_state_dict(state)
+        self._end_workers()
 
     @property
     def undelivered(self) -> int:
@@ -242,6 +259,8 @@ class Loader:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if set_epoch is None:
             raise AttributeError(f"{type(self.dataset).__name__} has no set_epoch()")
+        if self._running and epoch == getattr(self.dataset, "epoch", None):
+            return  # the epoch being read (a framework that sets it after taking the first batch)
         set_epoch(epoch)
         if self._positions is not None:
             self._positions.reset()
@@ -252,6 +271,9 @@ class Loader:
             self.prefetcher.close()
         if self._batches is not None:
             self._batches.close()
+        self._end_workers()
+
+    def _end_workers(self) -> None:
         iterator = detach_dataloader_iterator(self.dataloader)  # torch keeps persistent workers there
         if iterator is not None:
             try:
@@ -288,6 +310,7 @@ def loader(
     recycle_buffers: bool = True,
     reuse_worker_memory: bool = True,
     end_together: bool = True,
+    held_ahead: int = 0,
     log_every: int | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     **dataloader_kwargs: Any,
@@ -310,10 +333,15 @@ def loader(
     (:mod:`streamdata._alloc`).  ``end_together`` (a multi-rank job): every rank ends an
     epoch at the step where the first rank runs out of batches, so DDP never hangs on uneven
     data; what the other ranks did not deliver is counted in ``loader.undelivered``
-    (:mod:`streamdata.feed.together`).  ``log_every`` (steps): every that many steps,
+    (:mod:`streamdata.feed.together`).  ``held_ahead``: batches a framework takes ahead of the
+    training step (Lightning's ``Trainer``, Ray's ``prepare_data_loader`` with ``move_to_device``:
+    1); ``state_dict()`` leaves them out until the epoch ends, so a resume reads them again
+    (docs/frameworks.md).  ``log_every`` (steps): every that many steps,
     ``on_metrics(loader.metrics())``, or without ``on_metrics`` a line on the ``streamdata``
     logger at INFO (docs/metrics.md).  Other keyword arguments go to ``DataLoader`` unchanged.
     """
+    if not isinstance(held_ahead, int) or held_ahead < 0:
+        raise SpecError(f"held_ahead must be an int >= 0, got {held_ahead!r}")
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
     if num_workers is None:
@@ -342,7 +370,7 @@ def loader(
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
     positions = None
     if getattr(dataset, "state_format", None) == STATE_FORMAT:  # positions to resume (``checkpoint``)
-        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers)
+        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers, held_ahead)
     board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
     if board is not None:
         collate_fn = _Lending(collate_fn)

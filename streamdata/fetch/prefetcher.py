@@ -101,7 +101,8 @@ class Prefetcher:
             from streamdata.errors import SpecError
 
             raise SpecError(f"one dataset reads one protocol; got {sorted(protocols)}")
-        self.client = AsyncClient(protocols.pop() if protocols else "file", storage_options,
+        self.protocol = protocols.pop() if protocols else None  # None: no item, a client for "file"
+        self.client = AsyncClient(self.protocol or "file", storage_options,
                                   self.config, name="fetch",
                                   url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
@@ -154,6 +155,11 @@ class Prefetcher:
         the lists, and it waits here while the loop changes them.
         """
         more = [_as_item(i) for i in items]
+        if any(split_url(i.url)[0] != (self.protocol or "file") for i in more):
+            from streamdata.errors import SpecError
+
+            raise SpecError("extend() takes items of the protocol the prefetcher was made for "
+                            f"({self.protocol or 'none: it was made without items'})")
 
         async def add() -> int:  # on the loop, where the scheduler reads the lists
             if self._consumer >= self._fence and all(

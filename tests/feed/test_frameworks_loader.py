@@ -1,0 +1,194 @@
+"""What training frameworks do to ``sd.loader``, without the frameworks: a probing ``iter()``
+before ``load_state_dict`` (Lightning's data set-up), a fetcher that takes batches ahead of the
+step (``held_ahead``, CONSUMED-POSITION), a ``set_epoch`` after the first batch, the state at an
+epoch's end, and accelerate's re-splitting wrappers (SELF-SPLIT). Local shards with an index:
+exact epochs, and a resume that must give back exactly the rest."""
+
+from __future__ import annotations
+
+import collections
+
+import fsspec
+import pytest
+
+import streamdata as sd
+from streamdata._compat import dataloader_iterator
+from tests.helpers import rank_env, write_shards
+
+COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11, 6, 4, 13, 8]  # 89 samples, 13 uneven shards
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frameworks")
+    write_shards(fsspec.filesystem("file"), str(root), counts=COUNTS)
+    sd.build_index(str(root) + "/", progress=False)
+    return str(root) + "/"
+
+
+def _loader(spec: str, workers: int = 2, **kw) -> sd.Loader:
+    ds = sd.TarDataset(spec, shuffle=True, seed=5, decode=False)
+    return sd.loader(ds, batch_size=4, num_workers=workers, **kw)
+
+
+def _keys(batches) -> list[str]:
+    return [k for b in batches for k in b["__key__"]]
+
+
+def _epoch(spec: str, epoch: int, workers: int = 2) -> list[str]:
+    """The epoch as an uninterrupted loader delivers it."""
+    with _loader(spec, workers) as loader:
+        loader.set_epoch(epoch)
+        return _keys(loader)
+
+
+def _exact(before: list[str], after: list[str], everything: list[str]) -> None:
+    got = collections.Counter(before + after)
+    assert max(got.values()) == 1, [k for k, n in got.items() if n > 1]
+    assert sorted(got) == sorted(everything)
+
+
+def test_a_probing_iter_starts_nothing_and_leaves_the_epoch_as_it_was(spec):
+    """LAZY-START: Lightning's set-up calls iter() once to check the loader is iterable."""
+    with _loader(spec) as loader:
+        iter(loader)  # the probe, dropped
+        assert dataloader_iterator(loader.dataloader) is None  # no worker started
+        assert _keys(loader) == _epoch(spec, 0)  # epoch 0's order, not epoch 1's
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_after_a_probe_takes_effect(spec, workers):
+    everything = _epoch(spec, 0)
+    with _loader(spec) as first:
+        it = iter(first)
+        before = _keys(next(it) for _ in range(5))
+        state = first.state_dict()
+    with _loader(spec, workers) as loader:
+        iter(loader)  # the probe
+        loader.load_state_dict(state)
+        after = _keys(loader)
+    assert before == everything[:len(before)]
+    _exact(before, after, everything)
+
+
+def test_workers_started_without_a_delivered_batch_are_restarted_by_a_load(spec):
+    """An iteration that started workers but delivered nothing: they read the old position, so
+    load_state_dict ends them and the next iteration starts new ones."""
+    everything = _epoch(spec, 0)
+    with _loader(spec) as first:
+        it = iter(first)
+        before = _keys(next(it) for _ in range(3))
+        state = first.state_dict()
+    with _loader(spec) as loader:
+        iter(loader.dataloader)  # persistent workers started, no batch delivered
+        assert dataloader_iterator(loader.dataloader) is not None
+        loader.load_state_dict(state)
+        assert dataloader_iterator(loader.dataloader) is None
+        after = _keys(loader)
+        with pytest.raises(sd.SpecError, match="before the loader's first iteration delivers"):
+            loader.load_state_dict(state)
+    _exact(before, after, everything)
+
+
+def _ahead(loader, steps: int, held: int = 1):
+    """A fetcher that takes ``held`` batches ahead of its step (Lightning's: 1): the batches
+    the step consumed after ``steps`` steps, and the iterator."""
+    it = iter(loader)
+    taken = [next(it) for _ in range(held)]
+    consumed = []
+    for _ in range(steps):
+        consumed.append(taken.pop(0))
+        taken.append(next(it))
+    return consumed, it
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_held_ahead_leaves_the_fetched_ahead_batches_out_of_the_state(spec, held):
+    """CONSUMED-POSITION: 5 steps consumed, 5 + held handed out: the state counts 5, and the
+    resume reads the held batches again."""
+    everything = _epoch(spec, 0)
+    with _loader(spec, held_ahead=held) as loader:
+        consumed, _ = _ahead(loader, 5, held)
+        state = loader.state_dict()
+    before = _keys(consumed)
+    assert sum(state["stages"][-1]["delivered"]) == len(before)
+    with _loader(spec) as loader:
+        loader.load_state_dict(state)
+        after = _keys(loader)
+    _exact(before, after, everything)
+
+
+def test_without_held_ahead_a_fetched_ahead_batch_would_be_lost(spec):
+    """What Lightning's fetcher did to a plain sd.loader: the state counted the batch it held."""
+    with _loader(spec) as loader:
+        consumed, _ = _ahead(loader, 5)
+        state = loader.state_dict()
+    assert sum(state["stages"][-1]["delivered"]) == len(_keys(consumed)) + 4  # one batch more
+
+
+def test_at_an_epochs_end_the_state_is_the_next_epochs_start(spec):
+    """A fetcher that met the end while taking ahead holds nothing: every batch is consumed, and a
+    checkpoint at the epoch's end resumes with the next epoch (as Lightning's epoch counter does)."""
+    with _loader(spec, held_ahead=1) as loader:
+        assert sorted(_keys(loader)) == sorted(_epoch(spec, 0))
+        state = loader.state_dict()
+    assert state["epoch"] == 1 and state["stages"] == []
+    with _loader(spec) as loader:
+        loader.load_state_dict(state)
+        assert _keys(loader) == _epoch(spec, 1)
+
+
+def test_set_epoch_of_the_epoch_being_read_changes_nothing(spec):
+    """Lightning sets the epoch after its fetcher took the first batch: the pass goes on."""
+    for workers in (0, 2):
+        everything = _epoch(spec, 0, workers)
+        with _loader(spec, workers, held_ahead=1) as loader:
+            loader.set_epoch(0)
+            it = iter(loader)
+            first = next(it)
+            loader.set_epoch(0)  # the same epoch, mid-pass
+            got = _keys([first, *it])
+            assert got == everything
+            loader.set_epoch(1)
+            assert _keys(loader) == _epoch(spec, 1, workers)
+
+
+def test_held_ahead_is_checked_and_the_loader_has_no_sampler(spec):
+    with pytest.raises(sd.SpecError, match="held_ahead"):
+        _loader(spec, held_ahead=-1)
+    with _loader(spec) as loader:
+        assert loader.sampler is None  # frameworks find none to replace with a DistributedSampler
+
+
+def test_accelerates_resplitting_wrapper_is_refused(spec):
+    """SELF-SPLIT: a plain DataLoader that accelerator.prepare() wrapped calls set_epoch from
+    IterableDatasetShard (more than one process): refused with what to do instead."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    ds = sd.TarDataset(spec, decode=False, batch_size=4)
+    with rank_env(0, 2):
+        with pytest.raises(sd.SpecError, match="sd.loader"):
+            data_loader.IterableDatasetShard(ds, batch_size=4, num_processes=2, process_index=0).set_epoch(1)
+    data_loader.IterableDatasetShard(ds, batch_size=4, num_processes=1, process_index=0).set_epoch(1)
+    ds.set_epoch(2)  # called by anyone else: as before
+    mix = sd.Mix([sd.TarDataset(spec, decode=False)], weights=[1.0], seed=0, batch_size=4)
+    with rank_env(0, 2):
+        with pytest.raises(sd.SpecError, match="sd.loader"):
+            data_loader.IterableDatasetShard(mix, batch_size=4, num_processes=2, process_index=0).set_epoch(1)
+
+
+
+def test_a_prefetcher_made_without_items_takes_no_other_protocols_items():
+    """A resumed worker whose span was all delivered makes a prefetcher with nothing to read (a
+    client for no protocol); NEXT-EPOCH-EARLY once queued the next epoch's S3 items in it, read
+    as local paths (found under Lightning, resuming near an epoch's end). Now refused, and the
+    dataset does not queue there."""
+    from streamdata.fetch.prefetcher import Prefetcher
+    from streamdata.store.urls import Shard
+
+    empty = Prefetcher([])
+    try:
+        assert empty.protocol is None
+        with pytest.raises(sd.SpecError, match="protocol"):
+            empty.extend([Shard("s3://bkt/shard-000.tar", 10)])
+    finally:
+        empty.close()
