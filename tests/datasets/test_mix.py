@@ -338,21 +338,26 @@ def test_bad_arguments_are_refused(data):
         sd.Mix([t, t])
 
 
-def test_a_state_saved_after_the_last_batch_ends_the_epoch_on_any_world(data):
-    """The last batch's state says its reader has ended (stop="first"): restarted on another
-    world, what the readers left (counted as undelivered) is not handed to anyone."""
+def test_a_state_saved_after_the_last_batch_is_the_next_epochs_start_on_any_world(data):
+    """CONSUMED-POSITION (feed/checkpoint.py): once the epoch's iteration has ended (stop="first":
+    what the readers left is counted as undelivered), the state is the next epoch's start;
+    restarted on another world it reads that epoch as a fresh loader set to it does."""
     kw = dict(weights=(3, 1), stop="first")
     mix = make(data, **kw)
     with sd.loader(mix, batch_size=1, num_workers=2) as loader:  # (every last batch is full)
         got = [p for b in loader for p in pairs(b)]
         state = json.loads(json.dumps(loader.state_dict()))
-    assert all(e.get("end") for e in state["stages"][-1]["delivered"])
+    assert state["epoch"] == 1 and state["stages"] == []
     assert mix.counts["mix.undelivered.1"] > 0
+    assert len(got) + sum(mix.counts[f"mix.undelivered.{k}"] for k in (0, 1)) == sum(TOTAL)
     for workers in (0, 3):
         with sd.loader(make(data, **kw), batch_size=4, num_workers=workers) as loader:
             loader.load_state_dict(state)
-            assert [b for b in loader] == []
-    assert len(got) + sum(mix.counts[f"mix.undelivered.{k}"] for k in (0, 1)) == sum(TOTAL)
+            resumed = [p for b in loader for p in pairs(b)]
+        fresh = make(data, **kw)
+        fresh.set_epoch(1)
+        with sd.loader(fresh, batch_size=4, num_workers=workers) as loader:
+            assert resumed == [p for b in loader for p in pairs(b)] and resumed
 
 
 @pytest.mark.parametrize("stop", ["first", "all"])
