@@ -55,7 +55,7 @@ from streamdata.config import env_snapshot, env_str
 from streamdata.errors import SpecError
 
 __all__ = ["InsecureTLSWarning", "Network", "Proxy", "bypassed", "certificate_hint", "network_for",
-           "proxy_source", "resolution_hint"]
+           "resolution_hint"]
 
 _SCHEMES = ("http", "https")
 
@@ -333,19 +333,6 @@ def network_for(options: Mapping[str, Any] | None, protocol: str | None = None) 
 # ---- hints for errors -------------------------------------------------------------------------------
 
 
-def proxy_source(net: Network | None, url: str) -> str:
-    """How ``url`` is routed, for a message: ``"through proxy http://...:3128 (HTTPS_PROXY)"``
-    or ``"direct"`` (with the reason, where a proxy is configured but bypassed)."""
-    if net is None:
-        return "direct"
-    proxy = net.proxy(url)
-    if proxy is not None:
-        return f"through proxy {proxy.shown} ({proxy.source})"
-    if net.proxied:
-        return f"direct ({net._no_proxy_source or 'NO_PROXY'} bypasses the proxy for this host)"
-    return "direct"
-
-
 def certificate_hint(host: str, net: Network | None = None) -> str:
     """What to do about a certificate that did not verify for ``host``."""
     using = f" (verified against {net.bundle or net.bundle_source})" if net is not None else ""
@@ -358,9 +345,8 @@ def certificate_hint(host: str, net: Network | None = None) -> str:
 def resolution_hint(host: str, url: str, net: Network | None = None) -> str:
     """What a name that does not resolve may mean, given the proxies configured."""
     scheme = urllib.parse.urlsplit(url).scheme.lower() or "https"
-    if net is not None and net.proxy(url) is not None:
-        proxy = net.proxy(url)
-        assert proxy is not None
+    proxy = net.proxy(url) if net is not None else None
+    if proxy is not None:
         return (f"the proxy {proxy.shown} ({proxy.source}) could not resolve {host}: check the name, "
                 "or whether that proxy can reach it")
     if net is not None and net.proxied:
