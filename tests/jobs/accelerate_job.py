@@ -83,8 +83,9 @@ def main(out_dir: str, config_json: str) -> None:
     except Stop:
         pass
     accelerator = Accelerator(cpu=True)
-    passed = accelerator.prepare(probe := sd.loader(sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"]),
-                                                    batch_size=8, num_workers=0))
+    probe = sd.loader(sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"]), batch_size=8,
+                      num_workers=0)
+    passed = accelerator.prepare(probe)
     plain = accelerator.prepare(torch.utils.data.DataLoader(
         sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"]), batch_size=8))
     try:

@@ -13,9 +13,6 @@ trained, its steps, and ``setup_dataloaders``' error.
 
 from __future__ import annotations
 
-import json
-import sys
-
 # --- recipe: docs/frameworks.md, Lightning Fabric ---
 import os
 
@@ -73,6 +70,8 @@ def train_step(fabric, model, optimizer, batch, epoch, step):  # noqa: F811 - th
 
 
 def main(out_dir: str, config_json: str) -> None:
+    import json
+
     import torch.distributed as dist
 
     from tests.jobs._leave import leave
@@ -84,8 +83,9 @@ def main(out_dir: str, config_json: str) -> None:
     except Stop:
         pass
     try:
-        RUN["fabric"].setup_dataloaders(sd.loader(sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"]),
-                                           batch_size=8, num_workers=0))
+        probe = sd.loader(sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"]), batch_size=8,
+                          num_workers=0)
+        RUN["fabric"].setup_dataloaders(probe)
         refusal = None
     except TypeError as exc:
         refusal = str(exc)
@@ -95,4 +95,6 @@ def main(out_dir: str, config_json: str) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     main(*sys.argv[1:3])

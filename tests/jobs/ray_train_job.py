@@ -15,9 +15,6 @@ per trained step to ``OUT_DIR/ray-rank{R}.jsonl``: the checkpoint step its attem
 
 from __future__ import annotations
 
-import json
-import sys
-
 # --- recipe: docs/frameworks.md, Ray Train ---
 import os
 import tempfile
@@ -107,6 +104,8 @@ def train_step(model, optimizer, batch, epoch, step):  # noqa: F811 - the recipe
         open(marker, "w").close()
         os._exit(1)  # a worker lost mid-epoch, on the first attempt only
     _recipe_step(model, optimizer, batch, epoch, step)
+    import json
+
     with open(os.path.join(_CONFIG["out_dir"], f"ray-rank{rank}.jsonl"), "a") as f:
         f.write(json.dumps({"from": started, "epoch": epoch, "step": step,
                             "keys": list(batch["__key__"])}) + "\n")
@@ -116,6 +115,8 @@ _CONFIG: dict = {}
 
 
 def main(out_dir: str, config_json: str) -> None:
+    import json
+
     import ray
 
     cfg = json.loads(config_json)
@@ -132,4 +133,6 @@ def main(out_dir: str, config_json: str) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     main(*sys.argv[1:3])
