@@ -45,6 +45,7 @@ from streamdata.epoch.state import (
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
+from streamdata.formats.images import for_pass
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.policy import ErrorPolicy, OnError
 from streamdata.ranks import from_rank0
@@ -130,6 +131,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: each sample into a shared-memory batch as it comes
         self.map = map
+        self._map = map  # ``map`` bound to the current pass (``start_pass``)
         self._counters = Counters(COUNTERS)
         self._stats = Counters(READER_STATS)  # each reader's stage timings and requests (``reader_stats``)
         self._epoch = 0
@@ -264,6 +266,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         handled by the policy, per record."""
         return record
 
+    def start_pass(self, epoch: int) -> None:
+        """Bind what is seeded per sample to this pass's seed and epoch (IMAGE-SEED in
+        ``formats.images``: an image transform as ``map``); formats bind their decoders too."""
+        self._map = for_pass(self.map, self.seed, epoch)
+
     # ---- the pass -----------------------------------------------------------------------
 
     def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
@@ -365,6 +372,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
         install()  # FORK-RESET from the first pass on (``_fork``; import installs nothing)
         p = self.reader_pass(batch_size, drop_last)
+        self.start_pass(p.epoch)
         self._note_plan(p)
         clock = StageClock(self._stats) if stage_times() else None
         policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe(), clock=clock)
@@ -482,8 +490,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
         samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
-        if self.map is not None:
-            samples = policy.each(samples, self.map, run=StageClock.MAP)
+        if self._map is not None:
+            samples = policy.each(samples, self._map, run=StageClock.MAP)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             samples = placeholder_items(samples, rewind.first)
