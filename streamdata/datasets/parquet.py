@@ -87,6 +87,9 @@ class _ArrowTables(ShardedDataset):
                             "use map= to transform each batch instead of collate_fn")
         if isinstance(columns, str):
             raise SpecError(f"columns must be a list of names, got the string {columns!r}")
+        if options.get("decode_threads", 1) != 1:
+            raise SpecError(f"{type(self).__name__} decodes whole batches of rows: decode_threads is for "
+                            "tar and object samples (use more workers)")
         if filter is not None and not isinstance(filter, pc.Expression):
             raise SpecError(f"filter must be a pyarrow.compute.Expression (e.g. pc.field('x') > 0), "
                             f"got {type(filter).__name__}")

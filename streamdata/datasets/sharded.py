@@ -57,6 +57,19 @@ __all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_c
 log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
+DECODE_TIMEOUT = 300.0  # seconds one sample may take on the decode threads (``decode_threads``)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A record's ``prepare`` then ``map``: one call on a decode thread."""
+
+    prepare: Callable[[Any], Any]
+    map: Callable[[Any], Any] | None
+
+    def __call__(self, record: Any) -> Any:
+        sample = self.prepare(record)
+        return sample if self.map is None else self.map(sample)
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
     ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
     ``listing=False``: the spec is not listed (``expand_spec``'s NO-LISTING; docs/startup.md).
+    ``decode_threads``: threads per reader that decode and ``map`` samples (docs/images.md).
     """
 
     suffixes: tuple[str, ...] = ()
@@ -108,8 +122,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
                  fetch_config: FetchConfig | None = None, listing: bool = True,
-                 **fetch_options: Any) -> None:
+                 decode_threads: int = 1, **fetch_options: Any) -> None:
         super().__init__()
+        if not isinstance(decode_threads, int) or decode_threads < 1:
+            raise SpecError(f"decode_threads must be an int >= 1, got {decode_threads!r}")
+        self.decode_threads = decode_threads  # threads per reader for decode and map (``stages``)
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
@@ -489,9 +506,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
-        samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
-        if self._map is not None:
-            samples = policy.each(samples, self._map, run=StageClock.MAP)
+        if self.decode_threads > 1:  # decode and map on a pool (formats.images releases the GIL)
+            samples = policy.pooled(records, _Prepared(self.prepare, self._map), self.decode_threads,
+                                    timeout=DECODE_TIMEOUT)
+        else:
+            samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
+            if self._map is not None:
+                samples = policy.each(samples, self._map, run=StageClock.MAP)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             samples = placeholder_items(samples, rewind.first)
