@@ -24,7 +24,6 @@ Streaming are not installed here (``benchmarks/latency.py``'s ``NOT_FEASIBLE`` s
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -215,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     with S3Server() as server:
         server.create_bucket("bench")
         spec, urls = _upload(server, args.images, args.per_shard)
-        proxies = {d: LatencyProxy(*upstream(server.endpoint_url), delay_s=d / 1000).__enter__() for d in delays}
+        proxies = {d: LatencyProxy(*upstream(server.endpoint_url), delay_s=d / 1000).__enter__()
+                   for d in delays}
         try:
             for r in range(args.rounds):
                 for d in delays:

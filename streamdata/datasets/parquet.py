@@ -15,8 +15,8 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 

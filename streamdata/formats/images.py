@@ -289,7 +289,7 @@ def _dct_factor(box: Box, oh: int, ow: int) -> int:
     libjpeg-turbo's other factors (7/8, 3/4...) decode no faster here, and a margin below 1.5
     costs sharpness (PSNR under 30 dB against a full decode, ``benchmarks/images.py``)."""
     factor = 1
-    while factor < 8 and box[2] >= 2 * factor * ow * SCALE_MARGIN and box[3] >= 2 * factor * oh * SCALE_MARGIN:
+    while factor < 8 and min(box[2] / ow, box[3] / oh) >= 2 * factor * SCALE_MARGIN:
         factor *= 2
     return factor
 
