@@ -284,7 +284,7 @@ def _simplejpeg() -> Any:
 
 
 def _dct_factor(box: Box, oh: int, ow: int) -> int:
-    """The JPEG's DCT scale-down for a crop ``box`` resized to ``oh x ow``: 1, 2, 4 or 8, the
+    """DCT-SCALE: the JPEG's scale-down for a crop ``box`` resized to ``oh x ow``: 1, 2, 4 or 8, the
     largest that leaves the crop ``SCALE_MARGIN`` times the output's size. Only powers of two:
     libjpeg-turbo's other factors (7/8, 3/4...) decode no faster here, and a margin below 1.5
     costs sharpness (PSNR under 30 dB against a full decode, ``benchmarks/images.py``)."""
