@@ -19,11 +19,13 @@ Streaming are not installed here (``benchmarks/latency.py``'s ``NOT_FEASIBLE`` s
 
     python -m benchmarks.images                  # 3 rounds, 0 and 100 ms (~10 min on 2 cores)
     python -m benchmarks.images --quick          # smoke run
+    python -m benchmarks.images --micro          # per-image CPU of each path, one thread, no loader
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -185,6 +187,64 @@ def _upload(server: Any, n_images: int, per_shard: int) -> tuple[str, list[str]]
     return f"s3://bench/img/train-{{000000..{n_shards - 1:06d}}}.tar", urls
 
 
+def micro(count: int = 200, rounds: int = 5) -> None:
+    """Per-image CPU (best of ``rounds``, one thread, no loader) of: the fast path (libjpeg-turbo,
+    and Pillow's draft), the PIL transform on a full decode (the peers'), today's ``decode=True``
+    then the PIL transform; and the copy of one result into a shared-memory batch row (the copy
+    the fast path leaves: each sample is copied into its batch as it arrives)."""
+    import PIL.Image
+    import torch
+
+    from benchmarks.photos import jpeg_photos
+    from streamdata.formats import decode as D
+    from streamdata.formats import images as I
+
+    torch.set_num_threads(1)
+    photos = jpeg_photos(count, seed=1)
+    fast = I.RandomResizedCrop(SIZE).for_pass(0, 0)
+    real_sj = I._simplejpeg
+
+    def fast_sj(i: int, data: bytes) -> Any:
+        return fast.image(data, key=str(i))
+
+    def fast_pillow(i: int, data: bytes) -> Any:
+        I._simplejpeg = lambda: None
+        try:
+            return fast.image(data, key=str(i))
+        finally:
+            I._simplejpeg = real_sj
+
+    rng = random.Random(0)
+
+    def peer(i: int, data: bytes) -> Any:
+        return pil_random_resized_crop(PIL.Image.open(io.BytesIO(data)), rng)
+
+    def today(i: int, data: bytes) -> Any:
+        full = D.fast_image(".jpg", data)
+        return pil_random_resized_crop(PIL.Image.fromarray(full.permute(1, 2, 0).numpy()), rng)
+
+    paths = {"fast (libjpeg-turbo)": fast_sj, "fast (Pillow draft)": fast_pillow,
+             "PIL transform (peers)": peer, "decode=True + PIL map (today)": today}
+    best = {name: math.inf for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            start = time.process_time()
+            for i, data in enumerate(photos):
+                fn(i, data)
+            best[name] = min(best[name], (time.process_time() - start) / count * 1e3)
+    batch = torch.empty((64, 3, SIZE, SIZE), dtype=torch.uint8).share_memory_()
+    one = fast_sj(0, photos[0])
+    rows = batch.numpy()
+    start = time.process_time()
+    for i in range(5000):
+        rows[i % 64] = one.numpy()
+    copy_us = (time.process_time() - start) / 5000 * 1e6
+    base = best["PIL transform (peers)"]
+    for name, ms in best.items():
+        print(f"{name:32s} {ms:6.2f} ms/image  {ms / base:5.2f}x the peers' transform")
+    print(f"{'copy into a batch row':32s} {copy_us / 1e3:6.3f} ms/image  ({one.numel()} bytes)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run-one", nargs=2, metavar=("CFG", "OUT"), help=argparse.SUPPRESS)
@@ -197,7 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="512 images, 1 round, 0 ms")
     parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--micro", action="store_true", help="per-image CPU of each path, no loader")
     args = parser.parse_args(argv)
+    if args.micro:
+        micro()
+        return
     if args.run_one:
         cfg = json.loads(Path(args.run_one[0]).read_text())
         Path(args.run_one[1]).write_text(json.dumps(run_one(cfg)))
