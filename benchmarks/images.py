@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="512 images, 1 round, 0 ms")
+    parser.add_argument("--quick", action="store_true", help="1 round, 0 ms, 512 images")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--micro", action="store_true", help="per-image CPU of each path, no loader")
     args = parser.parse_args(argv)
@@ -266,8 +266,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = json.loads(Path(args.run_one[0]).read_text())
         Path(args.run_one[1]).write_text(json.dumps(run_one(cfg)))
         return
-    if args.quick:
-        args.images, args.per_shard, args.rounds, args.delays = 512, 128, 1, "0"
+    if args.quick:  # one round at 0 ms; 512 images unless --images says otherwise
+        args.rounds, args.delays = 1, "0"
+        if args.images == parser.get_default("images"):
+            args.images, args.per_shard = 512, 128
     from benchmarks.common import replace_in_options, upstream
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
