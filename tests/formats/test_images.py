@@ -265,12 +265,14 @@ def test_seeded_crops_after_a_resume(image_bucket):
     assert all(torch.equal(full[k], v) for k, v in {**seen, **rest}.items())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_a_corrupt_image_in_a_shard(image_bucket, policy):
+def test_a_corrupt_image_in_a_shard(image_bucket, policy, threads):
     server, bucket, fs = image_bucket
     keys = _image_shards(fs, f"{bucket}/img", [4, 4], corrupt={"img00005"})
     ds = sd.TarDataset(f"s3://{bucket}/img/shard-{{000..001}}.tar", storage_options=server.storage_options,
-                       batch_size=2, decode=sd.images.RandomResizedCrop(16), on_error=policy)
+                       batch_size=2, decode=sd.images.RandomResizedCrop(16), on_error=policy,
+                       decode_threads=threads)
     if policy == "raise":
         with pytest.raises(sd.DecodeError) as info:
             list(ds)
