@@ -378,6 +378,7 @@ def sample_key(sample: dict) -> str | None:
     key, url = sample.get("__key__"), sample.get("__url__")
     if key is None:
         return None
+    key, url = (v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in (key, url))
     shard = str(url).rstrip("/").rsplit("/", 1)[-1] if url is not None else ""
     return f"{shard}\x00{key}"
 

@@ -134,6 +134,11 @@ def test_seeded_by_seed_epoch_and_key():
     assert not torch.equal(a, t.for_pass(1, 0).image(data, key="b"))
     own = I.RandomResizedCrop(48, seed=1)  # its own seed wins over the dataset's
     assert torch.equal(own.for_pass(99, 0).image(data, key="a"), a)
+    # the key is the shard's name and __key__: the same from another endpoint, bytes or text
+    assert I.sample_key({"__key__": b"k", "__url__": b"s3://bkt/a/train-1.tar"}) == \
+        I.sample_key({"__key__": "k", "__url__": "http://127.0.0.1:9000/bkt/a/train-1.tar"})
+    assert I.sample_key({"__key__": "k", "__url__": "s3://bkt/train-1.tar"}) != \
+        I.sample_key({"__key__": "k", "__url__": "s3://bkt/train-2.tar"})
     # a bare value (a Parquet cell) is keyed by its bytes
     assert torch.equal(t.image({"bytes": data, "path": "x.jpg"}), t.image(data))
 
