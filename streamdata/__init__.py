@@ -26,6 +26,7 @@ from streamdata.feed.cuda import CudaPrefetcher, PinAhead, pin_batch
 from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
+from streamdata.formats import images as images  # sd.images: the fast image path's transforms
 from streamdata.store.urls import Shard
 from streamdata.write.tar import ShardWriter
 
