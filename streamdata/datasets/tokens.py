@@ -26,7 +26,7 @@ from streamdata.batch.batches import batches
 from streamdata.batch.tokens import pack
 from streamdata.catalog.footers import read_footers, with_sizes
 from streamdata.catalog.specs import Spec
-from streamdata.datasets.passes import EpochIterator, Read, ReaderPass, stale_count
+from streamdata.datasets.passes import EpochIterator, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.plan import SampleSlice
 from streamdata.epoch.resume import Stage, resume_span
@@ -213,8 +213,9 @@ class TokenDataset(ShardedDataset):
         return self.units_
 
     def sample_counts(self) -> np.ndarray:
-        """Tokens of each unit in the stream (documents' tokens and the inserted ones)."""
-        return self._tokens
+        """The epoch's samples: its sequences, as one unit (the stream, ``epoch.tokens``); what a
+        Mix divides (a mix of token sources is a mix of sequences of the same width)."""
+        return np.array([self.plan(0).sequences], dtype=np.int64)
 
     def block_window(self) -> int | None:
         return None  # shuffle=True orders units; sequences stay in stream order
@@ -306,7 +307,11 @@ class TokenDataset(ShardedDataset):
             raise FormatError(f"{redact_url(unit.url)}: row group {unit.index} of column {self.column!r} "
                               "holds null token ids", url=unit.url, key=f"row group {unit.index}")
         if len(values) != unit.tokens or len(column) != unit.docs:
-            raise stale_count(unit.url, len(values), unit.tokens)
+            raise FormatError(
+                f"{redact_url(unit.url)}: row group {unit.index} holds {len(values)} tokens in {len(column)} "
+                f"rows where its footer says {unit.tokens} in {unit.docs} (the file changed after it was "
+                "listed, or was written without column statistics and holds empty lists: write it with "
+                "statistics)", url=unit.url, key=f"row group {unit.index}")
         offsets = column.offsets.to_numpy()
         return values.to_numpy(zero_copy_only=False), np.diff(offsets).astype(np.int64)
 

@@ -282,3 +282,55 @@ def test_a_non_integer_dtype_is_refused(tmp_path):
     spec, _, _ = _corpus(tmp_path, "bin")
     with pytest.raises(sd.SpecError, match="integer dtype"):
         sd.TokenDataset(spec, seq_len=4, dtype="float32")
+
+
+# ---- a mix of token sources -----------------------------------------------------------------
+
+
+def _mix_sources(tmp_path):
+    """Two flat-.bin corpora (ids below and above 30000), 3 files of 2000 tokens each."""
+    for name, base in (("a", 0), ("b", 30000)):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            (np.arange(2000) + base + i * 2000).astype(np.uint16).tofile(tmp_path / name / f"p{i}.bin")
+
+    def make(**kw):
+        return sd.Mix([sd.TokenDataset(str(tmp_path / "a") + "/", seq_len=8, dtype="uint16", shuffle=True),
+                       sd.TokenDataset(str(tmp_path / "b") + "/", seq_len=8, dtype="uint16", shuffle=True,
+                                       seed=1)], weights=[0.7, 0.3], seed=0, batch_size=4, **kw)
+    return make
+
+
+def test_a_mix_of_token_sources_keeps_its_proportions(tmp_path):
+    make = _mix_sources(tmp_path)
+    seqs = [tuple(r) for b in make(samples=4000) for r in b["input_ids"].tolist()]
+    share = sum(s[0] < 30000 for s in seqs) / len(seqs)
+    assert len(seqs) == 4000 and abs(share - 0.7) <= 0.02, share
+    assert all(list(s) == list(range(s[0], s[0] + 8)) for s in seqs)  # whole runs of a stream
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1)])
+def test_a_mix_of_token_sources_resumes_exactly(tmp_path, old, new):
+    """Stopped at a step on ``old`` simulated ranks, resumed on ``new``: each source's sequences
+    at most once, and delivered + counted undelivered = the source's epoch (stop="first")."""
+    make = _mix_sources(tmp_path)
+    got, mixes, state = [], [], None
+    for leg, ranks in enumerate([old, new]):
+        states, steps = [], []
+        for rank in range(ranks):
+            with rank_env(rank, ranks):
+                mixes.append(make(stop="first"))
+                if state is not None:
+                    mixes[-1].load_state_dict(state)
+                it = iter(mixes[-1])
+                batches = list(take(it, 7) if leg == 0 else it)
+                steps.append(len(batches))
+                got += [tuple(r) for b in batches for r in b["input_ids"].tolist()]
+                states.append(mixes[-1].state_dict())
+                it.close()
+        assert len(set(steps)) == 1, steps
+        state = json.loads(json.dumps(merge_states(states)))
+    assert len(got) == len(set(got)), "a sequence twice"
+    for k, total in enumerate((3 * 2000 // 8, 3 * 2000 // 8)):
+        mine = sum((s[0] >= 30000) == bool(k) for s in got)
+        assert mine + sum(m.counts[f"mix.undelivered.{k}"] for m in mixes) == total
