@@ -41,7 +41,8 @@ def _write(fs, bucket: str) -> dict:
     return {"bin": {"spec": f"s3://{bucket}/bin/", "options": {**common, "dtype": "uint16"}},
             "idx": {"spec": f"s3://{bucket}/idx/", "options": {**common, "eos_id": 60000, "partial": "pad",
                                                              "targets": True}},
-            "parquet": {"spec": f"s3://{bucket}/parquet/", "options": {**common, "column": "tokens", "bos_id": 60001}}}
+            "parquet": {"spec": f"s3://{bucket}/parquet/",
+                        "options": {**common, "column": "tokens", "bos_id": 60001}}}
 
 
 @pytest.fixture(scope="module")

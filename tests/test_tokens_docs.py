@@ -4,6 +4,7 @@ cu_seqlens flatten for a variable-length kernel."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def corpus(s3_server):
         fs.pipe_file(f"corpus/tokens/part-{i}.bin", tokens.astype(np.uint16).tobytes())
     for i in range(2):
         lengths = rng.integers(1, 40, 30)
-        ids = rng.integers(1, 500, lengths.sum()).astype(np.uint16)
+        ids = rng.integers(200, 500, lengths.sum())  # (apart from the flat corpus: 3..99).astype(np.uint16)
         fs.pipe_file(f"corpus/megatron/part-{i}.bin", ids.tobytes())
         fs.pipe_file(f"corpus/megatron/part-{i}.idx", idx_bytes(lengths, np.uint16))
     return s3_server
@@ -78,12 +79,26 @@ def _check_training(ns: dict) -> None:
 
 
 def test_the_docs_recipes_run(aws):
-    gpt, varlen = _blocks(ROOT / "docs" / "tokens.md")
+    gpt, varlen, mix = _blocks(ROOT / "docs" / "tokens.md")
     _check_training(_run(gpt))
     ns = _run(varlen)
     assert int(ns["cu"][-1]) == 4 * 32 and len(ns["cu"]) > 5  # documents in the sequences
+    batches = _run(mix)["batches"]
+    assert len(batches) == 125 and all(tuple(b["input_ids"].shape) == (4, 32) for b in batches)
+    web = sum(int(r[0]) < 100 for b in batches for r in b["input_ids"])  # the web corpus: ids 3..99
+    assert 0.7 < web / 500 < 0.9
 
 
 def test_the_readme_recipe_runs(aws):
     (code,) = _blocks(ROOT / "README.md", "### Token streams for language models")
     _check_training(_run(code))
+
+
+@pytest.mark.slow
+def test_the_tokens_benchmark_runs(tmp_path, capsys):
+    from benchmarks import tokens
+
+    tokens.main(["--quick", "--out", str(tmp_path / "tokens.json")])
+    report = json.loads((tmp_path / "tokens.json").read_text())
+    assert [r["delay_ms"] for r in report["results"]] == [0, 100]
+    assert all(r["ratio_median"] > 0 for r in report["results"]) and len(report["rss_after_epoch"]) == 2

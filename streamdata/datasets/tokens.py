@@ -238,8 +238,10 @@ class TokenDataset(ShardedDataset):
         """Tokens in one epoch's stream (inserted ``bos``/``eos`` included)."""
         return int(self._tokens.sum())
 
-    def __len__(self) -> int:
-        """Sequences in one epoch, over every reader."""
+    @property
+    def num_sequences(self) -> int:
+        """Sequences in one epoch, over every reader (no ``len()``: a DataLoader would take it
+        for its batches)."""
         return self.plan().sequences
 
     def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool,

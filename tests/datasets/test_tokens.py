@@ -144,7 +144,7 @@ def test_drop_last_gives_full_batches_everywhere(tmp_path, world_size, num_worke
     assert all(tuple(b["input_ids"].shape) == (3, 4) for batches in per_rank for b in batches)
     seqs = [tuple(r) for batches in per_rank for b in batches for r in b["input_ids"].tolist()]
     assert len(seqs) == len(set(seqs))
-    assert len(seqs) + ds.counts["planned.left_out"] // world_size == len(ds)
+    assert len(seqs) + ds.counts["planned.left_out"] // world_size == ds.num_sequences
 
 
 def test_a_bin_is_read_in_ranges(tmp_path):
