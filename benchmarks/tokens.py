@@ -17,7 +17,12 @@ machine moves both alike. With ``--epochs N`` it also records streamdata's resid
     python -m benchmarks.tokens             # full run
     python -m benchmarks.tokens --quick     # smoke run
 
-LitData's ``TokensLoader`` is not measured here: litdata is not installed in this environment.
+With ``--litdata-python PY`` (a Python that imports litdata; it is not one of streamdata's
+dependencies), a third method: LitData's ``StreamingDataset`` with ``TokensLoader(block_size=
+seq_len + 1)`` and its ``StreamingDataLoader``, over the same tokens converted to its chunk
+format by its own ``litdata.optimize`` and uploaded beside the ``.bin`` files; each of its rounds
+runs in a child process of that Python (its tokens/s timed inside the child, from the dataset's
+construction on, like the others), with a fresh cache directory.
 """
 
 from __future__ import annotations
@@ -80,8 +85,8 @@ def _loader(method: str, spec: str, urls: list[str], options: dict, args: argpar
                                        multiprocessing_context="fork", timeout=300)
 
 
-def _measure(method: str, spec: str, urls: list[str], options: dict, args: argparse.Namespace) -> float:
-    """Tokens per second over one whole epoch, construction included."""
+def _measure(method: str, spec: str, urls: list[str], options: dict, args: argparse.Namespace) -> dict:
+    """Tokens per second over one whole epoch, construction included, and the tokens."""
     start = time.perf_counter()
     tokens = 0
     loader = _loader(method, spec, urls, options, args)
@@ -90,7 +95,7 @@ def _measure(method: str, spec: str, urls: list[str], options: dict, args: argpa
     close = getattr(loader, "close", None)
     if close is not None:
         close()
-    return tokens / (time.perf_counter() - start)
+    return {"tokens": tokens, "tokens_per_s": tokens / (time.perf_counter() - start)}
 
 
 def _memory(spec: str, urls: list[str], options: dict, args: argparse.Namespace) -> list[int]:
@@ -112,6 +117,60 @@ def _memory(spec: str, urls: list[str], options: dict, args: argparse.Namespace)
     return out
 
 
+def _litdata_tokens(path: str) -> Iterator[torch.Tensor]:
+    """One file's tokens, as LitData's ``optimize`` takes them for ``TokensLoader``."""
+    yield torch.from_numpy(np.fromfile(path, np.uint16).astype(np.int64))
+
+
+def _litdata_child(cfg: dict) -> None:
+    """Runs under ``--litdata-python``: ``convert`` (``litdata.optimize`` of the local ``.bin``
+    files) or ``measure`` (one epoch, tokens/s printed as JSON)."""
+    import tempfile
+
+    import litdata as ld
+    from litdata.streaming.item_loader import TokensLoader
+
+    if cfg["do"] == "convert":
+        ld.optimize(fn=_litdata_tokens, inputs=cfg["files"], output_dir=cfg["out"], chunk_size=cfg["chunk"],
+                    item_loader=TokensLoader(), num_workers=1, verbose=False)
+        return
+    start = time.perf_counter()
+    ds = ld.StreamingDataset(cfg["input_dir"], item_loader=TokensLoader(block_size=cfg["width"]),
+                             cache_dir=tempfile.mkdtemp(prefix="litdata-cache-"),
+                             storage_options=cfg["storage_options"])
+    count = 0
+    for batch in ld.StreamingDataLoader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"]):
+        count += batch.numel()
+    print(json.dumps({"tokens": count, "tokens_per_s": count / (time.perf_counter() - start)}))
+
+
+def _litdata_call(args: argparse.Namespace, cfg: dict) -> dict:
+    import subprocess
+
+    child = [args.litdata_python, str(Path(__file__).resolve()), "--litdata-child", json.dumps(cfg)]
+    done = subprocess.run(child, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the litdata child failed: {done.stderr[-3000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _litdata_prepare(server: Any, args: argparse.Namespace, bodies: list[bytes]) -> None:
+    """The same tokens in LitData's chunk format, by its own tool, uploaded to ``lit/``."""
+    import tempfile
+
+    client = server.boto3_client()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        for i, body in enumerate(bodies):
+            files.append(f"{tmp}/part-{i:03d}.bin")
+            Path(files[-1]).write_bytes(body)
+        _litdata_call(args, {"do": "convert", "files": files, "out": f"{tmp}/lit",
+                             "chunk": (args.seq_len + 1) * 256})
+        for path in sorted(Path(f"{tmp}/lit").iterdir()):
+            client.put_object(Bucket="bench-tokens", Key=f"lit/{path.name}", Body=path.read_bytes())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from streamdata.testing import S3Server
 
@@ -120,29 +179,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.create_bucket("bench-tokens")
         client = server.boto3_client()
         rng = np.random.default_rng(0)
-        urls = []
+        urls, bodies = [], []
         for i in range(args.files):
-            body = rng.integers(0, 50257, args.tokens, dtype=np.uint16).tobytes()
-            client.put_object(Bucket="bench-tokens", Key=f"bin/part-{i:03d}.bin", Body=body)
+            bodies.append(rng.integers(0, 50257, args.tokens, dtype=np.uint16).tobytes())
+            client.put_object(Bucket="bench-tokens", Key=f"bin/part-{i:03d}.bin", Body=bodies[-1])
             urls.append(f"s3://bench-tokens/bin/part-{i:03d}.bin")
+        methods = ["streamdata", "whole-file"]
+        if args.litdata_python:
+            _litdata_prepare(server, args, bodies)
+            methods.append("litdata")
         spec = "s3://bench-tokens/bin/"
         with LatencyProxy(*upstream(server.endpoint_url), delay_s=0.0) as proxy:
             options = {**server.storage_options, "endpoint_url": proxy.url_for(server.endpoint_url)}
             for delay_ms in args.delays:
                 proxy.set_delay(delay_ms / 1000)
-                speeds: dict[str, list[float]] = {m: [] for m in ("streamdata", "whole-file")}
+                speeds: dict[str, list[float]] = {m: [] for m in methods}
+                counts: dict[str, int] = {}
                 for _ in range(args.reps):  # interleaved rounds
-                    for method in speeds:
-                        speeds[method].append(_measure(method, spec, urls, options, args))
-                ratios = [a / b for a, b in zip(speeds["streamdata"], speeds["whole-file"], strict=True)]
-                row = {"delay_ms": delay_ms,
-                       **{f"{m}_tokens_per_s": statistics.median(v) for m, v in speeds.items()},
-                       "ratio_median": statistics.median(ratios), "ratios": ratios}
+                    for method in methods:
+                        if method == "litdata":
+                            lit_options = {"endpoint_url": options["endpoint_url"],
+                                           "region_name": "us-east-1", "aws_access_key_id": options["key"],
+                                           "aws_secret_access_key": options["secret"]}
+                            one = _litdata_call(args, {
+                                "do": "measure", "input_dir": "s3://bench-tokens/lit",
+                                "width": args.seq_len + 1, "batch": args.batch, "workers": args.workers,
+                                "storage_options": lit_options})
+                        else:
+                            one = _measure(method, spec, urls, options, args)
+                        speeds[method].append(one["tokens_per_s"])
+                        counts[method] = one["tokens"]
+                row: dict[str, Any] = {"delay_ms": delay_ms, "tokens_per_epoch": counts}
+                row.update({f"{m}_tokens_per_s": statistics.median(v) for m, v in speeds.items()})
+                for other in methods[1:]:  # streamdata / other, per round
+                    ratios = [a / b for a, b in zip(speeds["streamdata"], speeds[other], strict=True)]
+                    row[f"vs_{other}_median"], row[f"vs_{other}"] = statistics.median(ratios), ratios
                 rows.append(row)
-                print(f"  {delay_ms:>5.0f} ms  streamdata {row['streamdata_tokens_per_s']:>12,.0f} tok/s  "
-                      f"whole-file {row['whole-file_tokens_per_s']:>12,.0f} tok/s  "
-                      f"ratio {row['ratio_median']:.2f} ({', '.join(f'{r:.2f}' for r in ratios)})",
-                      flush=True)
+                speed = "  ".join(f"{m} {row[f'{m}_tokens_per_s']:>11,.0f} tok/s" for m in methods)
+                ratio = ", ".join(f"{o}: {row[f'vs_{o}_median']:.2f} ("
+                                  f"{', '.join(f'{r:.2f}' for r in row[f'vs_{o}'])})" for o in methods[1:])
+                print(f"  {delay_ms:>5.0f} ms  {speed}  streamdata / {ratio}", flush=True)
             proxy.set_delay(0)
             memory = _memory(spec, urls, options, args) if args.epochs else []
             if memory:
@@ -162,6 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4, help="epochs of the memory run (0: none)")
+    p.add_argument("--litdata-python", default=None, help="a Python that imports litdata: measure it too")
     p.add_argument("--quick", action="store_true", help="small data, one round, two epochs")
     p.add_argument("--out", type=Path, default=RESULTS / "tokens.json")
     args = p.parse_args(argv)
@@ -171,6 +248,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--litdata-child"]:
+        _litdata_child(json.loads(argv[1]))
+        return
     args = parse_args(argv)
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
