@@ -78,9 +78,14 @@ def _check_training(ns: dict) -> None:
     assert ns["checkpoint"]["data"]["stages"], "a mid-epoch position"
 
 
-def test_the_docs_recipes_run(aws):
-    gpt, varlen, mix = _blocks(ROOT / "docs" / "tokens.md")
+@pytest.mark.slow  # (the README's loop, below, is the same loop in the default suite)
+def test_the_docs_training_loop_runs(aws):
+    gpt = _blocks(ROOT / "docs" / "tokens.md")[0]
     _check_training(_run(gpt))
+
+
+def test_the_docs_recipes_run(aws):
+    _, varlen, mix = _blocks(ROOT / "docs" / "tokens.md")
     ns = _run(varlen)
     assert int(ns["cu"][-1]) == 4 * 32 and len(ns["cu"]) > 5  # documents in the sequences
     batches = _run(mix)["batches"]
