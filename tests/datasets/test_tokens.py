@@ -334,3 +334,20 @@ def test_a_mix_of_token_sources_resumes_exactly(tmp_path, old, new):
     for k, total in enumerate((3 * 2000 // 8, 3 * 2000 // 8)):
         mine = sum((s[0] >= 30000) == bool(k) for s in got)
         assert mine + sum(m.counts[f"mix.undelivered.{k}"] for m in mixes) == total
+
+
+@pytest.mark.parametrize("layout", ["idx", "parquet"])
+def test_over_http_every_token_once(http_server, tmp_path, layout):
+    """Over HTTP (sizes by HEAD, ranged GETs): the same sequences as from the local files."""
+    spec, kw, _ = _corpus(tmp_path, layout)
+    server = http_server(tmp_path / layout)
+    suffix = "parquet" if layout == "parquet" else "bin"
+    names = [p.name for p in sorted((tmp_path / layout).glob(f"*.{suffix}"))]
+    url = server.endpoint_url + "/{" + ",".join(names) + "}"
+    opts = dict(seq_len=5, batch_size=2, shuffle=True, seed=2, bos_id=BOS, **kw)
+    local = [tuple(s) for b in sd.TokenDataset(spec, **opts) for s in b["input_ids"].tolist()]
+    remote = []
+    for rank in range(2):
+        with rank_env(rank, 2):
+            remote += [tuple(s) for b in sd.TokenDataset(url, **opts) for s in b["input_ids"].tolist()]
+    assert remote == local  # two ranks' contiguous spans, in rank order: the one reader's epoch
