@@ -39,7 +39,7 @@ def corpus(s3_server):
         fs.pipe_file(f"corpus/tokens/part-{i}.bin", tokens.astype(np.uint16).tobytes())
     for i in range(2):
         lengths = rng.integers(1, 40, 30)
-        ids = rng.integers(200, 500, lengths.sum())  # (apart from the flat corpus: 3..99).astype(np.uint16)
+        ids = rng.integers(200, 500, lengths.sum()).astype(np.uint16)  # (apart from the flat corpus: 3..99)
         fs.pipe_file(f"corpus/megatron/part-{i}.bin", ids.tobytes())
         fs.pipe_file(f"corpus/megatron/part-{i}.idx", idx_bytes(lengths, np.uint16))
     return s3_server
