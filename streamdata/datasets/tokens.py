@@ -26,6 +26,7 @@ from streamdata.batch.batches import batches
 from streamdata.batch.tokens import pack
 from streamdata.catalog.footers import read_footers, with_sizes
 from streamdata.catalog.specs import Spec
+from streamdata.catalog.tokens import read_indexes
 from streamdata.datasets.passes import EpochIterator, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.plan import SampleSlice
@@ -43,7 +44,7 @@ from streamdata.epoch.world import World
 from streamdata.errors import FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
-from streamdata.formats.tokens import parse_idx, token_dtype, tokens_of
+from streamdata.formats.tokens import token_dtype, tokens_of
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -151,7 +152,8 @@ class TokenDataset(ShardedDataset):
                 n = size // self.dtype.itemsize
                 add(shard.url, size, -1, n, np.array([n], np.int64), 1)
         elif self.layout == "idx":
-            for shard, (dtype, lengths) in zip(self.shards, self._indexes(), strict=True):
+            indexes = read_indexes(self.shards, self.storage_options, self.fetch_config)
+            for shard, (dtype, lengths) in zip(self.shards, indexes, strict=True):
                 if self.dtype is not None and dtype != self.dtype:
                     raise SpecError(f"{redact_url(shard.url)}: its .idx says {dtype} tokens, dtype= says "
                                     f"{self.dtype}")
@@ -170,19 +172,6 @@ class TokenDataset(ShardedDataset):
         if not units:
             raise SpecError(f"no tokens in {len(self.shards)} objects, e.g. {redact_url(self.shards[0].url)}")
         return units
-
-    def _indexes(self) -> list[tuple[np.dtype, np.ndarray]]:
-        """Each ``.bin``'s ``.idx``, read once (rank 0) and checked against its ``.bin``."""
-        def read() -> dict[str, bytes]:
-            idx = with_sizes([Shard(_idx_url(s.url)) for s in self.shards], self.storage_options,
-                             self.fetch_config)
-            most = max(_size(s) for s in idx)
-            return read_footers(idx, self.storage_options, self.fetch_config, tail_bytes=max(most, 16),
-                                footer_length=lambda tail, s: _size(s), policy=ErrorPolicy("raise"))
-
-        data = from_rank0(read)
-        return [tuple(parse_idx(data[_idx_url(s.url)], _idx_url(s.url), s.url, _size(s)))  # type: ignore[misc]
-                for s in self.shards]
 
     def _meta(self, url: str) -> Any:
         if not self._footers:
@@ -362,10 +351,6 @@ class TokenDataset(ShardedDataset):
     def __repr__(self) -> str:
         return (f"TokenDataset({len(self.units_)} units, e.g. {redact_url(self.units_[0].url)!r}, "
                 f"{self.num_tokens} tokens, seq_len={self.seq_len}, batch_size={self.batch_size})")
-
-
-def _idx_url(bin_url: str) -> str:
-    return bin_url[:-4] + ".idx" if bin_url.endswith(".bin") else bin_url + ".idx"
 
 
 def _size(shard: Shard) -> int:
