@@ -80,7 +80,8 @@ class TokenDataset(ShardedDataset):
     inserted around every document. ``partial``: the epoch's final partial sequence is
     ``"drop"``-ped (its tokens counted in ``counts["tokens.dropped"]``) or ``"pad"``-ded with
     ``pad_id`` (``counts["tokens.padded"]``). ``documents=True`` adds ``doc_ids``,
-    ``position_ids`` and ``cu_seqlens`` (``batch.tokens``). ``shuffle=True`` shuffles the
+    ``position_ids`` and ``cu_seqlens`` (``batch.tokens``); in a flat ``.bin``, ``sep_id`` (e.g.
+    GPT-2's ``50256``) ends each document there. ``shuffle=True`` shuffles the
     units' order per epoch (seeded); ``drop_last``, ``seed``, fetch and storage options as for
     the other sharded datasets. Every token of an epoch in exactly one sequence, every rank the
     same number of steps (TOKENS-ONCE, EQUAL-STEPS); ``state_dict`` is exact to the token.
@@ -90,7 +91,7 @@ class TokenDataset(ShardedDataset):
                  column: str | None = None, dtype: Any = None, idx: bool | None = None,
                  targets: bool = False, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
-                 footer_bytes: int = 64 * 1024, **options: Any) -> None:
+                 sep_id: int | None = None, footer_bytes: int = 64 * 1024, **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
         if partial not in PARTIAL:
@@ -116,6 +117,10 @@ class TokenDataset(ShardedDataset):
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, int(pad_id)
         self.specials = int(bos_id is not None) + int(eos_id is not None)
         self.partial, self.documents, self.footer_bytes = partial, bool(documents), footer_bytes
+        if sep_id is not None and self.layout != "bin":
+            raise SpecError("sep_id marks documents in flat .bin files (dtype=); the .idx and Parquet rows "
+                            "already say where documents end")
+        self.sep_id = sep_id
         super().__init__(urls, batch_size=batch_size, shuffle_buffer=0, **options)
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._lengths: list[np.ndarray | None] = []  # documents' raw tokens per unit (None: read)
@@ -282,6 +287,9 @@ class TokenDataset(ShardedDataset):
             a, b = self._raw(unit, start, stop)
             raw = tokens_of(reader.read_ranges()[0], self.dtype, reader.url, b - a)
             tokens, doc = augmented(lengths, start, stop, raw, a, self.bos_id, self.eos_id)
+            if self.sep_id is not None and self.documents:  # a document ends after each separator
+                ends = np.concatenate([[0], np.cumsum(tokens[:-1] == self.sep_id)])
+                return tokens, (np.int64(unit.i) << 32) + ends  # distinct from other units' keys
         return tokens, doc + unit.first_doc
 
     def _row_group_tokens(self, unit: TokenUnit, reader: ItemReader) -> tuple[np.ndarray, np.ndarray]:

@@ -351,3 +351,20 @@ def test_over_http_every_token_once(http_server, tmp_path, layout):
         with rank_env(rank, 2):
             remote += [tuple(s) for b in sd.TokenDataset(url, **opts) for s in b["input_ids"].tolist()]
     assert remote == local  # two ranks' contiguous spans, in rank order: the one reader's epoch
+
+
+def test_a_flat_bin_separator_ends_documents(tmp_path):
+    """sep_id (nanoGPT's end-of-text token) splits a flat .bin into documents for cu_seqlens."""
+    tokens = np.array([5, 6, 0, 7, 0, 8, 9, 10, 0, 11, 12, 0], np.uint16)  # 0 ends each document
+    tokens.tofile(tmp_path / "a.bin")
+    (tokens + 20).tofile(tmp_path / "b.bin")  # no separator: one document, from the file's start
+    ds = sd.TokenDataset(str(tmp_path) + "/", seq_len=8, batch_size=3, dtype="uint16", sep_id=0,
+                         documents=True)
+    b = next(iter(ds))
+    assert b["input_ids"].tolist() == [[5, 6, 0, 7, 0, 8, 9, 10], [0, 11, 12, 0, 25, 26, 20, 27],
+                                       [20, 28, 29, 30, 20, 31, 32, 20]]
+    assert b["cu_seqlens"][0].tolist() == [0, 3, 5, 8] + [8] * 5
+    assert b["cu_seqlens"][1].tolist() == [0, 1, 4, 8] + [8] * 5  # (b.bin: no 0 among its tokens)
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    with pytest.raises(sd.SpecError, match="sep_id"):
+        sd.TokenDataset(str(tmp_path) + "/", seq_len=8, sep_id=0, idx=True)
