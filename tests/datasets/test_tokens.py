@@ -368,3 +368,35 @@ def test_a_flat_bin_separator_ends_documents(tmp_path):
     assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     with pytest.raises(sd.SpecError, match="sep_id"):
         sd.TokenDataset(str(tmp_path) + "/", seq_len=8, sep_id=0, idx=True)
+
+
+def test_on_s3_every_token_once(s3_bucket, tmp_path):
+    _on_object_store(s3_bucket, tmp_path, "s3")
+
+
+def test_on_gcs_every_token_once(gcs_bucket, tmp_path):
+    _on_object_store(gcs_bucket, tmp_path, "gcs")
+
+
+def _on_object_store(server_bucket, tmp_path, store):
+    """2 ranks x 2 workers over the object store: the local epoch's sequences, each once."""
+    server, bucket = server_bucket
+    if store == "s3":
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    else:
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **server.storage_options)
+    spec, kw, _ = _corpus(tmp_path, "idx")
+    for path in sorted((tmp_path / "idx").iterdir()):
+        fs.pipe_file(f"{bucket}/tok/{path.name}", path.read_bytes())
+    opts = dict(seq_len=7, batch_size=2, shuffle=True, seed=1, eos_id=EOS, documents=True, **kw)
+    local = [tuple(s) for b in sd.TokenDataset(spec, **opts) for s in b["input_ids"].tolist()]
+    remote = sd.TokenDataset(f"{'s3' if store == 's3' else 'gs'}://{bucket}/tok/",
+                             storage_options=server.storage_options, **opts)
+    per_rank = _epoch(remote, 2, 2)
+    assert len({len(b) for b in per_rank}) == 1
+    got = [tuple(s) for batches in per_rank for b in batches for s in b["input_ids"].tolist()]
+    assert collections.Counter(got) == collections.Counter(local)
