@@ -99,8 +99,8 @@ def _epoch(ds, world_size, num_workers):
 
 @pytest.mark.parametrize("layout", ["bin", "idx", "parquet"])
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 2), (3, 1)])
-@pytest.mark.parametrize("partial,documents,specials", [("drop", False, False), ("pad", True, True),
-                                                        ("drop", True, True)])
+@pytest.mark.parametrize("partial,documents,specials", [("drop", False, False), ("pad", False, False),
+                                                        ("pad", True, True), ("drop", True, True)])
 def test_every_token_once_with_equal_steps(tmp_path, layout, world_size, num_workers, partial, documents,
                                            specials):
     spec, kw, docs = _corpus(tmp_path, layout)
