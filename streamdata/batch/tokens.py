@@ -27,29 +27,38 @@ Chunk = tuple[np.ndarray, np.ndarray | None, bool]  # (tokens, document keys or 
 
 
 def pack(chunks: Iterable[Chunk], width: int, *, pad_id: int = 0, documents: bool = False,
-         padded: Callable[[int], None] | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Sequences of ``width`` tokens from ``chunks``; ``padded(n)`` is told of each padding."""
+         padded: Callable[[int], None] | None = None,
+         lengths: Iterable[int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Sequences of ``width`` tokens from ``chunks``; ``padded(n)`` is told of each padding.
+    ``lengths``: how many tokens each sequence takes before its padding (packing "fit",
+    ``epoch.tokens.fit_plan``), else ``width``."""
     tokens = np.empty(width, np.int64)
     keys = np.empty(width, np.int64)
-    fill = 0
+    targets = iter(lengths) if lengths is not None else None
+    fill, target = 0, width if targets is None else int(next(targets, width))
+
+    def padded_sequence() -> dict[str, np.ndarray]:
+        tokens[fill:] = pad_id
+        keys[fill:] = -1  # padding: a document of its own
+        if padded is not None and fill < width:
+            padded(width - fill)
+        return _sequence(tokens, keys, documents)
+
     for chunk, chunk_keys, flush in chunks:
         at = 0
         while at < len(chunk):
-            take = min(width - fill, len(chunk) - at)
+            take = min(target - fill, len(chunk) - at)
             tokens[fill:fill + take] = chunk[at:at + take]
             if documents and chunk_keys is not None:
                 keys[fill:fill + take] = chunk_keys[at:at + take]
             fill += take
             at += take
-            if fill == width:
-                yield _sequence(tokens, keys, documents)
+            if fill == target:
+                yield padded_sequence()
                 fill = 0
+                target = width if targets is None else int(next(targets, width))
         if flush and fill:
-            tokens[fill:] = pad_id
-            keys[fill:] = -1  # padding: a document of its own
-            if padded is not None:
-                padded(width - fill)
-            yield _sequence(tokens, keys, documents)
+            yield padded_sequence()
             fill = 0
 
 

@@ -35,6 +35,7 @@ from streamdata.epoch.state import fingerprint
 from streamdata.epoch.tokens import (
     SequencePlan,
     augmented,
+    fit_plan,
     raw_range,
     sequence_plan,
     token_reads,
@@ -81,7 +82,8 @@ class TokenDataset(ShardedDataset):
     ``"drop"``-ped (its tokens counted in ``counts["tokens.dropped"]``) or ``"pad"``-ded with
     ``pad_id`` (``counts["tokens.padded"]``). ``documents=True`` adds ``doc_ids``,
     ``position_ids`` and ``cu_seqlens`` (``batch.tokens``); in a flat ``.bin``, ``sep_id`` (e.g.
-    GPT-2's ``50256``) ends each document there. ``shuffle=True`` shuffles the
+    GPT-2's ``50256``) ends each document there. ``packing="fit"``: a document shorter than a
+    sequence is never cut (``epoch.tokens.fit_plan``; sequences padded). ``shuffle=True`` shuffles the
     units' order per epoch (seeded); ``drop_last``, ``seed``, fetch and storage options as for
     the other sharded datasets. Every token of an epoch in exactly one sequence, every rank the
     same number of steps (TOKENS-ONCE, EQUAL-STEPS); ``state_dict`` is exact to the token.
@@ -91,7 +93,8 @@ class TokenDataset(ShardedDataset):
                  column: str | None = None, dtype: Any = None, idx: bool | None = None,
                  targets: bool = False, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
-                 sep_id: int | None = None, footer_bytes: int = 64 * 1024, **options: Any) -> None:
+                 sep_id: int | None = None, packing: str = "concat", footer_bytes: int = 64 * 1024,
+                 **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
         if partial not in PARTIAL:
@@ -121,11 +124,19 @@ class TokenDataset(ShardedDataset):
             raise SpecError("sep_id marks documents in flat .bin files (dtype=); the .idx and Parquet rows "
                             "already say where documents end")
         self.sep_id = sep_id
+        if packing not in ("concat", "fit"):
+            raise SpecError(f"packing must be 'concat' or 'fit', got {packing!r}")
+        if packing == "fit" and column is not None:
+            raise SpecError("packing='fit' needs every document's length before reading: .bin + .idx "
+                            "(or flat .bin, one document per file); a Parquet column's are known only "
+                            "when its row groups are read")
+        self.packing = packing
         super().__init__(urls, batch_size=batch_size, shuffle_buffer=0, **options)
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._lengths: list[np.ndarray | None] = []  # documents' raw tokens per unit (None: read)
         self._footers: dict[str, bytes] = {}
         self._meta_cache: dict[str, Any] = {}
+        self._fit: tuple[tuple, SequencePlan] | None = None  # packing "fit": the last epoch's plan
         self.units_: list[TokenUnit] = self._scan()
         self._tokens = unit_tokens([u.docs for u in self.units_], [u.tokens for u in self.units_],
                                    self.specials)
@@ -218,14 +229,23 @@ class TokenDataset(ShardedDataset):
         key = (self.seed, self.shuffle)
         if self._state_key is None or self._state_key[0] != key:
             fp = fingerprint(self.shards, [*self._tokens.tolist(), self.width, self.specials,
-                                           PARTIAL.index(self.partial)], seed=self.seed, shuffle=self.shuffle)
+                                           PARTIAL.index(self.partial), int(self.packing == "fit")],
+                             seed=self.seed, shuffle=self.shuffle)
             self._state_key = (key, (fp, "samples"))
         return self._state_key[1]
 
     def plan(self, epoch: int | None = None) -> SequencePlan:
         """The epoch's stream and its sequences (``epoch.tokens``)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self.packing == "fit":  # (a walk over every document: kept for the epoch)
+            key = (epoch, self.seed, self.shuffle)
+            if self._fit is None or self._fit[0] != key:
+                docs = [self._doc_lengths(u) for u in self.units_]
+                self._fit = (key, fit_plan(self._tokens, docs, self.width, self.specials, seed=self.seed,
+                                           epoch=epoch, shuffle=self.shuffle))
+            return self._fit[1]
         return sequence_plan(self._tokens, self.width, pad=self.partial == "pad", seed=self.seed,
-                             epoch=self.epoch if epoch is None else epoch, shuffle=self.shuffle)
+                             epoch=epoch, shuffle=self.shuffle)
 
     @property
     def num_tokens(self) -> int:
@@ -340,8 +360,11 @@ class TokenDataset(ShardedDataset):
                 tokens, docs = self.read_tokens(read.unit, read.part.start, read.part.stop, reader)
                 yield tokens, docs, flush
 
+        lengths = None
+        if sp.bounds is not None and p.span is not None:  # packing "fit": each sequence's own length
+            lengths = [int(n) for s in p.span.segments for n in sp.lengths(s.start, s.stop)]
         seqs: Iterator[Any] = pack(chunks(), self.width, pad_id=self.pad_id, documents=self.documents,
-                                   padded=lambda n: self._counters.add("tokens.padded", n))
+                                   padded=lambda n: self._counters.add("tokens.padded", n), lengths=lengths)
         if self.map is not None:
             seqs = map(self.map, seqs)
         if self._live is not None:

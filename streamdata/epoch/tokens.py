@@ -27,7 +27,7 @@ import numpy as np
 from streamdata.epoch.plan import Segment, segments_of
 from streamdata.epoch.sharding import epoch_order
 
-__all__ = ["SequencePlan", "TokenRead", "augmented", "raw_range", "sequence_plan", "token_reads",
+__all__ = ["SequencePlan", "TokenRead", "augmented", "fit_plan", "raw_range", "sequence_plan", "token_reads",
            "unit_tokens"]
 
 
@@ -40,11 +40,27 @@ class SequencePlan(NamedTuple):
     width: int  # tokens per sequence
     sequences: int  # whole sequences, plus the padded partial one with partial="pad"
     partial: int  # tokens of the stream's final partial sequence (0: none)
+    bounds: np.ndarray | None = None  # packing "fit": where each sequence starts, and the end
 
     @property
     def dropped(self) -> int:
         """Tokens of the epoch no sequence holds (the partial sequence, with partial="drop")."""
+        if self.bounds is not None:
+            return 0
         return self.tokens - min(self.tokens, self.sequences * self.width)
+
+    def span_of(self, first: int, stop: int) -> tuple[int, int]:
+        """Stream positions of sequences ``[first, stop)``."""
+        if self.bounds is not None:
+            return int(self.bounds[first]), int(self.bounds[stop])
+        return first * self.width, min(stop * self.width, self.tokens)
+
+    def lengths(self, first: int, stop: int) -> np.ndarray:
+        """Tokens of sequences ``[first, stop)`` before padding."""
+        if self.bounds is not None:
+            return np.diff(self.bounds[first:stop + 1])
+        ends = np.minimum(np.arange(first + 1, stop + 1) * self.width, self.tokens)
+        return ends - np.arange(first, stop) * self.width
 
 
 class TokenRead(NamedTuple):
@@ -74,12 +90,40 @@ def sequence_plan(tokens: Sequence[int] | np.ndarray, width: int, *, pad: bool, 
     return SequencePlan(order, ends, total, width, whole + (1 if pad and partial else 0), partial)
 
 
+def fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray], width: int, specials: int, *,
+             seed: int, epoch: int, shuffle: bool) -> SequencePlan:
+    """The epoch's stream cut at document boundaries (packing ``"fit"``): each sequence takes the
+    next whole documents while they fit in ``width`` (next fit, in stream order, so a sequence is
+    still a contiguous run of the stream and a span of sequences one run of reads); a document
+    longer than ``width`` is the one thing cut, into ``width``-token pieces. ``docs[i]``: unit
+    ``i``'s documents' raw lengths; each is padded to ``width`` by the packer."""
+    counts = np.asarray(tokens, dtype=np.int64)
+    order = epoch_order(len(counts), seed=seed, epoch=epoch, shuffle=shuffle)
+    ends = np.cumsum(counts[order])
+    total = int(ends[-1]) if len(ends) else 0
+    lengths = (np.concatenate([docs[int(u)] for u in order]) + specials).tolist() if len(order) else []
+    bounds, fill, at = [0], 0, 0
+    for n in lengths:
+        while n > 0:
+            if fill and fill + n > width:  # close the sequence before this document
+                bounds.append(at)
+                fill = 0
+            take = min(n, width - fill)  # (a piece of a document longer than a whole sequence)
+            fill, at, n = fill + take, at + take, n - take
+            if fill == width:
+                bounds.append(at)
+                fill = 0
+    if fill:
+        bounds.append(at)
+    return SequencePlan(order, ends, total, width, len(bounds) - 1, 0, np.asarray(bounds, dtype=np.int64))
+
+
 def token_reads(plan: SequencePlan, segments: Sequence[Segment]) -> list[TokenRead]:
     """The unit token ranges that hold sequences ``segments`` (spans of ``plan``'s sequences, as
     ``plan.reader_span`` / ``resume.resume_span`` give them over one unit), in order."""
     out: list[TokenRead] = []
     for seg in segments:
-        start, stop = seg.start * plan.width, min(seg.stop * plan.width, plan.tokens)
+        start, stop = plan.span_of(seg.start, seg.stop)
         pieces = segments_of(plan.order, plan.ends, start, stop)
         for k, piece in enumerate(pieces):
             out.append(TokenRead(piece.unit, piece.start, piece.stop, k == len(pieces) - 1))

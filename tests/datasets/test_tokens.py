@@ -400,3 +400,57 @@ def _on_object_store(server_bucket, tmp_path, store):
     assert len({len(b) for b in per_rank}) == 1
     got = [tuple(s) for batches in per_rank for b in batches for s in b["input_ids"].tolist()]
     assert collections.Counter(got) == collections.Counter(local)
+
+
+# ---- packing that never splits a document ---------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 2), (3, 1)])
+def test_fit_packing_keeps_documents_whole(tmp_path, world_size, num_workers):
+    """packing="fit": every document (shorter than a sequence) lies whole in one sequence, every
+    token once, the padding counted, equal steps."""
+    spec, kw, docs = _corpus(tmp_path, "idx")
+    ds = sd.TokenDataset(spec, seq_len=20, batch_size=2, shuffle=True, seed=3, packing="fit", pad_id=PAD,
+                         eos_id=EOS, documents=True, **kw)
+    per_rank = _epoch(ds, world_size, num_workers)
+    assert len({len(b) for b in per_rank}) == 1
+    seqs = [r for batches in per_rank for b in batches for r in b["input_ids"].tolist()]
+    assert len(seqs) == ds.num_sequences
+    real = [t for s in seqs for t in s if t not in (EOS, PAD)]
+    everything = [int(t) for file_docs in docs for d in file_docs for t in d]
+    assert sorted(real) == sorted(everything)  # every token once
+    assert ds.counts["tokens.padded"] == sum(s.count(PAD) for s in seqs) > 0
+    for file_docs in docs:
+        for d in file_docs:
+            if 0 < len(d) < 20:  # (the 40- and 23-token documents cannot fit: cut in pieces)
+                holders = [s for s in seqs if int(d[0]) in s]
+                assert len(holders) == 1 and all(int(t) in holders[0] for t in d), f"document {d} split"
+
+
+def test_fit_packing_resumes_on_another_world(tmp_path):
+    spec, kw, _ = _corpus(tmp_path, "idx")
+    make = lambda: sd.TokenDataset(spec, seq_len=12, batch_size=2, packing="fit", eos_id=EOS,  # noqa: E731
+                                   shuffle=True, seed=8, **kw)
+    everything = collections.Counter(tuple(s) for b in make() for s in b["input_ids"].tolist())
+    before, states = [], []
+    for rank in range(2):
+        with rank_env(rank, 2):
+            ds = make()
+            it = iter(ds)
+            before += [tuple(s) for b in take(it, 2) for s in b["input_ids"].tolist()]
+            states.append(ds.state_dict())
+            it.close()
+    state = json.loads(json.dumps(merge_states(states)))
+    after = []
+    for rank in range(3):
+        with rank_env(rank, 3):
+            ds = make()
+            ds.load_state_dict(state)
+            after += [tuple(s) for b in ds for s in b["input_ids"].tolist()]
+    assert collections.Counter(before + after) == everything
+
+
+def test_fit_packing_needs_known_documents(tmp_path):
+    spec, _, _ = _corpus(tmp_path, "parquet")
+    with pytest.raises(sd.SpecError, match="packing='fit'"):
+        sd.TokenDataset(spec, seq_len=8, column="tokens", packing="fit")
