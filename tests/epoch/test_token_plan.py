@@ -56,3 +56,24 @@ def test_raw_range_and_augmented_agree_with_a_built_stream():
         assert hi - lo == sum(1 for t in stream[a:b] if t >= 100)  # only the raw tokens it needs
         out, doc = augmented(lengths, a, b, raw[lo:hi], lo, 1 if bos else None, 2 if eos else None)
         assert out.tolist() == stream[a:b] and doc.tolist() == docs[a:b]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fit_plan_cuts_only_documents_longer_than_a_sequence(seed):
+    from streamdata.epoch.tokens import fit_plan
+
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 15, rng.integers(1, 6)) for _ in range(rng.integers(1, 6))]
+    width, specials = int(rng.integers(4, 12)), int(rng.integers(0, 3))
+    tokens = [int(d.sum()) + specials * len(d) for d in docs]
+    plan = fit_plan(tokens, docs, width, specials, seed=seed, epoch=0, shuffle=True)
+    bounds = plan.bounds.tolist()
+    assert bounds[0] == 0 and bounds[-1] == sum(tokens) and plan.dropped == 0
+    assert all(0 < b - a <= width for a, b in zip(bounds, bounds[1:], strict=False))
+    at = 0
+    for u in plan.order:
+        for n in docs[u] + specials:
+            if n <= width:  # (a longer one is cut into pieces of at most width: checked above)
+                assert not [b for b in bounds if at < b < at + n], "a document that fits was cut"
+            at += int(n)
+    assert plan.lengths(0, plan.sequences).sum() == sum(tokens)
