@@ -1,7 +1,8 @@
 """Real ``torchrun`` jobs over ``sd.TokenDataset`` (gloo on CPU, the S3 test server), for flat
-.bin, Megatron .bin + .idx and Parquet list columns: a whole epoch on 2 ranks x 2 workers (every
-token of the stream in exactly one sequence, equal steps); the same job stopped at a seeded step,
-its state restarted on 2 x 2, 3 x 1 and 1 x 0: before + after = the epoch's sequences exactly."""
+.bin, Megatron .bin + .idx (also with packing="fit") and Parquet list columns: a whole epoch
+on 2 ranks x 2 workers (every token of the stream in exactly one sequence, equal steps); the
+same job stopped at a seeded step, its state restarted on 2 x 2, 3 x 1 and 1 x 0: before +
+after = the epoch's sequences exactly."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def _write(fs, bucket: str) -> dict:
     return {"bin": {"spec": f"s3://{bucket}/bin/", "options": {**common, "dtype": "uint16"}},
             "idx": {"spec": f"s3://{bucket}/idx/", "options": {**common, "eos_id": 60000, "partial": "pad",
                                                              "targets": True}},
+            "idx-fit": {"spec": f"s3://{bucket}/idx/",
+                        "options": {**common, "eos_id": 60000, "packing": "fit", "documents": True}},
             "parquet": {"spec": f"s3://{bucket}/parquet/",
                         "options": {**common, "column": "tokens", "bos_id": 60001}}}
 
@@ -82,7 +85,7 @@ def _seqs(ranks: list[dict], name: str) -> list[tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bin", "idx", "parquet"])
+@pytest.mark.parametrize("name", ["bin", "idx", "idx-fit", "parquet"])
 def test_torchrun_every_token_once_and_exact_resume(runs, name):
     everything, stops, first, after = runs
     whole = [r[f"{name}-whole"] for r in first]
