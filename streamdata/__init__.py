@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 # pyarrow-backed names load on first use, so `import streamdata` stays light
 _LAZY = {"ArrowDataset": "datasets.parquet", "ParquetDataset": "datasets.parquet",
+         "TokenDataset": "datasets.tokens",
          "write_arrow": "write.tables", "write_parquet": "write.tables"}
 
 
@@ -76,6 +77,7 @@ __all__ = [
     "StaleIndexError",
     "StreamDataError",
     "TarDataset",
+    "TokenDataset",
     "World",
     "build_index",
     "expand_spec",
