@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from streamdata.formats.tokens import idx_bytes
+from tests.helpers import s3_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES, TOKENS = 4, 2_600  # tokens per flat .bin: 160 sequences of 65, 20 steps of 8
@@ -48,12 +49,7 @@ def corpus(s3_server):
 @pytest.fixture
 def aws(corpus, monkeypatch):
     opts = corpus.storage_options
-    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+    s3_environment(monkeypatch, opts)
 
 
 def _run(code: str) -> dict:

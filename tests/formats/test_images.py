@@ -16,7 +16,7 @@ from PIL import Image
 
 import streamdata as sd
 from streamdata.formats import images as I
-from tests.helpers import tar_bytes
+from tests.helpers import s3_environment, tar_bytes
 
 
 def _picture(seed: int, size: tuple[int, int] = (160, 120)) -> np.ndarray:
@@ -329,10 +329,7 @@ def test_the_docs_recipe_runs(image_bucket, monkeypatch):
     section = text[text.index("\n## Recipe\n"):]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("s3://bkt/", f"s3://{bucket}/")
     opts = server.storage_options
-    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3_environment(monkeypatch, opts)
     seen: list[tuple] = []
     namespace = {"train_step": lambda images, labels: seen.append((images.clone(), labels.clone()))}
     exec(compile(code, "docs/images.md", "exec"), namespace)  # noqa: S102 - the page's recipe, run
