@@ -39,9 +39,11 @@ RESIGN_REASONS = ("age", "expired", "refused")
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
 # (drop_last), summed over epochs (streamdata.epoch.plan); resumed.reread: samples read again after a
 # resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
-# reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget)
+# reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tuned.*: times a reader's window,
+# request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
+            "tuned.window", "tuned.max_requests", "tuned.part_size",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 # where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk
@@ -53,9 +55,12 @@ STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
 # per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
 # flush; busy_ns, time inside the pass's ``next()`` (the stages add up to it); the
 # prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
-# and first-byte latency (summed over ``first_bytes`` parts whose backend tells it)
+# and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
+# reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
+# thread, taken back when it closes: 0 between passes)
 READER_STATS = ("samples", "batches", "wall_ns", "busy_ns", *(f"{s}_ns" for s in STAGES),
-                "requests", "bytes", "first_byte_ns", "first_bytes")
+                "requests", "bytes", "first_byte_ns", "first_bytes",
+                "knob.window", "knob.max_requests", "knob.byte_budget", "knob.part_size")
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 
