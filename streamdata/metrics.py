@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_EVENTS", "COUNTERS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS", "SKIP_REASONS",
-           "STAGES", "Counters", "StageClock", "batch_len"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "KNOBS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS",
+           "SKIP_REASONS", "STAGES", "Counters", "StageClock", "batch_len"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -58,9 +58,10 @@ STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
 # and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
 # reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
 # thread, taken back when it closes: 0 between passes)
+KNOBS = ("window", "max_requests", "byte_budget", "part_size")  # a prefetcher's (AUTOTUNE)
 READER_STATS = ("samples", "batches", "wall_ns", "busy_ns", *(f"{s}_ns" for s in STAGES),
                 "requests", "bytes", "first_byte_ns", "first_bytes",
-                "knob.window", "knob.max_requests", "knob.byte_budget", "knob.part_size")
+                *(f"knob.{k}" for k in KNOBS))
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 

@@ -45,8 +45,8 @@ from streamdata.fetch.parts import (
 )
 from streamdata.fetch.tail import Tail
 from streamdata.fetch.tee import CacheTee
-from streamdata.fetch.tune import KNOBS, Held, Tuner
-from streamdata.metrics import Counters, StageClock
+from streamdata.fetch.tune import Held, Tuner
+from streamdata.metrics import KNOBS, Counters, StageClock
 from streamdata.store.backends import translate_error
 from streamdata.store.client import AsyncClient, Chunks, body_size
 from streamdata.store.loop import wait_future

@@ -41,10 +41,10 @@ import dataclasses
 
 from streamdata.config import FetchConfig
 from streamdata.fetch.budget import Budget
+from streamdata.metrics import KNOBS
 
-__all__ = ["KNOBS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Tuner"]
+__all__ = ["MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
 
-KNOBS = ("window", "max_requests", "byte_budget", "part_size")
 STEP = 4  # a window or request limit that held a part the reader waited for grows this much
 PARTS_IN_BUDGET = 4  # the part size is at most this share of the budget ...
 MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if smaller)
@@ -77,7 +77,7 @@ class Tuner:
                                                         learned[1]))
         cap = config.budget_max() if self.on else config.byte_budget
         self.budget = Budget(config.byte_budget, cap, config.part_size, key=key)  # BUDGET-GROWTH
-        self.decisions = dict.fromkeys(("window", "max_requests", "byte_budget", "part_size"), 0)
+        self.decisions = dict.fromkeys(KNOBS, 0)
         self.part_size = self._part_for(self.budget.limit)
 
     def knobs(self) -> dict[str, int]:
