@@ -93,6 +93,20 @@ class Counters:
         """Each row that any reader wrote to, as its own counts (row 0: the main process)."""
         return [dict(zip(self.names, row, strict=True)) for row in self._table.tolist() if any(row)]
 
+    @staticmethod
+    def merged_rows(tables: Sequence[Counters], most: Sequence[str] = ()) -> list[dict[str, int]]:
+        """Row by row over ``tables`` with the same names (one reader's row in each): the sum,
+        or for the names in ``most`` the largest; the rows any reader wrote to."""
+        if not tables:
+            return []
+        stacked = torch.stack([t._table for t in tables])
+        merged = stacked.sum(dim=0)
+        for name in most:
+            i = tables[0]._index[name]
+            merged[:, i] = stacked[:, :, i].max(dim=0).values
+        names = tables[0].names
+        return [dict(zip(names, row, strict=True)) for row in merged.tolist() if any(row)]
+
     def snapshot(self, prefix: str = "") -> dict[str, int]:
         """Every counter's total so far, over all readers; with ``prefix`` (``"skipped."``),
         only those counters, named without it."""
