@@ -84,10 +84,11 @@ class Counters:
         """Add each of ``counts`` in this reader's row, in one write (ONE-WRITER-PER-ROW)."""
         from torch.utils.data import get_worker_info
 
-        values = [0] * len(self.names)
-        for name, n in counts.items():
-            values[self._index[name]] = n
-        self._table[_row(get_worker_info())] += torch.tensor(values, dtype=torch.int64)
+        # only the named columns are read and written: another thread's columns in this row
+        # (the I/O thread's ``requests``, the reader's stage times) are never written back stale
+        index = torch.tensor([self._index[name] for name in counts], dtype=torch.int64)
+        self._table[_row(get_worker_info())].index_add_(0, index, torch.tensor(list(counts.values()),
+                                                                               dtype=torch.int64))
 
     def rows(self) -> list[dict[str, int]]:
         """Each row that any reader wrote to, as its own counts (row 0: the main process)."""

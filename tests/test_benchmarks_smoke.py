@@ -113,3 +113,13 @@ def test_gpu_feed_benchmark_without_cuda_says_so_and_exits_0():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "no CUDA device" in done.stdout
+
+
+def test_autotune_benchmark_finds_when_a_run_reached_a_rate():
+    from benchmarks.autotune import reached
+
+    # 100 samples: 10 a second for the first 20, then 100 a second
+    marks = [[i / 10, i] for i in range(1, 21)] + [[2 + (i - 20) / 100, i] for i in range(21, 101)]
+    assert reached(marks, 100, 90.0, 0.1) == 0.2  # from sample 20 on, ten samples take 0.1 s
+    assert reached(marks, 100, 5.0, 0.1) == 0.0
+    assert reached(marks, 100, 1000.0, 0.1) is None
