@@ -6,9 +6,9 @@ made with the dataset in the main process and handed to DataLoader workers with 
 or pickled as a shared-memory handle under spawn). Each reader adds only to its own row: the
 main process (``num_workers=0``) to row 0, worker ``k`` to row ``k + 1``; within a process,
 each counter is written by one thread only (skips by the reader's thread, retries by its I/O
-thread; ``add_many`` reads and writes only the columns it names). So increments never race, except for two live iterators of one non-persistent
-DataLoader (their workers share ids): counts may then be short, never over. Reading sums
-the rows.
+thread; ``add_many`` reads and writes only the columns it names). So increments never race,
+except for two live iterators of one non-persistent DataLoader (their workers share ids):
+counts may then be short, never over. Reading sums the rows.
 """
 
 from __future__ import annotations

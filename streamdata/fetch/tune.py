@@ -15,6 +15,9 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   held by one value grows it once); the budget grows by BUDGET-GROWTH's rule (``budget``:
   only where first-byte latency, not bandwidth, made the reader wait: the rate it consumes
   times that latency is a large share of the budget);
+- a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S``
+  (``budget``) or more, the budget takes its one step at once and the window and request
+  limit one ``STEP`` each (where they start below their bounds: ``tune_from``);
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -40,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamdata.config import FetchConfig
-from streamdata.fetch.budget import Budget
+from streamdata.fetch.budget import FAR_S, Budget
 from streamdata.metrics import KNOBS
 
 __all__ = ["MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
@@ -98,31 +101,42 @@ class Tuner:
             self.decisions["part_size"] += 1
 
     def far(self, latency: float) -> bool:
-        """The pass's first part's first byte took ``latency`` s (``Budget.far``). True if a knob moved."""
-        if self.on and self.budget.far(latency):
+        """The pass's first part's first byte took ``latency`` s: at a far endpoint
+        (``budget.FAR_S`` or more) the budget takes its one step at once (``Budget.far``), and a
+        window or request limit started below its bound a ``STEP``, before the first stall
+        (a round trip after the reader's first release). True if a knob moved."""
+        if not self.on:
+            return False
+        moved = False
+        if self.budget.far(latency):
             self._budget_moved()
-            return True
-        return False
+            moved = True
+        if latency >= FAR_S:
+            moved = self._step("window", Held(window=self.window)) | moved
+            moved = self._step("max_requests", Held(max_requests=self.max_requests)) | moved
+        return moved
+
+    def _step(self, knob: str, held: Held) -> bool:
+        """Grow ``knob`` by ``STEP`` if ``held`` saw its value now and it is below its bound."""
+        now = getattr(self, knob)
+        most = self.most_window if knob == "window" else self.most_requests
+        if getattr(held, knob) != now or now >= most:
+            return False
+        setattr(self, knob, min(most, now * STEP))
+        self.decisions[knob] += 1
+        _learned[self.key] = (self.window, self.max_requests)
+        return True
 
     def stalled(self, held: Held, latency: float | None, now: float | None = None) -> bool:
         """The reader waited for a part that ``held`` had held back, whose first byte took
         ``latency`` s (None: the backend does not tell). True if a knob moved."""
         if not self.on:
             return False
-        moved = False
-        if held.window is not None and held.window == self.window < self.most_window:
-            self.window = min(self.most_window, self.window * STEP)
-            self.decisions["window"] += 1
-            moved = True
-        if held.max_requests is not None and held.max_requests == self.max_requests < self.most_requests:
-            self.max_requests = min(self.most_requests, self.max_requests * STEP)
-            self.decisions["max_requests"] += 1
-            moved = True
+        moved = self._step("window", held)
+        moved = self._step("max_requests", held) | moved
         if held.budget is not None and latency is not None and self.budget.stalled(latency, now):
             self._budget_moved()
             moved = True
-        if moved:
-            _learned[self.key] = (self.window, self.max_requests)
         return moved
 
     def requests_allowed(self, throttled: int) -> int:

@@ -79,6 +79,11 @@ def test_the_budget_grows_by_budget_growth_and_the_part_size_follows_it_within_t
 def test_a_far_endpoint_takes_a_budget_step_at_once_and_the_parts_follow():
     t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB))
     assert t.far(0.5) and t.knobs()["byte_budget"] == 16 * MiB and t.part_size == 4 * MiB
+    assert (t.window, t.max_requests) == (32, 32)  # at their bounds already
+    low = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="low")
+    assert not low.far(0.01) and low.knobs()["window"] == 1  # a near endpoint: nothing
+    assert low.far(0.5) and (low.window, low.max_requests) == (4, 4)  # a far one: a step each
+    assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1}
     small = Tuner(FetchConfig(part_size=512 * 1024, byte_budget=MiB))
     assert small.part_size == 512 * 1024 and MIN_PART > small.part_size  # never above the configured
 
