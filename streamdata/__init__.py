@@ -27,6 +27,7 @@ from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
 from streamdata.feed.prometheus import serve_prometheus
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
+from streamdata.formats import images as images  # sd.images: the fast image path's transforms
 from streamdata.store.urls import Shard
 from streamdata.write.tar import ShardWriter
 
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 # pyarrow-backed names load on first use, so `import streamdata` stays light
 _LAZY = {"ArrowDataset": "datasets.parquet", "ParquetDataset": "datasets.parquet",
+         "TokenDataset": "datasets.tokens",
          "write_arrow": "write.tables", "write_parquet": "write.tables"}
 
 
@@ -76,6 +78,7 @@ __all__ = [
     "StaleIndexError",
     "StreamDataError",
     "TarDataset",
+    "TokenDataset",
     "World",
     "build_index",
     "expand_spec",

@@ -120,6 +120,43 @@ class ErrorPolicy:
             return self._timed(items, fn, self.clock.acc, pull, run)
         return self._each(items, fn)
 
+    def pooled(self, items: Iterable[T], fn: Callable[[T], R], threads: int, *,
+               timeout: float) -> Iterator[R]:
+        """:meth:`each` with ``fn`` run on a pool of ``threads`` threads (decoders that release
+        the GIL: Pillow, libjpeg-turbo, torch), results in the items' order, at most two per
+        thread ahead of the consumer. The pool lives as long as this generator; a result not
+        ready within ``timeout`` seconds is a DecodeError."""
+        from collections import deque
+        from concurrent.futures import Future, ThreadPoolExecutor
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="streamdata-decode")
+        pending: deque[Future] = deque()
+
+        def settle(future: Future) -> Iterator[R]:
+            try:
+                result = future.result(timeout=timeout)
+            except FutureTimeout:
+                raise DecodeError(f"a sample took longer than {timeout:g} s to decode "
+                                  f"on the decode threads ({self.where})") from None
+            except StreamDataError as exc:
+                self.check(exc)
+                return
+            yield result
+
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                del item
+                if len(pending) >= 2 * threads:
+                    yield from settle(pending.popleft())
+            while pending:
+                yield from settle(pending.popleft())
+        finally:
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def _each(self, items: Iterable[T], fn: Callable[[T], R]) -> Iterator[R]:
         for item in items:
             try:

@@ -44,6 +44,17 @@ def write_shards(fs, prefix: str, counts: list[int] = UNEVEN, floats: int = 8) -
 
 
 @contextlib.contextmanager
+def s3_environment(monkeypatch, storage_options: dict) -> None:
+    """The test server as the environment's S3 (endpoint, keys, region), as a user's recipe
+    finds it without storage_options; a profile or session token of the machine's is removed."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", storage_options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", storage_options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", storage_options["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def rank_env(rank: int | None, world_size: int | None):
     """RANK/WORLD_SIZE set for the block (a simulated DDP rank), restored after."""
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}

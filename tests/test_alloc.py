@@ -50,7 +50,7 @@ class FaultProbe(IterableDataset):
         yield {"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_workers_reuse_freed_memory_by_default(context):
     if not _glibc():
         pytest.skip("not glibc malloc on ordinary pages")

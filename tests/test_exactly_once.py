@@ -111,7 +111,7 @@ def test_epochs_advance_per_pass_with_persistent_workers(tmp_path):
     assert passes == expected and passes[0] != passes[1]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_fork_and_spawn_complete_an_epoch_over_s3(s3_shards, context):
     spec, options, keys = s3_shards
     ds = sd.TarDataset(spec, storage_options=options, shuffle=True)

@@ -3,7 +3,7 @@
 The order, lowest first (``ARCHITECTURE.md`` draws it)::
 
     base < formats < store | epoch | batch < fetch | feed < catalog < datasets < write
-         < api (streamdata/__init__.py) < testing < cli
+         < integrations < api (streamdata/__init__.py) < testing < cli
 
 ``base`` is the package's own top-level modules (errors, config, redact, ...). Folders on one
 level (``store | epoch | batch``) are walled off from each other. Function-level imports count;
@@ -25,6 +25,7 @@ LEVELS: list[set[str]] = [
     {"catalog"},
     {"datasets"},
     {"write"},
+    {"integrations"},
     {"api"},
     {"testing"},
     {"cli"},

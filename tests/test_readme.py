@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_samples, tar_bytes, torchrun
+from tests.helpers import make_samples, s3_environment, tar_bytes, torchrun
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MINIO = "http://127.0.0.1:9000"  # the endpoint the README names
@@ -85,12 +85,7 @@ def aws(bkt, monkeypatch):
     """The test server as the environment's S3 (endpoint and keys), for the recipe and its workers."""
     server, fs, data = bkt
     opts = server.storage_options
-    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+    s3_environment(monkeypatch, opts)
     return server, fs, data
 
 

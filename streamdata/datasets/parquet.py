@@ -15,6 +15,7 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from streamdata.epoch.rewind import dropped, placeholder_tables, record_size
 from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
+from streamdata.formats.images import for_pass
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
@@ -85,6 +87,9 @@ class _ArrowTables(ShardedDataset):
                             "use map= to transform each batch instead of collate_fn")
         if isinstance(columns, str):
             raise SpecError(f"columns must be a list of names, got the string {columns!r}")
+        if options.get("decode_threads", 1) != 1:
+            raise SpecError(f"{type(self).__name__} decodes whole batches of rows: decode_threads is for "
+                            "tar and object samples (use more workers)")
         if filter is not None and not isinstance(filter, pc.Expression):
             raise SpecError(f"filter must be a pyarrow.compute.Expression (e.g. pc.field('x') > 0), "
                             f"got {type(filter).__name__}")
@@ -94,6 +99,7 @@ class _ArrowTables(ShardedDataset):
         self.columns = None if columns is None else list(columns)
         self.filter = filter
         self.tensor_options = TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
+        self._pass_options = self.tensor_options  # its decoders bound to the current pass (``start_pass``)
         self.footer_bytes = footer_bytes
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._footers: dict[str, bytes] = {}
@@ -101,6 +107,14 @@ class _ArrowTables(ShardedDataset):
 
     def units(self) -> Sequence[Any]:
         return self._units
+
+    def start_pass(self, epoch: int) -> None:
+        """``map`` and the column decoders bound to the pass (IMAGE-SEED: an image transform as
+        the decoder of a Hugging Face image column)."""
+        super().start_pass(epoch)
+        opts = self.tensor_options
+        self._pass_options = dataclasses.replace(opts, decoders={
+            name: for_pass(fn, self.seed, epoch) for name, fn in opts.decoders.items()})
 
     def _policy(self) -> ErrorPolicy:
         """The error policy of the constructor's footer reads."""
@@ -149,7 +163,7 @@ class _ArrowTables(ShardedDataset):
             tables, batching.windows)
         if rewind is not None:
             tables = dropped(tables, rewind.delivered)
-        opts = self.tensor_options
+        opts = self._pass_options
         if batching.batch_size is not None:
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
             if self._live is not None:  # counted as delivered (state_dict)
@@ -159,7 +173,7 @@ class _ArrowTables(ShardedDataset):
             rows = policy.each(tables, lambda t: list(to_rows(t, opts)), run=StageClock.DECODE)
             items = (row for batch in rows for row in batch)
             items = items if self._live is None else self._live.count(items)
-        return items if self.map is None else policy.each(items, self.map, run=StageClock.MAP)
+        return items if self._map is None else policy.each(items, self._map, run=StageClock.MAP)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "

@@ -45,6 +45,7 @@ from streamdata.epoch.state import (
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
+from streamdata.formats.images import for_pass
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.policy import ErrorPolicy, OnError
 from streamdata.ranks import from_rank0
@@ -56,6 +57,19 @@ __all__ = ["Batching", "EpochIterator", "ReaderPass", "ShardedDataset", "stale_c
 log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
+DECODE_TIMEOUT = 300.0  # seconds one sample may take on the decode threads (``decode_threads``)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A record's ``prepare`` then ``map``: one call on a decode thread."""
+
+    prepare: Callable[[Any], Any]
+    map: Callable[[Any], Any] | None
+
+    def __call__(self, record: Any) -> Any:
+        sample = self.prepare(record)
+        return sample if self.map is None else self.map(sample)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
     ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
     ``listing=False``: the spec is not listed (``expand_spec``'s NO-LISTING; docs/startup.md).
+    ``decode_threads``: threads per reader that decode and ``map`` samples (docs/images.md).
     """
 
     suffixes: tuple[str, ...] = ()
@@ -107,8 +122,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
                  fetch_config: FetchConfig | None = None, listing: bool = True,
-                 **fetch_options: Any) -> None:
+                 decode_threads: int = 1, **fetch_options: Any) -> None:
         super().__init__()
+        if not isinstance(decode_threads, int) or decode_threads < 1:
+            raise SpecError(f"decode_threads must be an int >= 1, got {decode_threads!r}")
+        self.decode_threads = decode_threads  # threads per reader for decode and map (``stages``)
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
@@ -130,6 +148,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         self.collate_fn = collate_fn  # None: each sample into a shared-memory batch as it comes
         self.map = map
+        self._map = map  # ``map`` bound to the current pass (``start_pass``)
         self._counters = Counters(COUNTERS)
         self._stats = Counters(READER_STATS)  # each reader's stage timings and requests (``reader_stats``)
         self._epoch = 0
@@ -264,6 +283,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         handled by the policy, per record."""
         return record
 
+    def start_pass(self, epoch: int) -> None:
+        """Bind what is seeded per sample to this pass's seed and epoch (IMAGE-SEED in
+        ``formats.images``: an image transform as ``map``); formats bind their decoders too."""
+        self._map = for_pass(self.map, self.seed, epoch)
+
     # ---- the pass -----------------------------------------------------------------------
 
     def reader_pass(self, batch_size: int | None = None, drop_last: bool = False) -> ReaderPass:
@@ -365,6 +389,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         to batch in the worker with the plan's batch sizes (EQUAL-STEPS)."""
         install()  # FORK-RESET from the first pass on (``_fork``; import installs nothing)
         p = self.reader_pass(batch_size, drop_last)
+        self.start_pass(p.epoch)
         self._note_plan(p)
         clock = StageClock(self._stats) if stage_times() else None
         policy = ErrorPolicy(self.on_error, self._counters, where=p.world.describe(), clock=clock)
@@ -481,9 +506,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
                batching: Batching) -> Iterator[Any]:
         """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
-        samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
-        if self.map is not None:
-            samples = policy.each(samples, self.map, run=StageClock.MAP)
+        if self.decode_threads > 1:  # decode and map on a pool (formats.images releases the GIL)
+            samples = policy.pooled(records, _Prepared(self.prepare, self._map), self.decode_threads,
+                                    timeout=DECODE_TIMEOUT)
+        else:
+            samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
+            if self._map is not None:
+                samples = policy.each(samples, self._map, run=StageClock.MAP)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             samples = placeholder_items(samples, rewind.first)

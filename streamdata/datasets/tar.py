@@ -22,6 +22,7 @@ from streamdata.epoch.world import World
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats.compress import TAR_SUFFIXES, decompressed
 from streamdata.formats.decode import DecodeSpec, make_decoder
+from streamdata.formats.images import for_pass
 from streamdata.formats.tar import samples_from_chunks
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -51,6 +52,7 @@ class TarDataset(ShardedDataset):
         self.accept_unterminated = accept_unterminated  # read shards without the end marker
         # before any request: a bad decode spec is refused before the listing
         self._decoder: Callable[[dict], dict] | None = make_decoder(decode)
+        self._pass_decoder = self._decoder  # bound to the current pass (``start_pass``)
         self.index = index
         self._ahead: IndexAhead | None = None
         try:
@@ -125,5 +127,9 @@ class TarDataset(ShardedDataset):
         if seen != stop - start:
             raise stale_count(reader.url, start + seen, stop)
 
+    def start_pass(self, epoch: int) -> None:
+        super().start_pass(epoch)
+        self._pass_decoder = for_pass(self._decoder, self.seed, epoch)  # IMAGE-SEED
+
     def prepare(self, record: dict) -> dict:
-        return record if self._decoder is None else self._decoder(record)
+        return record if self._pass_decoder is None else self._pass_decoder(record)

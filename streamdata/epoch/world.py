@@ -1,13 +1,19 @@
-"""Where this process stands: DDP rank and world size, DataLoader worker and worker count."""
+"""Where this process stands: DDP rank and world size, DataLoader worker and worker count; or a
+world given for a block of code (:func:`pinned`: one of n read tasks of a distributed engine)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from streamdata.config import env_int
 from streamdata.errors import SpecError
 
-__all__ = ["World"]
+__all__ = ["World", "pinned"]
+
+_pinned = threading.local()  # the world :func:`pinned` gives this thread, if any
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,11 @@ class World:
 
     @classmethod
     def current(cls) -> World:
-        """Derive the world once: torch.distributed if initialised, else RANK/WORLD_SIZE, else 1."""
+        """Derive the world once: the one :func:`pinned` gives this thread, else torch.distributed if
+        initialised, else RANK/WORLD_SIZE, else 1."""
+        given = getattr(_pinned, "world", None)
+        if given is not None:
+            return given
         import torch.distributed as dist
         from torch.utils.data import get_worker_info
 
@@ -52,3 +62,16 @@ class World:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return cls(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers)
+
+
+@contextlib.contextmanager
+def pinned(world: World) -> Iterator[World]:
+    """Within the block, on this thread, :meth:`World.current` is ``world``: a reader that is not
+    a DDP rank nor a DataLoader worker (a Ray read task, ``integrations.ray``) reads its share of
+    the epoch as reader ``world.slot`` of ``world.slots``."""
+    before = getattr(_pinned, "world", None)
+    _pinned.world = world
+    try:
+        yield world
+    finally:
+        _pinned.world = before

@@ -4,7 +4,9 @@
 ``pth`` and the other basic extensions, and images to ``torch.uint8`` tensors laid out
 ``[C, H, W]`` in RGB (webdataset's ``"torchrgb8"``).  A string is a webdataset image spec
 (``"torchrgb"``, ``"pil"``, ``"rgb8"``...), a callable or a list of them are webdataset
-handlers ``f(key, data) -> value | None``; ``decode=False`` keeps raw bytes.
+handlers ``f(key, data) -> value | None``; ``decode=False`` keeps raw bytes. An image transform
+(``sd.images.RandomResizedCrop(224)``, :mod:`streamdata.formats.images`) decodes image fields
+only as far as it needs, the other fields as ``decode=True`` does.
 
 ``decode=True`` does not import webdataset (LAZY-DECODERS): ``npy``, the ints and texts,
 ``json``/``jsn`` and the common image formats are decoded here, to the values webdataset's
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamdata.errors import DecodeError
+from streamdata.formats.images import ImageTransform, sample_key
 
 __all__ = ["IMAGE_EXTENSIONS", "DecodeSpec", "fast_basic", "fast_image", "fast_json", "fast_npy",
            "make_decoder"]
@@ -110,13 +113,23 @@ _OURS = (fast_npy, fast_basic, fast_json, fast_image)
 class _Default:
     """``decode=True`` (LAZY-DECODERS): our handlers first, webdataset's decoder for the rest,
     imported the first time a field needs it. Picklable; a field's failure is a DecodeError
-    naming the field, the sample's key and its URL."""
+    naming the field, the sample's key and its URL. With ``images`` (``decode=`` an image
+    transform, :mod:`streamdata.formats.images`), image fields take that transform's fast path."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: ImageTransform | None = None) -> None:
         self._rest: Any = None  # webdataset's Decoder, made on first need in this process
+        self._images = images
 
     def __getstate__(self) -> dict:
-        return {"_rest": None}
+        return {"_rest": None, "_images": self._images}
+
+    def for_pass(self, seed: int, epoch: int) -> _Default:
+        """This decoder with its image transform bound to the pass (IMAGE-SEED)."""
+        if self._images is None:
+            return self
+        bound = _Default(self._images.for_pass(seed, epoch))
+        bound._rest = self._rest
+        return bound
 
     def __call__(self, sample: dict) -> dict:
         out = {}
@@ -130,7 +143,10 @@ class _Default:
                 out[field] = value
                 continue
             try:
-                out[field] = self._field(field, value)
+                if self._images is not None and self._images.takes(field) and isinstance(value, bytes):
+                    out[field] = self._images.image(value, key=sample_key(sample))
+                else:
+                    out[field] = self._field(field, value)
             except Exception as exc:
                 raise _decode_error(sample, field, exc) from exc
         return out
@@ -178,6 +194,8 @@ def make_decoder(spec: DecodeSpec) -> Callable[[dict], dict] | None:
         return None
     if spec is True:
         return _Default()
+    if isinstance(spec, ImageTransform):  # the fast image path for image fields, decode=True's for the rest
+        return _Default(spec)
     from webdataset import autodecode
 
     if isinstance(spec, autodecode.Decoder):

@@ -6,6 +6,7 @@ into a working filesystem, closes it cleanly, and maps backend exceptions to our
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -345,23 +346,33 @@ def close_filesystem(fs: Any) -> None:
         pass
 
 
-_S3_SESSION: Any = None
+# What botocore reads when a session resolves its credentials: a session resolves them once
+# and keeps them, so each set of these values has a session of its own.
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                   "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
+                   "AWS_EC2_METADATA_DISABLED", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
+_S3_SESSIONS: dict[str, Any] = {}
 
 
 def _s3_session() -> Any:
-    """One aiobotocore session per process, shared by its S3 filesystems.
+    """One aiobotocore session per process and credential environment, shared by its S3
+    filesystems.
 
     A session holds parsed botocore models but no connection and no loop (clients do). Made
     in the main process by the listing, it is inherited by forked DataLoader workers, which
     then skip re-parsing botocore's JSON (measured 0.7 s per worker on a busy 2-core machine,
-    all of it before the first request could go out).
+    all of it before the first request could go out). A session keeps the credentials it
+    resolved first, so it is kept by the environment they came from (hashed: no secret is
+    held in the key): a process whose credential variables change gets a new session.
     """
-    global _S3_SESSION
-    if _S3_SESSION is None:
+    identity = hashlib.sha256(json.dumps(env_snapshot(_CREDENTIAL_ENV), sort_keys=True).encode()).hexdigest()
+    session = _S3_SESSIONS.get(identity)
+    if session is None:
         from aiobotocore.session import AioSession
 
-        _S3_SESSION = AioSession()
-    return _S3_SESSION
+        session = _S3_SESSIONS[identity] = AioSession()
+    return session
 
 
 def translate_error(exc: BaseException, url: str, action: str = "read") -> StreamDataError:

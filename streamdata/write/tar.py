@@ -16,7 +16,8 @@ while up to ``concurrency`` uploads run, and blocks while ``max_pending`` are un
 memory and spool space stay bounded. ``close()`` (or leaving the ``with`` block) finishes the
 last shard, waits for every upload, raises the first failure as our error naming the shard URL,
 and writes the sample index (``index.write_index``): the byte offset of every sample, recorded
-as it is written. Compressed shards (``compress="gz"`` / ``"zst"``, or a ``.tar.gz``/``.tgz``/
+as it is written (:attr:`ShardWriter.entries`, for a caller that writes one index for several writers:
+``integrations.ray``). Compressed shards (``compress="gz"`` / ``"zst"``, or a ``.tar.gz``/``.tgz``/
 ``.tar.zst`` pattern) are not in the index: offsets into them cannot be read by range, so they
 are split by shard and read whole.
 """
@@ -28,13 +29,16 @@ import logging
 import tarfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamdata.config import FetchConfig
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.formats.compress import codec_from_suffix
 from streamdata.store.urls import split_url
 from streamdata.write.upload import DEFAULT_PART_SIZE, Uploaded, Uploader
+
+if TYPE_CHECKING:
+    from streamdata.catalog.index import ShardEntry
 
 __all__ = ["ShardWriter"]
 
@@ -174,6 +178,7 @@ class ShardWriter:
         self._offsets: dict[str, list[int]] = {}  # url -> offsets of its samples and of its end
         self.total = 0  # samples written
         self.urls: list[str] = []  # shards finished, in order
+        self.entries: list[ShardEntry] = []  # after close(): the index's entries of the shards (uncompressed)
         self._closed = False
 
     # ---- writing --------------------------------------------------------------------------
@@ -254,8 +259,13 @@ class ShardWriter:
         try:
             self._finish()
             uploaded = self._uploader.wait()
-            if self.index and self.codec is None and uploaded:
-                self._write_index(uploaded)
+            if self.codec is None:
+                self.entries = self._entries(uploaded)
+            if self.index and self.entries:
+                from streamdata.catalog.index import default_index_url, write_index
+
+                write_index(default_index_url([e.name for e in self.entries]), self.entries,
+                            storage_options=self.storage_options, config=self._uploader.config)
         except BaseException:
             self._abandon()
             raise
@@ -272,19 +282,16 @@ class ShardWriter:
         self._discard_open_shard()
         self._uploader.close(cancel=True)
 
-    def _write_index(self, uploaded: list[Uploaded]) -> None:
-        """The offsets recorded while writing, for the shards now in place, merged into the
-        index of their directory (``index.write_index``: names made relative, written whole)."""
+    def _entries(self, uploaded: list[Uploaded]) -> list[ShardEntry]:
+        """The index entries of the shards now in place: the offsets recorded while writing."""
         import numpy as np
 
-        from streamdata.catalog.index import ShardEntry, default_index_url, write_index
+        from streamdata.catalog.index import ShardEntry
 
         by_url = {u.url: u for u in uploaded}
-        urls = [u for u in self.urls if u in by_url]
-        entries = [ShardEntry(url, by_url[url].size, by_url[url].etag, len(self._offsets[url]) - 1,
-                              np.asarray(self._offsets[url], dtype=np.uint64)) for url in urls]
-        write_index(default_index_url(urls), entries, storage_options=self.storage_options,
-                    config=self._uploader.config)
+        return [ShardEntry(url, by_url[url].size, by_url[url].etag, len(self._offsets[url]) - 1,
+                           np.asarray(self._offsets[url], dtype=np.uint64))
+                for url in self.urls if url in by_url]
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -51,7 +51,7 @@ def make(n_batches: int, **kwargs):
     return loader(Stamped(8 * n_batches), **kwargs)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_storage_of_dropped_batches_is_reused(context):
     n = 30
     with make(n, multiprocessing_context=context) as feed:

@@ -151,7 +151,11 @@ def _entries(counts: list[int], floats: int = 64, prefix: str = "shard-") -> tup
 
 def test_format_round_trip_and_size_per_sample():
     counts = [1000] * 20 + [0, 3]  # a realistic dataset: 20 shards of 1000 samples, an empty and a tiny one
-    entries, _ = _entries(counts)
+    rng = np.random.default_rng(0)  # a tar's offsets: 512-byte blocks, a sample of 1 to 40 blocks
+    entries = []
+    for i, n in enumerate(counts):
+        offsets = np.concatenate([[0], np.cumsum(512 * rng.integers(1, 41, n))]).astype(np.uint64)
+        entries.append(sdx.ShardEntry(f"shard-{i:05d}.tar", int(offsets[-1]) + 1024, f"etag{i}", n, offsets))
     data = sdx.encode_index(entries)
     assert data[:6] == b"SDIDX\x00" and int.from_bytes(data[6:8], "little") == 1
     back = sdx.decode_index(data, "s3://bkt/streamdata.sdx")

@@ -54,3 +54,20 @@ def test_brace_expand_ranges_lists_and_padding():
     for bad in ["a{3..1}", "a{b}", "a{1..2"]:
         with pytest.raises(SpecError):
             brace_expand(bad)
+
+
+def test_a_pinned_world_is_this_threads_within_the_block(monkeypatch):
+    import threading
+
+    from streamdata.epoch.world import pinned
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    seen = []
+    with pinned(World(rank=4, world_size=5)):
+        assert World.current() == World(rank=4, world_size=5)
+        other = threading.Thread(target=lambda: seen.append(World.current()))
+        other.start()
+        other.join(10)
+    assert seen == [World(rank=1, world_size=3)]  # another thread: the environment's
+    assert World.current() == World(rank=1, world_size=3)  # after the block too

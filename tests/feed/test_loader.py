@@ -121,7 +121,7 @@ def _split_range(worker_id: int) -> None:
     ds.start, ds.end = ds.start + worker_id * per, ds.start + (worker_id + 1) * per
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_worker_init_fn_can_split_the_users_dataset_through_worker_info(context):
     with loader(Range(16), batch_size=4, num_workers=2, worker_init_fn=_split_range,
                 pin_memory=False, multiprocessing_context=context) as feed:

@@ -67,17 +67,18 @@ def _check_readers(ds) -> list[dict]:
 
 
 def test_a_well_fed_loader_reports_no_stall(tmp_path):
-    # a training step of 0.2 s: on a loaded 2-core machine the main process's own share of a
-    # batch (the DataLoader's receive, recycle's release) is 1-5 ms, counted as waiting
+    # a training step of 0.4 s: on a 2-core machine loaded five times over, the main process's
+    # own share of a batch (the DataLoader's receive, recycle's release) and the workers' turn
+    # on a core come to 10-15 ms a step, counted as waiting
     ds = sd.TarDataset(_local(tmp_path, [32] * 4), index=None)
-    with sd.loader(ds, batch_size=8, num_workers=2) as loader:
-        seen = _train(loader, 0.2)
+    with sd.loader(ds, batch_size=16, num_workers=2) as loader:
+        seen = _train(loader, 0.4)
         m = loader.metrics()
-    assert m["steps"] == seen["steps"] == 16
+    assert m["steps"] == seen["steps"] == 8
     assert m["stall_fraction"] <= 0.05 and m["verdict"] is None, m
     assert abs(m["data_wait_s"] - seen["wait"]) < 0.02 + 0.05 * seen["wait"], (m, seen)
     assert abs(m["wall_s"] - seen["wall"]) < 0.05 * seen["wall"], (m, seen)
-    assert m["samples"] == 128 and m["batches"] == 16 and m["requests"] >= 4 and m["bytes"] > 0
+    assert m["samples"] == 128 and m["batches"] == 8 and m["requests"] >= 4 and m["bytes"] > 0
     json.dumps(m)  # JSON-ready
     _check_readers(ds)
 

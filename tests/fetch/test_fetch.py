@@ -271,7 +271,7 @@ def test_retries_then_a_clear_error_naming_the_url(tmp_path, monkeypatch):
         list(ds)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_object_dataset_fetches_batches_concurrently(s3fs_fs, context):
     import numpy as np
     import torch

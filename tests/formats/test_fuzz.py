@@ -330,7 +330,17 @@ def test_mutated_ipc_batch_headers_end_in_rows_or_our_error_naming_the_url(tmp_p
     def names_url(exc: sd.StreamDataError, url: str) -> None:
         assert isinstance(exc, sd.FormatError) and exc.url == url, repr(exc)
 
-    fuzz(tmp_path, "h.arrow", random_cases(valid_arrow(False), ipc_header_mutation, 120, seed=5),
+    fuzz(tmp_path, "h.arrow", random_cases(valid_arrow(False), ipc_header_mutation, 40, seed=5),
+         read_arrow, check=names_url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40, 42))
+def test_mutated_ipc_batch_headers_many_more_cases(tmp_path, seed):
+    def names_url(exc: sd.StreamDataError, url: str) -> None:
+        assert isinstance(exc, sd.FormatError) and exc.url == url, repr(exc)
+
+    fuzz(tmp_path, "h.arrow", random_cases(valid_arrow(False), ipc_header_mutation, 300, seed),
          read_arrow, check=names_url)
 
 

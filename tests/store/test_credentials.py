@@ -314,7 +314,7 @@ def test_credentials_from_a_credential_process_are_refreshed_and_no_url_outlives
     monkeypatch.setenv("AWS_PROFILE", "sd-expiring")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     # a fresh botocore session reads this profile; signers made under it are not kept
-    monkeypatch.setattr(backends, "_S3_SESSION", None)
+    monkeypatch.setattr(backends, "_S3_SESSIONS", {})
     monkeypatch.setattr(backends, "_SIGNERS", {})
 
     with FaultProxy(server.endpoint_url) as proxy:
@@ -415,3 +415,28 @@ def test_an_access_denied_that_is_not_about_expiry_stays_permanent(front: tuple[
         assert not fr.refused
     finally:
         client.close()
+
+
+def test_environment_credentials_are_not_kept_once_it_changes(s3_server, monkeypatch, tmp_path):
+    """The process's botocore session resolves credentials once: a session made while the
+    environment held keys must not serve a listing after they are gone."""
+    opts = s3_server.storage_options
+    bucket = "sd-env-keys"
+    s3_server.create_bucket(bucket)
+    try:
+        endpoint_only = {k: v for k, v in opts.items() if k not in ("key", "secret", "token")}
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["key"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret"])
+        with pytest.raises(sd.ShardNotFoundError):  # signed: the server answers, nothing there
+            sd.TarDataset(f"s3://{bucket}/train-{{0..1}}.tar", storage_options=endpoint_only)
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        with pytest.raises(sd.AccessDeniedError, match="Check credentials"):
+            sd.TarDataset(f"s3://{bucket}/train-{{0..1}}.tar", storage_options=endpoint_only)
+    finally:
+        s3_server.delete_bucket(bucket)

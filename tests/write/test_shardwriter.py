@@ -218,6 +218,13 @@ def test_the_writers_index_equals_build_index(s3_bucket):
     with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, storage_options=options) as writer:
         for n in range(20):
             writer.write({**make_sample(n), "__key__": f"{long_key}{n:03d}" if n % 5 == 0 else f"k{n:05d}"})
+    # without an index of its own, a writer still has its entries (one index for several writers)
+    with sd.ShardWriter(f"s3://{bucket}/noidx/part-%03d.tar", maxcount=7, storage_options=options,
+                        index=False) as silent:
+        for n in range(20):
+            silent.write({**make_sample(n), "__key__": f"{long_key}{n:03d}" if n % 5 == 0 else f"k{n:05d}"})
+    assert read_index(f"s3://{bucket}/noidx/streamdata.sdx", options) is None
+    assert [e.samples for e in silent.entries] == [7, 7, 6]
     # a second writer into the same directory: its shards join the index
     with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, start_shard=3,
                         storage_options=options) as second:
@@ -228,6 +235,8 @@ def test_the_writers_index_equals_build_index(s3_bucket):
     theirs = read_index(built, options)
     assert [e.name for e in ours] == [f"part-{i:03d}.tar" for i in range(4)]
     assert [e.samples for e in ours] == [7, 7, 6, 5]
+    for mine, silent_entry in zip(ours[:3], silent.entries, strict=True):  # the same offsets
+        assert silent_entry.name.endswith(mine.name) and np.array_equal(mine.offsets, silent_entry.offsets)
     by_name = {e.name: e for e in theirs}
     for entry in ours:
         other = by_name[f"idx/{entry.name}"]  # the built index sits one directory up

@@ -1,0 +1,175 @@
+"""Token epochs: an epoch's token stream cut into whole sequences, and sequences to readers. Pure, no I/O.
+
+An epoch's *token stream* is every unit's tokens (its documents, each with the optional
+``bos``/``eos`` token around it), units in the epoch's seeded order (``sharding.epoch_order``).
+The stream is cut into sequences of ``width`` tokens (``seq_len``, or ``seq_len + 1`` for
+next-token targets), back to back, before anything is given to a reader:
+
+Invariant (TOKENS-ONCE): every token of an epoch's stream lies in exactly one sequence, and every
+sequence goes to exactly one reader (EXACTLY-ONCE of ``plan``'s spans, one sample = one
+sequence), except the stream's one final partial sequence: dropped (``partial="drop"``,
+its tokens counted) or padded to ``width`` (``partial="pad"``, the padding counted). So there
+is at most one partial sequence per epoch, not one per reader: a reader's span of sequences is
+a contiguous run of the stream whatever the world, and a position in it (sequences delivered)
+is exact to the token. Readers' spans, EQUAL-STEPS and resume (RESUME-CONTINUES,
+RESUME-ELASTIC) are ``plan`` and ``resume`` over one unit of ``sequences`` samples; this module
+maps a span of sequences back to token ranges of units (``token_reads``) and a unit's token range
+to the raw tokens to fetch (``raw_range``, ``augmented``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from streamdata.epoch.plan import Segment, segments_of
+from streamdata.epoch.sharding import epoch_order
+
+__all__ = ["SequencePlan", "TokenRead", "augmented", "fit_plan", "raw_range", "sequence_plan", "token_reads",
+           "unit_tokens"]
+
+
+class SequencePlan(NamedTuple):
+    """One epoch's stream: units in order, where each ends (tokens), and its sequences."""
+
+    order: np.ndarray
+    ends: np.ndarray
+    tokens: int  # the stream's length
+    width: int  # tokens per sequence
+    sequences: int  # whole sequences, plus the padded partial one with partial="pad"
+    partial: int  # tokens of the stream's final partial sequence (0: none)
+    bounds: np.ndarray | None = None  # packing "fit": where each sequence starts, and the end
+
+    @property
+    def dropped(self) -> int:
+        """Tokens of the epoch no sequence holds (the partial sequence, with partial="drop")."""
+        if self.bounds is not None:
+            return 0
+        return self.tokens - min(self.tokens, self.sequences * self.width)
+
+    def span_of(self, first: int, stop: int) -> tuple[int, int]:
+        """Stream positions of sequences ``[first, stop)``."""
+        if self.bounds is not None:
+            return int(self.bounds[first]), int(self.bounds[stop])
+        return first * self.width, min(stop * self.width, self.tokens)
+
+    def lengths(self, first: int, stop: int) -> np.ndarray:
+        """Tokens of sequences ``[first, stop)`` before padding."""
+        if self.bounds is not None:
+            return np.diff(self.bounds[first:stop + 1])
+        ends = np.minimum(np.arange(first + 1, stop + 1) * self.width, self.tokens)
+        return ends - np.arange(first, stop) * self.width
+
+
+class TokenRead(NamedTuple):
+    """Tokens ``[start, stop)`` of unit ``unit``; ``flush``: the last read of a run of sequences
+    (a partial sequence left in the packer there is the epoch's final one: padded)."""
+
+    unit: int
+    start: int
+    stop: int
+    flush: bool
+
+
+def unit_tokens(doc_counts: Sequence[int] | np.ndarray, raw_tokens: Sequence[int] | np.ndarray,
+                specials: int) -> np.ndarray:
+    """Tokens of each unit in the stream: its raw tokens and ``specials`` (0, 1 or 2) per document."""
+    return np.asarray(raw_tokens, dtype=np.int64) + specials * np.asarray(doc_counts, dtype=np.int64)
+
+
+def sequence_plan(tokens: Sequence[int] | np.ndarray, width: int, *, pad: bool, seed: int, epoch: int,
+                  shuffle: bool) -> SequencePlan:
+    """The epoch's stream for units of ``tokens[i]`` tokens, cut into sequences of ``width``."""
+    counts = np.asarray(tokens, dtype=np.int64)
+    order = epoch_order(len(counts), seed=seed, epoch=epoch, shuffle=shuffle)
+    ends = np.cumsum(counts[order])
+    total = int(ends[-1]) if len(ends) else 0
+    whole, partial = divmod(total, width)
+    return SequencePlan(order, ends, total, width, whole + (1 if pad and partial else 0), partial)
+
+
+def fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray], width: int, specials: int, *,
+             seed: int, epoch: int, shuffle: bool) -> SequencePlan:
+    """The epoch's stream cut at document boundaries (packing ``"fit"``): each sequence takes the
+    next whole documents while they fit in ``width`` (next fit, in stream order, so a sequence is
+    still a contiguous run of the stream and a span of sequences one run of reads); a document
+    longer than ``width`` is the one thing cut, into ``width``-token pieces. ``docs[i]``: unit
+    ``i``'s documents' raw lengths; each is padded to ``width`` by the packer."""
+    counts = np.asarray(tokens, dtype=np.int64)
+    order = epoch_order(len(counts), seed=seed, epoch=epoch, shuffle=shuffle)
+    ends = np.cumsum(counts[order])
+    total = int(ends[-1]) if len(ends) else 0
+    lengths = (np.concatenate([docs[int(u)] for u in order]) + specials).tolist() if len(order) else []
+    bounds, fill, at = [0], 0, 0
+    for n in lengths:
+        while n > 0:
+            if fill and fill + n > width:  # close the sequence before this document
+                bounds.append(at)
+                fill = 0
+            take = min(n, width - fill)  # (a piece of a document longer than a whole sequence)
+            fill, at, n = fill + take, at + take, n - take
+            if fill == width:
+                bounds.append(at)
+                fill = 0
+    if fill:
+        bounds.append(at)
+    return SequencePlan(order, ends, total, width, len(bounds) - 1, 0, np.asarray(bounds, dtype=np.int64))
+
+
+def token_reads(plan: SequencePlan, segments: Sequence[Segment]) -> list[TokenRead]:
+    """The unit token ranges that hold sequences ``segments`` (spans of ``plan``'s sequences, as
+    ``plan.reader_span`` / ``resume.resume_span`` give them over one unit), in order."""
+    out: list[TokenRead] = []
+    for seg in segments:
+        start, stop = plan.span_of(seg.start, seg.stop)
+        pieces = segments_of(plan.order, plan.ends, start, stop)
+        for k, piece in enumerate(pieces):
+            out.append(TokenRead(piece.unit, piece.start, piece.stop, k == len(pieces) - 1))
+    return out
+
+
+def _doc_starts(lengths: np.ndarray, specials: int) -> np.ndarray:
+    """Where each document starts in its unit's stream (one more entry: the unit's end)."""
+    return np.concatenate([[0], np.cumsum(lengths + specials)]).astype(np.int64)
+
+
+def raw_range(lengths: np.ndarray, start: int, stop: int, bos: bool, eos: bool) -> tuple[int, int]:
+    """The raw tokens (positions in the unit's documents laid back to back, without specials)
+    that stream positions ``[start, stop)`` of a unit of documents of ``lengths`` need."""
+    nb, specials = int(bos), int(bos) + int(eos)
+    if stop <= start:
+        return 0, 0
+    starts = _doc_starts(lengths, specials)
+    raw_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def before(pos: int) -> int:  # raw tokens at stream positions before ``pos``
+        d = min(max(int(np.searchsorted(starts, pos, side="right")) - 1, 0), len(lengths) - 1)
+        return int(raw_starts[d] + min(max(pos - int(starts[d]) - nb, 0), int(lengths[d])))
+
+    return before(start), before(stop)
+
+
+def augmented(lengths: np.ndarray, start: int, stop: int, raw: np.ndarray, raw_from: int,
+              bos_id: int | None, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Stream positions ``[start, stop)`` of a unit of documents of ``lengths``: its tokens (int64)
+    and the index of the document each belongs to. ``raw`` holds the unit's raw tokens from
+    ``raw_from`` on (at least ``raw_range``'s)."""
+    nb, specials = int(bos_id is not None), int(bos_id is not None) + int(eos_id is not None)
+    n = stop - start
+    if specials == 0 and len(lengths) == 1:  # one document, nothing inserted: a plain slice
+        return raw[start - raw_from:stop - raw_from].astype(np.int64), np.zeros(n, np.int64)
+    starts = _doc_starts(lengths, specials)
+    pos = np.arange(start, stop, dtype=np.int64)
+    doc = np.searchsorted(starts, pos, side="right") - 1
+    offset = pos - starts[doc] - nb
+    raw_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    inside = (offset >= 0) & (offset < lengths[doc])
+    out = np.empty(n, np.int64)
+    out[inside] = raw[(raw_starts[doc] + offset)[inside] - raw_from]
+    if bos_id is not None:
+        out[offset < 0] = bos_id
+    if eos_id is not None:
+        out[offset >= lengths[doc]] = eos_id
+    return out, doc

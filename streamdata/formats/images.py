@@ -1,0 +1,394 @@
+"""Images decoded only as far as a transform needs: the fast image path.
+
+A transform here (:class:`RandomResizedCrop`, :class:`CenterCrop`, :class:`Resize`) takes an
+image's encoded bytes and gives the ``torch.uint8 [3, H, W]`` RGB tensor the standard
+augmentation gives, without a full-size RGB copy in between: the crop is sampled from the
+image's header (its size), a JPEG is decoded at the smallest DCT scale that still holds the
+crop at the output size (libjpeg-turbo's scaled decode through ``simplejpeg`` when installed,
+else Pillow's ``draft``), and only the crop's pixels are resized, antialiased, by torch's
+uint8 kernel. PNG, WebP and the other formats Pillow reads are decoded in full, then take the
+same crop and resize. The pixels differ from a full decode then resize only by resampling
+(``tests/formats/test_images.py`` holds them to a PSNR of at least 30 dB).
+
+Seeded (IMAGE-SEED): a sample's crop and flip are a function of ``(seed, epoch, key)`` alone:
+the seed is the transform's own or the dataset's, the epoch the pass's (``for_pass``, which
+the datasets call at the start of each pass), the key the sample's ``__key__`` and
+``__url__`` (or, for a bare value such as a Parquet image cell, the digest of its bytes), so
+the same sample gets the same crop in every run, on every world size and after a resume.
+
+Use one as ``decode=`` of a tar or object dataset (the image fields take the fast path, the
+others are decoded as ``decode=True`` decodes them), as ``map=`` over samples whose image
+fields are still bytes (or already decoded arrays: cropped the slow way), as a Parquet
+``decoders=`` entry for a Hugging Face image column (``struct<bytes, path>``), or call it on
+bytes. A corrupt or truncated image is a :class:`~streamdata.errors.DecodeError` naming the
+sample's key and URL (skipped and counted under ``on_error="skip"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import math
+import random
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from streamdata.errors import DecodeError, SpecError
+
+__all__ = ["IMAGE_FIELDS", "CenterCrop", "ImageTransform", "RandomResizedCrop", "Resize", "for_pass",
+           "sample_key", "sample_rng"]
+
+# a sample's fields taken as images (by extension; the rest are left to the other decoders)
+IMAGE_FIELDS = frozenset({"bmp", "gif", "jpeg", "jpg", "pbm", "pgm", "png", "pnm", "ppm", "tif", "tiff",
+                          "webp"})
+_JPEG_MAGIC = b"\xff\xd8\xff"
+SCALE_MARGIN = 1.5  # a JPEG is decoded at 1/2, 1/4, 1/8 only where its crop stays this much larger
+Box = tuple[int, int, int, int]  # x, y, width, height in the image's full-size pixels
+
+
+def for_pass(fn: Any, seed: int, epoch: int) -> Any:
+    """``fn`` bound to a pass's ``seed`` and ``epoch`` when it takes them (IMAGE-SEED), else ``fn``."""
+    bind = getattr(fn, "for_pass", None)
+    return fn if bind is None else bind(seed, epoch)
+
+
+def sample_rng(seed: int, epoch: int, key: Any) -> random.Random:
+    """The random stream of one sample in one epoch (IMAGE-SEED): ``key`` is a string or the
+    image's bytes (hashed)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{seed}\x00{epoch}\x00".encode())
+    h.update(key if isinstance(key, (bytes, bytearray, memoryview)) else str(key).encode())
+    return random.Random(int.from_bytes(h.digest(), "little"))
+
+
+def _pair(size: int | Sequence[int], what: str) -> tuple[int, int]:
+    """``(height, width)`` from an int or a pair."""
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
+        raise SpecError(f"{what} must be a positive int or (height, width), got {size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+class ImageTransform:
+    """One image augmentation, decoded only as far as it needs (see the module's notes).
+
+    Subclasses say where the crop lies (:meth:`box`) and what size comes out (:meth:`out_size`).
+    ``field``: the sample's field to transform (default: every field whose extension is an
+    image format); ``seed``: the crop's seed (default: the dataset's); ``flip``: a horizontal
+    flip with probability 1/2."""
+
+    def __init__(self, *, flip: bool = False, field: str | None = None, seed: int | None = None) -> None:
+        self.flip, self.field, self.seed = bool(flip), field, seed
+        self._seed = 0 if seed is None else seed
+        self._epoch = 0
+
+    # ---- what a transform says ------------------------------------------------------------
+    def box(self, width: int, height: int, rng: random.Random) -> Box:
+        raise NotImplementedError
+
+    def out_size(self, box: Box) -> tuple[int, int]:
+        """``(height, width)`` of the result for a crop ``box``."""
+        raise NotImplementedError
+
+    # ---- seeding (IMAGE-SEED) ---------------------------------------------------------------
+    def for_pass(self, seed: int, epoch: int) -> ImageTransform:
+        """A copy for one pass: the dataset's ``seed`` (unless the transform has its own) and ``epoch``."""
+        bound = copy.copy(self)
+        bound._seed = seed if self.seed is None else self.seed
+        bound._epoch = int(epoch)
+        return bound
+
+    # ---- use ------------------------------------------------------------------------------
+    def __call__(self, value: Any) -> Any:
+        """A sample dict with its image fields transformed; a Hugging Face image cell
+        (``{"bytes": ..., "path": ...}``) or bytes as a tensor."""
+        if isinstance(value, dict) and not _is_image_cell(value):
+            out = dict(value)
+            for name, field_value in value.items():
+                if self._is_image_field(name):
+                    try:
+                        out[name] = self.image(field_value, key=sample_key(value))
+                    except DecodeError as exc:
+                        raise _named(exc, value, name) from exc.__cause__
+            return out
+        return self.image(value)
+
+    def takes(self, name: str) -> bool:
+        """Whether the sample field ``name`` is one this transform decodes."""
+        return self._is_image_field(name)
+
+    def _is_image_field(self, name: str) -> bool:
+        if self.field is not None:
+            return name == self.field
+        return name[:2] != "__" and name[name.rfind(".") + 1:].lower() in IMAGE_FIELDS
+
+    def image(self, value: Any, key: Any = None) -> Any:
+        """One image (encoded bytes, a Hugging Face cell, or an already decoded ``[C, H, W]``
+        tensor / ``H x W x C`` array) -> ``torch.uint8 [3, H, W]``."""
+        if isinstance(value, dict):
+            path = value.get("path")
+            value = value.get("bytes")
+            if value is None:
+                raise DecodeError(f"the image cell has no bytes (path {path!r}): only embedded "
+                                  "images can be decoded", key=path)
+        rng = sample_rng(self._seed, self._epoch, key if key is not None else value)
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                return self._decoded(bytes(value), rng)
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"cannot decode image: {type(exc).__name__}: {exc}") from exc
+        return self._from_array(value, rng)
+
+    def _decoded(self, data: bytes, rng: random.Random) -> Any:
+        if data[:3] == _JPEG_MAGIC:
+            decoded = _decode_jpeg(data, self, rng)
+            if decoded is not None:
+                return _finish(*decoded, self, rng)
+        return _finish(*_decode_pillow(data, self, rng), self, rng)
+
+    def _from_array(self, value: Any, rng: random.Random) -> Any:
+        """The slow path: an image decoded before (``decode=True``'s ``[3, H, W]`` tensor, or
+        an ``H x W x 3`` array) cropped and resized the same way."""
+        import numpy as np
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            if value.ndim != 3 or value.dtype != torch.uint8:
+                raise DecodeError(f"expected a uint8 [C, H, W] image, got {value.dtype} {tuple(value.shape)}")
+            hwc = value.permute(1, 2, 0).numpy()
+        elif isinstance(value, np.ndarray) and value.ndim == 3 and value.dtype == np.uint8:
+            hwc = value
+        else:
+            raise DecodeError(f"expected image bytes or a uint8 image, got {type(value).__name__}")
+        if hwc.shape[2] == 1:
+            hwc = np.repeat(hwc, 3, axis=2)
+        hwc = hwc[:, :, :3]
+        h, w = hwc.shape[:2]
+        box = self.box(w, h, rng)
+        return _finish(hwc, box, 1.0, 1.0, self, rng)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"sd.images.{type(self).__name__}({args})"
+
+
+class RandomResizedCrop(ImageTransform):
+    """A crop of random area (``scale``, a fraction of the image's) and aspect (``ratio``,
+    sampled on a log scale) resized to ``size``, as torchvision samples it: ten tries, then
+    the centre crop clamped to ``ratio``; ``flip=True`` (the default here) mirrors half."""
+
+    def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, flip: bool = True, field: str | None = None,
+                 seed: int | None = None) -> None:
+        super().__init__(flip=flip, field=field, seed=seed)
+        self.size = _pair(size, "size")
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1]) or not (0 < self.ratio[0] <= self.ratio[1]):
+            raise SpecError(f"scale and ratio must be increasing positive pairs, got {scale!r}, {ratio!r}")
+
+    def box(self, width: int, height: int, rng: random.Random) -> Box:
+        return random_resized_box(width, height, self.scale, self.ratio, rng)
+
+    def out_size(self, box: Box) -> tuple[int, int]:
+        return self.size
+
+
+def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
+                       rng: random.Random) -> Box:
+    """torchvision's ``RandomResizedCrop.get_params``, on ``rng``: ``(x, y, w, h)``."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            y = rng.randint(0, height - h)
+            x = rng.randint(0, width - w)
+            return x, y, w, h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+class CenterCrop(ImageTransform):
+    """The centre ``size`` crop; with ``resize``, of the image first resized so that its shorter
+    side is ``resize`` (the usual evaluation transform, ``resize=256`` then 224), done as one
+    crop of the full image and one resize."""
+
+    def __init__(self, size: int | Sequence[int], *, resize: int | None = None, flip: bool = False,
+                 field: str | None = None, seed: int | None = None) -> None:
+        super().__init__(flip=flip, field=field, seed=seed)
+        self.size = _pair(size, "size")
+        if resize is not None and (not isinstance(resize, int) or resize <= 0):
+            raise SpecError(f"resize must be a positive int (the shorter side), got {resize!r}")
+        self.resize = resize
+
+    def box(self, width: int, height: int, rng: random.Random) -> Box:
+        th, tw = self.size
+        k = 1.0 if self.resize is None else min(width, height) / self.resize  # source px per output px
+        w, h = min(width, int(round(tw * k))), min(height, int(round(th * k)))
+        return (width - w) // 2, (height - h) // 2, max(w, 1), max(h, 1)
+
+    def out_size(self, box: Box) -> tuple[int, int]:
+        if self.resize is None:
+            return box[3], box[2]  # a plain crop: its own pixels (smaller when the image is)
+        return self.size
+
+
+class Resize(ImageTransform):
+    """The whole image resized: ``size`` an int sets the shorter side (aspect kept), a pair
+    ``(height, width)`` sets both."""
+
+    def __init__(self, size: int | Sequence[int], *, flip: bool = False, field: str | None = None,
+                 seed: int | None = None) -> None:
+        super().__init__(flip=flip, field=field, seed=seed)
+        if isinstance(size, int):
+            if size <= 0:
+                raise SpecError(f"size must be positive, got {size!r}")
+            self.size: int | tuple[int, int] = size
+        else:
+            self.size = _pair(size, "size")
+
+    def box(self, width: int, height: int, rng: random.Random) -> Box:
+        return 0, 0, width, height
+
+    def out_size(self, box: Box) -> tuple[int, int]:
+        if not isinstance(self.size, int):
+            return self.size
+        w, h = box[2], box[3]
+        if w <= h:
+            return int(round(h * self.size / w)), self.size
+        return self.size, int(round(w * self.size / h))
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+def _simplejpeg() -> Any:
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg
+
+
+def _dct_factor(box: Box, oh: int, ow: int) -> int:
+    """DCT-SCALE: the JPEG's scale-down for a crop ``box`` resized to ``oh x ow``: 1, 2, 4 or 8, the
+    largest that leaves the crop ``SCALE_MARGIN`` times the output's size. Only powers of two:
+    libjpeg-turbo's other factors (7/8, 3/4...) decode no faster here, and a margin below 1.5
+    costs sharpness (PSNR under 30 dB against a full decode, ``benchmarks/images.py``)."""
+    factor = 1
+    while factor < 8 and min(box[2] / ow, box[3] / oh) >= 2 * factor * SCALE_MARGIN:
+        factor *= 2
+    return factor
+
+
+def _decode_jpeg(data: bytes, t: ImageTransform, rng: random.Random) -> tuple[Any, Box, float, float] | None:
+    """libjpeg-turbo's scaled decode (``simplejpeg``): the smallest scale whose crop still has
+    the output's size. None: not installed, or a JPEG it does not read (CMYK...): Pillow's."""
+    sj = _simplejpeg()
+    if sj is None:
+        return None
+    try:
+        height, width, _, colour = sj.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colour not in ("Gray", "420", "422", "444", "440", "411", "441"):
+        return None
+    box = t.box(width, height, rng)
+    oh, ow = t.out_size(box)
+    factor = _dct_factor(box, oh, ow)
+    hwc = sj.decode_jpeg(data, colorspace="RGB", min_height=math.ceil(height / factor),
+                         min_width=math.ceil(width / factor))
+    return hwc, box, hwc.shape[1] / width, hwc.shape[0] / height
+
+
+def _decode_pillow(data: bytes, t: ImageTransform, rng: random.Random) -> tuple[Any, Box, float, float]:
+    """Pillow: a JPEG at the scale ``draft`` allows, anything else in full, as ``H x W x 3``."""
+    import numpy as np
+    import PIL.Image
+
+    with io.BytesIO(data) as stream:
+        image: Any = PIL.Image.open(stream)
+        width, height = image.size
+        box = t.box(width, height, rng)
+        if image.format == "JPEG":
+            factor = _dct_factor(box, *t.out_size(box))
+            if factor > 1:
+                image.draft("RGB", (width // factor, height // factor))
+        image.load()
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        hwc = np.asarray(image)
+    return hwc, box, hwc.shape[1] / width, hwc.shape[0] / height
+
+
+def _finish(hwc: Any, box: Box, fx: float, fy: float, t: ImageTransform, rng: random.Random) -> Any:
+    """The crop ``box`` (full-size pixels; the decoded image is ``fx``, ``fy`` of full size)
+    of ``hwc`` resized to the transform's output, flipped when drawn: ``uint8 [3, H, W]``."""
+    import torch
+
+    flip = t.flip and rng.random() < 0.5  # drawn after the box (the same order on every path)
+    oh, ow = t.out_size(box)
+    x, y, w, h = box
+    x0, y0 = int(round(x * fx)), int(round(y * fy))
+    x1 = max(x0 + 1, min(hwc.shape[1], int(round((x + w) * fx))))
+    y1 = max(y0 + 1, min(hwc.shape[0], int(round((y + h) * fy))))
+    region = _tensor(hwc[y0:y1, x0:x1]).permute(2, 0, 1)  # [3, h, w] view, channels last
+    if (y1 - y0, x1 - x0) == (oh, ow):
+        out = region.flip(-1) if flip else region.contiguous()
+        return out
+    out = torch.nn.functional.interpolate(region[None], size=(oh, ow), mode="bilinear", antialias=True,
+                                          align_corners=False)[0]
+    return out.flip(-1) if flip else out.contiguous()
+
+
+def _tensor(array: Any) -> Any:
+    """A tensor view of ``array`` (Pillow's arrays are read-only: the view is only read)."""
+    import torch
+
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+# ---- naming -----------------------------------------------------------------------------------
+
+def _is_image_cell(value: dict) -> bool:
+    """A Hugging Face ``Image`` feature's value: ``{"bytes": ..., "path": ...}``."""
+    return "bytes" in value and set(value) <= {"bytes", "path"}
+
+
+def sample_key(sample: dict) -> str | None:
+    """The sample's key for its random stream: ``__key__`` and the shard's name (not its whole URL:
+    the same shard read from another endpoint or through a proxy gets the same crops)."""
+    key, url = sample.get("__key__"), sample.get("__url__")
+    if key is None:
+        return None
+    key, url = (v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in (key, url))
+    shard = str(url).rstrip("/").rsplit("/", 1)[-1] if url is not None else ""
+    return f"{shard}\x00{key}"
+
+
+def _named(exc: DecodeError, sample: dict, field: str) -> DecodeError:
+    url, key = sample.get("__url__"), sample.get("__key__")
+    if isinstance(url, bytes):
+        url = url.decode("utf-8", "replace")
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "replace")
+    return DecodeError(f"cannot decode image field {field!r} of sample {key!r} in {url}: {exc}",
+                       url=url, key=key)
+

@@ -1,0 +1,57 @@
+"""A DDP job over JPEG shards through the fast image path; run by ``torchrun`` from
+tests/test_images_ddp.py.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/jobs/images_job.py OUT_DIR CONFIG_JSON
+
+CONFIG: ``spec``, ``storage_options``, ``workers``, ``threads`` (decode_threads), ``tag`` and
+``stop`` (the step after which every rank takes ``loader.state_dict()``, rank 0 writing it to
+``save``) or ``load`` (a state to resume from). Each rank trains a tiny DDP model (gloo, CPU) on
+the images of epoch 1 and writes ``OUT_DIR/{tag}-rank{R}.json``: its steps and, per key it
+delivered, a digest of the image it got.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import streamdata as sd
+from tests.helpers import ddp_steps
+from tests.jobs._leave import leave
+
+
+def _features(batch) -> torch.Tensor:
+    return batch["jpg"].float().flatten(1)[:, :8]
+
+
+def main(out_dir: str, config_json: str) -> None:
+    cfg = json.loads(config_json)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ds = sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"], seed=3, shuffle=True,
+                       decode=sd.images.RandomResizedCrop(16), decode_threads=cfg["threads"])
+    images: dict[str, str] = {}
+    steps = 0
+    with sd.loader(ds, batch_size=4, num_workers=cfg["workers"]) as loader:
+        loader.set_epoch(1)
+        for batch in ddp_steps(loader, model, optimizer, _features, cfg, rank):
+            steps += 1
+            assert batch["jpg"].dtype == torch.uint8 and tuple(batch["jpg"].shape[1:]) == (3, 16, 16)
+            for key, image in zip(batch["__key__"], batch["jpg"], strict=True):
+                assert key not in images, key
+                images[key] = hashlib.sha1(image.numpy().tobytes()).hexdigest()
+    with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:
+        json.dump({"steps": steps, "images": images}, f)
+    leave()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,59 @@
+"""The fast image path under DDP (torchrun, 2 ranks): every image exactly once in an epoch, and
+after a mid-epoch stop and resume every image exactly once over both runs, each with the crop
+the uninterrupted epoch gave it (IMAGE-SEED in ``formats/images.py``)."""
+
+from __future__ import annotations
+
+import collections
+import io
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import tar_bytes, torchrun
+
+JOB = Path(__file__).parent / "jobs" / "images_job.py"
+COUNTS = [9, 4, 12, 7, 6, 10]  # 48 images
+
+
+def _jpeg(n: int) -> bytes:
+    rng = np.random.default_rng(n)
+    pixels = rng.integers(0, 256, (60 + n % 7, 80 + n % 5, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.mark.slow
+def test_torchrun_every_image_once_and_the_same_crops_after_a_resume(s3_server, tmp_path):
+    import s3fs
+
+    from streamdata.catalog.index import build_index
+
+    bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
+    keys, n = [], 0
+    for s, count in enumerate(COUNTS):
+        samples = [{"__key__": f"img{n + i:04d}", "jpg": _jpeg(n + i), "cls": b"1"} for i in range(count)]
+        fs.pipe_file(f"{bucket}/img/shard-{s:03d}.tar", tar_bytes(samples))
+        keys += [x["__key__"] for x in samples]
+        n += count
+    spec = f"s3://{bucket}/img/shard-{{000..{len(COUNTS) - 1:03d}}}.tar"
+    build_index(spec, s3_server.storage_options, progress=False)  # an exact epoch, an exact resume
+    base = {"spec": spec, "storage_options": s3_server.storage_options, "workers": 1, "threads": 2}
+    state = str(tmp_path / "state.json")
+
+    whole = torchrun(JOB, tmp_path, 2, {**base, "tag": "whole"})
+    crops = {k: v for r in whole for k, v in r["images"].items()}
+    assert sorted(crops) == keys and sum(len(r["images"]) for r in whole) == len(keys)  # exactly once
+    assert whole[0]["steps"] == whole[1]["steps"]
+
+    first = torchrun(JOB, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
+    rest = torchrun(JOB, tmp_path, 2, {**base, "tag": "rest", "load": state, "workers": 2, "threads": 1})
+    got = collections.Counter(k for r in first + rest for k in r["images"])
+    assert sorted(got) == keys and max(got.values()) == 1
+    assert all(crops[k] == v for r in first + rest for k, v in r["images"].items())

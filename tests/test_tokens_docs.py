@@ -1,0 +1,106 @@
+"""docs/tokens.md and the README's token recipe run as written, against the loopback S3 server:
+a tiny GPT trains on a token corpus in a bucket (every token once, the loss falls); documents'
+cu_seqlens flatten for a variable-length kernel."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamdata.formats.tokens import idx_bytes
+from tests.helpers import s3_environment
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES, TOKENS = 4, 2_600  # tokens per flat .bin: 160 sequences of 65, 20 steps of 8
+
+
+def _blocks(path: Path, heading: str | None = None) -> list[str]:
+    text = path.read_text()
+    if heading is not None:
+        start = text.index(f"\n{heading}\n") + len(heading) + 2
+        stop = re.search(r"\n#{2,3} ", text[start:])
+        text = text[start:start + stop.start()] if stop else text[start:]
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.fixture(scope="module")
+def corpus(s3_server):
+    import s3fs
+
+    s3_server.create_bucket("corpus")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
+    rng = np.random.default_rng(0)
+    for i in range(FILES):  # learnable: runs counting up modulo 97 from random starts
+        starts = rng.integers(0, 97, TOKENS // 50)
+        tokens = (starts[:, None] + np.arange(50)[None, :]).ravel() % 97 + 3  # (TOKENS: a multiple of 50)
+        fs.pipe_file(f"corpus/tokens/part-{i}.bin", tokens.astype(np.uint16).tobytes())
+    for i in range(2):
+        lengths = rng.integers(1, 40, 30)
+        ids = rng.integers(200, 500, lengths.sum()).astype(np.uint16)  # (apart from the flat corpus: 3..99)
+        fs.pipe_file(f"corpus/megatron/part-{i}.bin", ids.tobytes())
+        fs.pipe_file(f"corpus/megatron/part-{i}.idx", idx_bytes(lengths, np.uint16))
+    return s3_server
+
+
+@pytest.fixture
+def aws(corpus, monkeypatch):
+    opts = corpus.storage_options
+    s3_environment(monkeypatch, opts)
+
+
+def _run(code: str) -> dict:
+    import streamdata as sd
+
+    ns: dict = {"__name__": "__docs__"}
+    exec(compile(code, "tokens recipe", "exec"), ns)
+    for value in ns.values():
+        if isinstance(value, sd.Loader):
+            value.close()
+    return ns
+
+
+def _check_training(ns: dict) -> None:
+    ds, losses = ns["ds"], ns["losses"]
+    width = 65
+    whole = FILES * TOKENS // width
+    halves = (whole + 1) // 2, whole // 2  # two workers' spans, each batched by 8
+    assert len(losses) == sum(-(-n // 8) for n in halves)  # one epoch: every whole sequence once
+    assert ds.counts["tokens.dropped"] == FILES * TOKENS - whole * width
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, "the tiny GPT did not learn"
+    assert ns["checkpoint"]["data"]["stages"], "a mid-epoch position"
+
+
+@pytest.mark.slow  # (the README's loop, below, is the same loop in the default suite)
+def test_the_docs_training_loop_runs(aws):
+    gpt = _blocks(ROOT / "docs" / "tokens.md")[0]
+    _check_training(_run(gpt))
+
+
+def test_the_docs_recipes_run(aws):
+    _, varlen, mix = _blocks(ROOT / "docs" / "tokens.md")
+    ns = _run(varlen)
+    assert int(ns["cu"][-1]) == 4 * 32 and len(ns["cu"]) > 5  # documents in the sequences
+    batches = _run(mix)["batches"]
+    assert len(batches) == 125 and all(tuple(b["input_ids"].shape) == (4, 32) for b in batches)
+    web = sum(int(r[0]) < 100 for b in batches for r in b["input_ids"])  # the web corpus: ids 3..99
+    assert 0.7 < web / 500 < 0.9
+
+
+def test_the_readme_recipe_runs(aws):
+    (code,) = _blocks(ROOT / "README.md", "### Token streams for language models")
+    _check_training(_run(code))
+
+
+@pytest.mark.slow
+def test_the_tokens_benchmark_runs(tmp_path, capsys):
+    from benchmarks import tokens
+
+    tokens.main(["--quick", "--out", str(tmp_path / "tokens.json")])
+    report = json.loads((tmp_path / "tokens.json").read_text())
+    assert [r["delay_ms"] for r in report["results"]] == [0, 100]
+    assert all(r["vs_whole-file_median"] > 0 for r in report["results"])
+    assert len(report["rss_after_epoch"]) == 2
