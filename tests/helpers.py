@@ -43,7 +43,6 @@ def write_shards(fs, prefix: str, counts: list[int] = UNEVEN, floats: int = 8) -
     return keys
 
 
-@contextlib.contextmanager
 def s3_environment(monkeypatch, storage_options: dict) -> None:
     """The test server as the environment's S3 (endpoint, keys, region), as a user's recipe
     finds it without storage_options; a profile or session token of the machine's is removed."""
@@ -55,6 +54,7 @@ def s3_environment(monkeypatch, storage_options: dict) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@contextlib.contextmanager
 def rank_env(rank: int | None, world_size: int | None):
     """RANK/WORLD_SIZE set for the block (a simulated DDP rank), restored after."""
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
