@@ -25,6 +25,7 @@ from streamdata.errors import (
 from streamdata.feed.cuda import CudaPrefetcher, PinAhead, pin_batch
 from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
+from streamdata.feed.prometheus import serve_prometheus
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
 from streamdata.formats import images as images  # sd.images: the fast image path's transforms
 from streamdata.store.urls import Shard
@@ -84,6 +85,7 @@ __all__ = [
     "loader",
     "merge_states",
     "pin_batch",
+    "serve_prometheus",
     "timed",
     "write_arrow",
     "write_parquet",

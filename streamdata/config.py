@@ -104,7 +104,8 @@ class FetchConfig:
                   one-way delay at this machine's rate, while a first epoch page-faults in
                   half as much fresh memory as with 128 MiB (benchmarks/README.md, budget A/B).
                   The budget a pass starts with: it grows where it costs the reader time.
-    byte_budget_max: the most the byte budget grows to (BUDGET-GROWTH, ``budget``): only
+    byte_budget_max: the most the byte budget grows to, the reader's memory cap (BUDGET-GROWTH,
+                  ``budget``; AUTOTUNE, ``tune``): only
                   where the pass's first part's first byte took 100 ms or more, or the
                   reader waited for a part the budget had held back and latency made it
                   wait (S3's presigned and LITE-S3 GETs, which tell a part's first byte). ``None``: twice
@@ -133,6 +134,16 @@ class FetchConfig:
                   the credentials that signed it expire sooner. 900 s (15 min): well under the
                   hour that temporary credentials typically live, so a URL leaked into a log or
                   an error message is worth little.
+    autotune:     AUTOTUNE (``fetch.tune``): each reader's window, request limit, byte budget
+                  and part size grow where they cost the reader time, within their bounds:
+                  ``window``, ``max_requests`` and ``part_size`` as set are the most they reach,
+                  ``byte_budget_max`` the memory cap; 503/429 throttling still wins. Only
+                  timing changes, never the data order. ``False`` keeps every knob as set (the
+                  budget too). ``STREAMDATA_AUTOTUNE=0`` turns it off.
+    tune_from:    where tuning starts ``window`` and ``max_requests`` (a dict, e.g.
+                  ``{"window": 1, "max_requests": 1}``), below their bounds; ``None``: at them
+                  (no slow start: benchmarks/README.md, "Latency"). The budget starts at
+                  ``byte_budget``.
     """
 
     window: int = 32
@@ -149,8 +160,22 @@ class FetchConfig:
     cache_dir: str | None = None
     cache_limit: int | None = None
     presign_lifetime: int = 900
+    autotune: bool = True
+    tune_from: Any = None  # a dict in, held as sorted (name, value) pairs: the config stays hashable
 
     def __post_init__(self) -> None:
+        if isinstance(self.autotune, int) and not isinstance(self.autotune, bool) and self.autotune in (0, 1):
+            object.__setattr__(self, "autotune", bool(self.autotune))  # STREAMDATA_AUTOTUNE=0/1
+        if not isinstance(self.autotune, bool):
+            raise SpecError(f"FetchConfig.autotune must be True or False, got {self.autotune!r}")
+        if self.tune_from is not None:
+            start = dict(self.tune_from)
+            bad = sorted(k for k, v in start.items() if k not in _TUNE_FROM or isinstance(v, bool)
+                         or not isinstance(v, int) or v < 1)
+            if bad:
+                raise SpecError(f"FetchConfig.tune_from takes {' and '.join(_TUNE_FROM)} as whole numbers "
+                                f">= 1; got {bad[0]}={start[bad[0]]!r}")
+            object.__setattr__(self, "tune_from", tuple(sorted(start.items())))
         life: Any = self.presign_lifetime
         if isinstance(life, float) and life.is_integer():
             life = int(life)
@@ -217,7 +242,8 @@ class FetchConfig:
     @classmethod
     def from_env(cls) -> FetchConfig:
         """Defaults, overridden by STREAMDATA_WINDOW / _PART_SIZE / _MAX_REQUESTS / _BYTE_BUDGET /
-        _BYTE_BUDGET_MAX, STREAMDATA_CACHE_DIR / _CACHE_LIMIT and STREAMDATA_PRESIGN_LIFETIME."""
+        _BYTE_BUDGET_MAX, STREAMDATA_CACHE_DIR / _CACHE_LIMIT, STREAMDATA_PRESIGN_LIFETIME and
+        STREAMDATA_AUTOTUNE."""
         base = cls()
         return base.replace(**{field: (env_str if field in _ENV_STR else env_int)(name, getattr(base, field))
                                for field, name in _ENV.items()})
@@ -227,5 +253,6 @@ _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
         "max_requests": "STREAMDATA_MAX_REQUESTS", "byte_budget": "STREAMDATA_BYTE_BUDGET",
         "byte_budget_max": "STREAMDATA_BYTE_BUDGET_MAX",
         "cache_dir": "STREAMDATA_CACHE_DIR", "cache_limit": "STREAMDATA_CACHE_LIMIT",
-        "presign_lifetime": "STREAMDATA_PRESIGN_LIFETIME"}
+        "presign_lifetime": "STREAMDATA_PRESIGN_LIFETIME", "autotune": "STREAMDATA_AUTOTUNE"}
+_TUNE_FROM = ("window", "max_requests")  # the knobs ``tune_from`` may start below their bound
 _ENV_STR = {"cache_dir"}  # read as text; the others as integers

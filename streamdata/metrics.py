@@ -6,9 +6,9 @@ made with the dataset in the main process and handed to DataLoader workers with 
 or pickled as a shared-memory handle under spawn). Each reader adds only to its own row: the
 main process (``num_workers=0``) to row 0, worker ``k`` to row ``k + 1``; within a process,
 each counter is written by one thread only (skips by the reader's thread, retries by its I/O
-thread). So increments never race, except for two live iterators of one non-persistent
-DataLoader (their workers share ids): counts may then be short, never over. Reading sums
-the rows.
+thread; ``add_many`` reads and writes only the columns it names). So increments never race,
+except for two live iterators of one non-persistent DataLoader (their workers share ids):
+counts may then be short, never over. Reading sums the rows.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_EVENTS", "COUNTERS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS", "SKIP_REASONS",
-           "STAGES", "Counters", "StageClock", "batch_len"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "KNOBS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS",
+           "SKIP_REASONS", "STAGES", "Counters", "StageClock", "batch_len"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -40,10 +40,11 @@ RESIGN_REASONS = ("age", "expired", "refused")
 # (drop_last), summed over epochs (streamdata.epoch.plan); resumed.reread: samples read again after a
 # resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tokens.*: an sd.TokenDataset epoch's
-# final partial sequence, its tokens dropped or the padding added (TOKENS-ONCE, streamdata.epoch.tokens)
+# final partial sequence, its tokens dropped or the padding added (TOKENS-ONCE, streamdata.epoch.tokens);
+# tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
-            "tokens.dropped", "tokens.padded",
+            "tokens.dropped", "tokens.padded", "tuned.window", "tuned.max_requests", "tuned.part_size",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 # where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk
@@ -55,9 +56,13 @@ STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
 # per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
 # flush; busy_ns, time inside the pass's ``next()`` (the stages add up to it); the
 # prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
-# and first-byte latency (summed over ``first_bytes`` parts whose backend tells it)
+# and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
+# reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
+# thread, taken back when it closes: 0 between passes)
+KNOBS = ("window", "max_requests", "byte_budget", "part_size")  # a prefetcher's (AUTOTUNE)
 READER_STATS = ("samples", "batches", "wall_ns", "busy_ns", *(f"{s}_ns" for s in STAGES),
-                "requests", "bytes", "first_byte_ns", "first_bytes")
+                "requests", "bytes", "first_byte_ns", "first_bytes",
+                *(f"knob.{k}" for k in KNOBS))
 
 _ROWS = 65  # the main process and up to 64 workers per process; more share rows modulo
 
@@ -80,14 +85,29 @@ class Counters:
         """Add each of ``counts`` in this reader's row, in one write (ONE-WRITER-PER-ROW)."""
         from torch.utils.data import get_worker_info
 
-        values = [0] * len(self.names)
-        for name, n in counts.items():
-            values[self._index[name]] = n
-        self._table[_row(get_worker_info())] += torch.tensor(values, dtype=torch.int64)
+        # only the named columns are read and written: another thread's columns in this row
+        # (the I/O thread's ``requests``, the reader's stage times) are never written back stale
+        index = torch.tensor([self._index[name] for name in counts], dtype=torch.int64)
+        self._table[_row(get_worker_info())].index_add_(0, index, torch.tensor(list(counts.values()),
+                                                                               dtype=torch.int64))
 
     def rows(self) -> list[dict[str, int]]:
         """Each row that any reader wrote to, as its own counts (row 0: the main process)."""
         return [dict(zip(self.names, row, strict=True)) for row in self._table.tolist() if any(row)]
+
+    @staticmethod
+    def merged_rows(tables: Sequence[Counters], most: Sequence[str] = ()) -> list[dict[str, int]]:
+        """Row by row over ``tables`` with the same names (one reader's row in each): the sum,
+        or for the names in ``most`` the largest; the rows any reader wrote to."""
+        if not tables:
+            return []
+        stacked = torch.stack([t._table for t in tables])
+        merged = stacked.sum(dim=0)
+        for name in most:
+            i = tables[0]._index[name]
+            merged[:, i] = stacked[:, :, i].max(dim=0).values
+        names = tables[0].names
+        return [dict(zip(names, row, strict=True)) for row in merged.tolist() if any(row)]
 
     def snapshot(self, prefix: str = "") -> dict[str, int]:
         """Every counter's total so far, over all readers; with ``prefix`` (``"skipped."``),

@@ -127,3 +127,13 @@ def test_images_benchmark_reads_every_image(tmp_path):
         assert "error" not in run, (method, run)
         assert run["images"] == 192 and run["batch_shape"][1:] == [3, 224, 224]
     assert "x peer img/s" in done.stdout
+
+
+def test_autotune_benchmark_finds_when_a_run_reached_a_rate():
+    from benchmarks.autotune import reached
+
+    # 100 samples: 10 a second for the first 20, then 100 a second
+    marks = [[i / 10, i] for i in range(1, 21)] + [[2 + (i - 20) / 100, i] for i in range(21, 101)]
+    assert reached(marks, 100, 90.0, 0.1) == 0.2  # from sample 20 on, ten samples take 0.1 s
+    assert reached(marks, 100, 5.0, 0.1) == 0.0
+    assert reached(marks, 100, 1000.0, 0.1) is None

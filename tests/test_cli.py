@@ -13,6 +13,7 @@ import pytest
 import streamdata as sd
 from streamdata.cli import main
 from streamdata.cli.common import UsageError, parse_storage_options
+from streamdata.metrics import STAGES
 from tests.helpers import write_shards
 
 COMMANDS = ["demo", "ls", "inspect", "cat", "index", "convert", "bench"]
@@ -339,10 +340,17 @@ def test_bench_prints_rates_per_setting_and_writes_a_png(bucket, tmp_path, capsy
     code, out, err = run_cli(capsys, "bench", f"s3://{name}/d/", "--workers", "0,1", "--window", "2,8",
                              "--seconds", "0.5", "--batch-size", "4", "--png", str(png), *opts)
     assert code == 0, err
-    rows = [line.split() for line in out.strip().split("\n")[2:-1]]
+    lines = out.strip().split("\n")
+    table = lines.index(next(line for line in lines if line.startswith("stage seconds")))
+    rows = [line.split() for line in lines[2:table]]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 2), (1, 2), (0, 8), (1, 8)]
     for r in rows:  # (how many samples fit in 0.5 s depends on the machine: only > 0 is checked)
         assert int(r[2]) > 0 and float(r[4]) > 0 and float(r[5]) > 0 and float(r[6]) > 0
+    assert lines[table + 1].split() == ["workers", "window", "stall", *STAGES]
+    stages = [line.split() for line in lines[table + 2:-1]]  # the stage table, then the chart's line
+    assert [(int(r[0]), int(r[1])) for r in stages] == [(0, 2), (1, 2), (0, 8), (1, 8)]
+    for r in stages:  # every setting parsed its samples: a reader's parse time is never 0
+        assert 0 <= float(r[2].rstrip("%")) <= 100 and float(r[3 + STAGES.index("parse")]) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

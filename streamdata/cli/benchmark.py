@@ -28,6 +28,7 @@ from streamdata.cli.common import (
     storage_options,
     write_out,
 )
+from streamdata.metrics import STAGES
 
 __all__ = ["add_parsers"]
 
@@ -125,10 +126,12 @@ def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window:
                     break
             if time.perf_counter() - start >= args.seconds or not got:
                 break
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        m = feed.metrics()  # the stage table: each stage's seconds, summed over the workers
     return {"workers": workers, "window": window, "samples": samples, "bytes": nbytes,
             "seconds": elapsed, "samples_per_s": samples / elapsed, "mb_per_s": nbytes / elapsed / 1e6,
-            "first_batch_s": first}
+            "first_batch_s": first, "stall_fraction": m["stall_fraction"],
+            "stages": {stage: m.get(f"stage.{stage}_s", 0.0) for stage in STAGES}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
             pbar.write(f"{workers:>7}  {window:>6}  {r['samples']:>9}  {r['seconds']:>7.2f}  "
                        f"{r['samples_per_s']:>10.0f}  {r['mb_per_s']:>8.3g}  {first:>13}", file=sys.stdout)
             pbar.update(1)
+    write_out("stage seconds, summed over the workers (loader.metrics()); stall: the loop's wait for data")
+    write_out(f"{'workers':>7}  {'window':>6}  {'stall':>6}  " + "  ".join(f"{s:>10}" for s in STAGES))
+    for r in results:
+        write_out(f"{r['workers']:>7}  {r['window']:>6}  {r['stall_fraction']:>6.1%}  "
+                  + "  ".join(f"{r['stages'][s]:>10.3f}" for s in STAGES))
     if args.png:
         _chart(results, args.png, f"{' '.join(args.spec)} ({fmt}, batch {args.batch_size})")
         write_out(f"chart     {args.png}")
@@ -167,7 +175,8 @@ def _chart(results: list[dict], path: str, title: str) -> None:
 
     windows = sorted({r["window"] for r in results})
     workers = sorted({r["workers"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    fig, all_axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    axes = all_axes[:2]
     width = 0.8 / len(windows)
     for i, window in enumerate(windows):
         mine = {r["workers"]: r for r in results if r["window"] == window}
@@ -180,8 +189,22 @@ def _chart(results: list[dict], path: str, title: str) -> None:
         ax.set_xlabel("DataLoader workers")
         ax.set_ylabel(label)
         ax.legend()
+    _stage_bars(all_axes[2], results)
     fig.suptitle(redact(title)[:100], fontsize=9)
     try:
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
+
+
+def _stage_bars(ax: Any, results: list[dict]) -> None:
+    """Each setting's stage seconds (summed over its workers), stacked: where the readers' time went."""
+    names = [f"{r['workers']}w/{r['window']}" for r in results]
+    left = [0.0] * len(results)
+    for stage in STAGES:
+        secs = [r["stages"][stage] for r in results]
+        ax.barh(names, secs, left=left, label=stage)
+        left = [a + b for a, b in zip(left, secs, strict=True)]
+    ax.set_xlabel("reader seconds, summed over workers")
+    ax.set_ylabel("workers / window")
+    ax.legend(fontsize=7)

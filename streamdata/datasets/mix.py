@@ -125,6 +125,12 @@ class Mix(torch.utils.data.IterableDataset):
                 out[name] = out.get(name, 0) + n
         return out
 
+    def reader_stats(self) -> list[dict[str, int]]:
+        """Each reader's ``metrics.READER_STATS``, its sources' rows summed (``loader.metrics()``);
+        its wall is its longest source pass's (the sources' passes run side by side in it). The
+        mix's own work between them (choosing, batching) is in no stage."""
+        return Counters.merged_rows([source._stats for source in self.sources], most=("wall_ns",))
+
     @property
     def skipped(self) -> dict[str, int]:
         """The sources' skips under ``on_error``, per reason, summed."""

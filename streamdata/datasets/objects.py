@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import functools
+import os
 import posixpath
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.utils.data
 
 from streamdata.catalog.specs import Spec, expand_spec
-from streamdata.config import OBJECT_MAX_REQUESTS, FetchConfig
+from streamdata.config import OBJECT_MAX_REQUESTS, FetchConfig, stage_times
 from streamdata.epoch.state import fingerprint, parse_state, start_state
 from streamdata.fetch.cache import Cache, cached_object
 from streamdata.formats.decode import DecodeSpec, make_decoder
-from streamdata.metrics import COUNTERS, Counters
+from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.redact import redact_url
 from streamdata.store.urls import split_url
 
@@ -44,6 +46,8 @@ class ObjectDataset(torch.utils.data.Dataset):
         self._decoder = make_decoder(decode)
         self.map = map
         self._counters = Counters(COUNTERS)
+        self._stats = Counters(READER_STATS)  # each reader's stage timings (``reader_stats``)
+        self._clock: tuple[int, StageClock] | None = None  # this process's (pid, clock)
         self._client: Any = None
         self._cache: Cache | None = None
 
@@ -62,6 +66,19 @@ class ObjectDataset(torch.utils.data.Dataset):
     def counts(self) -> dict[str, int]:
         """Every counter (``retried.*``, ``cache.*``), over every worker."""
         return self._counters.snapshot()
+
+    def reader_stats(self) -> list[dict[str, int]]:
+        """Each reader's ``metrics.READER_STATS`` so far: a batch's wait for its objects
+        (``wait_bytes``), decoding, ``map``; its requests and bytes (``loader.metrics()``)."""
+        return self._stats.rows()
+
+    def _stage_clock(self) -> StageClock | None:
+        """This process's clock (made again in a forked worker: its wall starts there)."""
+        if not stage_times():
+            return None
+        if self._clock is None or self._clock[0] != os.getpid():
+            self._clock = (os.getpid(), StageClock(self._stats))
+        return self._clock[1]
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -91,16 +108,39 @@ class ObjectDataset(torch.utils.data.Dataset):
             return await asyncio.gather(*(one(s) for s in shards))
 
         cfg = self.fetch_config
+        clock = self._stage_clock()
+        start = time.perf_counter_ns()
         datas = client.io.run(fetch_all(), cfg.wait_limit(), what="a batch of objects")
-        return [self._sample(url, data) for url, data in zip(urls, datas, strict=True)]
+        if clock is None:
+            return [self._sample(url, data) for url, data in zip(urls, datas, strict=True)]
+        fetched = time.perf_counter_ns()
+        out = [self._sample(url, data, clock.acc) for url, data in zip(urls, datas, strict=True)]
+        now, acc = time.perf_counter_ns(), clock.acc  # the reader's thread only (ONE-WRITER-PER-ROW)
+        acc[StageClock.WAIT] += fetched - start
+        acc[StageClock.PULL] += fetched - start  # nothing to parse: all of the pull is the wait
+        acc[StageClock.BUSY] += now - start
+        acc[StageClock.SAMPLES] += len(out)
+        acc[StageClock.BATCHES] += 1
+        self._stats.add_many({"requests": len(datas), "bytes": sum(len(d) for d in datas)})
+        clock.flush(now)
+        return out
 
-    def _sample(self, url: str, data: bytes) -> Any:
+    def _sample(self, url: str, data: bytes, acc: list[int] | None = None) -> Any:
         name = posixpath.basename(split_url(url)[1])
         key, dot, ext = name.partition(".")
         sample = {"__key__": key, "__url__": redact_url(url), (ext.lower() if dot else "data"): data}
         if self._decoder is not None:
+            began = time.perf_counter_ns() if acc is not None else 0
             sample = self._decoder(sample)
-        return self.map(sample) if self.map is not None else sample
+            if acc is not None:
+                acc[StageClock.DECODE] += time.perf_counter_ns() - began
+        if self.map is None:
+            return sample
+        began = time.perf_counter_ns() if acc is not None else 0
+        sample = self.map(sample)
+        if acc is not None:
+            acc[StageClock.MAP] += time.perf_counter_ns() - began
+        return sample
 
     def _get_client(self) -> Any:
         from streamdata.store.client import AsyncClient
@@ -141,4 +181,5 @@ class ObjectDataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_client"] = None  # never inherit a loop (LOOP-AFTER-FORK)
         state["_cache"] = None  # made again with the client, in the process that reads
+        state["_clock"] = None  # its wall starts in the process that reads
         return state

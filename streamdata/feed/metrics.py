@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from streamdata.metrics import STAGES
+from streamdata.metrics import KNOBS, STAGES
 from streamdata.ranks import gloo_group, multi_rank
 
 __all__ = ["STALLED", "Stopwatch", "Timed", "gather_ranks", "summary", "verdict"]
@@ -105,6 +105,8 @@ def summary(watch: Stopwatch, dataset: Any = None, feed: Any = None) -> Metrics:
         out["readers.busy_s"] = total["busy_ns"] * _NS
         for stage in STAGES:
             out[f"stage.{stage}_s"] = total[f"{stage}_ns"] * _NS
+        for knob in KNOBS:  # AUTOTUNE: the largest of the readers' knobs now (0 between passes)
+            out[f"knob.{knob}"] = max(row[f"knob.{knob}"] for row in rows)
     counts = getattr(dataset, "counts", None)
     if isinstance(counts, dict):
         out["retries"] = sum(n for name, n in counts.items() if name.startswith("retried."))

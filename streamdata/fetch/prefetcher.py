@@ -11,7 +11,9 @@ released by the consumer.  A part is requested only while ``reserved + part <= b
 or when nothing at all is reserved, so the fetcher never holds more than
 ``max(budget, one part)`` bytes. The budget starts at ``byte_budget`` and grows, up to
 ``byte_budget_max``, only where it held back a part the reader then waited for
-(BUDGET-GROWTH, ``budget``).  Parts are requested in consumption order, so the
+(BUDGET-GROWTH, ``budget``); the window, the request limit and the part size are the
+``Tuner``'s too (AUTOTUNE, ``tune``), which the scheduler reads as it goes and tells which
+knob held a part back.  Parts are requested in consumption order, so the
 part the consumer waits for is never queued behind later ones (no deadlock).
 
 With ``cache_dir`` (``streamdata.fetch.cache``), an item found in the cache is served from disk
@@ -32,7 +34,6 @@ from typing import Any, NamedTuple
 
 from streamdata.config import FetchConfig
 from streamdata.errors import StreamDataError
-from streamdata.fetch.budget import Budget
 from streamdata.fetch.cache import Cache, CorruptEntry, Entry
 from streamdata.fetch.parts import (
     FIRST_HOLD_MAX_S,
@@ -44,7 +45,8 @@ from streamdata.fetch.parts import (
 )
 from streamdata.fetch.tail import Tail
 from streamdata.fetch.tee import CacheTee
-from streamdata.metrics import Counters, StageClock
+from streamdata.fetch.tune import Held, Tuner
+from streamdata.metrics import KNOBS, Counters, StageClock
 from streamdata.store.backends import translate_error
 from streamdata.store.client import AsyncClient, Chunks, body_size
 from streamdata.store.loop import wait_future
@@ -72,10 +74,10 @@ _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
 
 
-def _ahead_count(cfg: FetchConfig) -> int:
+def _ahead_count(tuner: Tuner) -> int:
     """Connections a reader opens ahead (CONNECT-AHEAD): as many parts as its byte budget
     keeps in flight, within ``max_requests``."""
-    return max(1, min(cfg.max_requests, cfg.byte_budget // cfg.part_size))
+    return max(1, min(tuner.max_requests, tuner.budget.limit // tuner.part_size))
 
 
 
@@ -114,13 +116,15 @@ class Prefetcher:
         self._tee = (CacheTee(self.cache, cfg.byte_budget, self._io.call_soon, self._wait_timeout())
                      if self.cache is not None else None)
         self.peak_reserved = 0
-        self.budget = Budget(cfg.byte_budget, cfg.budget_max(), cfg.part_size,  # BUDGET-GROWTH
-                             key=self._endpoint or self.client.protocol)
+        self.tuner = Tuner(cfg, key=self._endpoint or self.client.protocol)  # AUTOTUNE
+        self.budget = self.tuner.budget  # BUDGET-GROWTH
         self._counters = counters
         # READER_STATS (``metrics``): the parts fetched, written by the loop's thread; and the
         # pass's stage clock (``StageClock.acc``), where the reader's thread adds its waits
         self._stats = stats
         self.times: list[int] | None = None
+        self._knobs = dict.fromkeys(KNOBS, 0)  # what this reader's row of ``knob.*`` holds now
+        self._show_knobs()
         self.peak_inflight = 0  # parts in flight at once, at most (READER-THROTTLE bounds it)
         self._plans: Tail = Tail(concurrent.futures.Future() for _ in self.items)
         self._consumer = 0
@@ -188,6 +192,9 @@ class Prefetcher:
             return
         self._closed = True
         self.client.close()
+        if self._stats is not None and any(self._knobs.values()):  # the loop is gone: its writes too
+            self._stats.add_many({f"knob.{name}": -n for name, n in self._knobs.items()})
+            self._knobs = dict.fromkeys(KNOBS, 0)
         if self._tee is not None:  # parts queued are written; unfinished entries dropped
             self._tee.close()
         for plan in self._plans:  # cache entries opened ahead that no reader took
@@ -231,9 +238,10 @@ class Prefetcher:
         can no longer deliver (closed, or its scheduler failed)."""
         return wait_future(fut, self._wait_timeout(), what=what, url=url, check=self._check)
 
-    def stalled(self, latency: float) -> None:
-        """The reader waited for a part that took ``latency`` seconds (BUDGET-GROWTH)."""
-        self._io.call_soon(self._budget_event, self.budget.stalled, latency)
+    def stalled(self, held: Held, latency: float | None) -> None:
+        """The reader waited for a part that ``held`` had held back, whose first byte took
+        ``latency`` seconds (AUTOTUNE, BUDGET-GROWTH)."""
+        self._io.call_soon(self._tuned, self.tuner.stalled, held, latency)
 
     def release_soon(self, nbytes: int) -> None:
         """The reader is done with ``nbytes`` of the budget (BYTE-BUDGET); any thread."""
@@ -261,17 +269,36 @@ class Prefetcher:
         self.budget.released(nbytes)
         self._wake.set()
 
-    def _budget_event(self, grows: Callable[[float], bool], latency: float) -> None:
-        """BUDGET-GROWTH: a held-back part waited for (``Budget.stalled``), or the first part in."""
-        if grows(latency):
+    def _tuned(self, decide: Callable[..., bool], *args: Any) -> None:
+        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), or the first part in
+        (``Tuner.far``); each decision counted, the reader's knobs shown."""
+        before = dict(self.tuner.decisions)
+        if decide(*args):
             if self._counters is not None:
-                self._counters.add("budget.grown")
+                self._counters.add_many({_DECISION[name]: n - before[name]
+                                         for name, n in self.tuner.decisions.items() if n != before[name]})
+            self._show_knobs()
             self._wake.set()
+
+    def _show_knobs(self) -> None:
+        """This reader's knobs into its row of ``knob.*`` (as changes: ONE-WRITER-PER-ROW)."""
+        if self._stats is None:
+            return
+        now = self.tuner.knobs()
+        change = {f"knob.{name}": n - self._knobs[name] for name, n in now.items() if n != self._knobs[name]}
+        if change:
+            self._stats.add_many(change)
+            self._knobs = now
+
+    def _window_holds(self, index: int) -> bool:
+        """Item ``index`` is queued and waits for the reader's window alone."""
+        return (index < len(self.items) and index >= self._consumer + self.tuner.window
+                and (index <= self._fence or self._consumer >= self._fence - 1))
 
     def _due(self, index: int) -> bool:
         """Item ``index`` may be scheduled: queued, in the reader's window, and not past a queued
         pass's first item (``extend``) before the reader takes the last item ahead of it."""
-        return (index < min(len(self.items), self._consumer + self.config.window)
+        return (index < min(len(self.items), self._consumer + self.tuner.window)
                 and (index <= self._fence or self._consumer >= self._fence - 1))
 
     def _fits(self, need: int) -> bool:
@@ -279,7 +306,17 @@ class Prefetcher:
         return self._reserved == 0 or self._reserved + need <= self.budget.limit
 
     def _may_send(self, need: int) -> bool:
-        return self._inflight < self.throttle.allowed and self._fits(need)
+        return self._inflight < self.tuner.requests_allowed(self.throttle.allowed) and self._fits(need)
+
+    def _holds(self, need: int, held: Held) -> Held:
+        """Note in ``held`` which knobs hold a part of ``need`` bytes back now (AUTOTUNE); one
+        held by READER-THROTTLE (the throttle allows fewer than the tuned limit) is not the
+        request limit's."""
+        if not self._fits(need):
+            held.budget = self.budget.limit
+        if self._inflight >= self.tuner.max_requests and self.throttle.allowed >= self.tuner.max_requests:
+            held.max_requests = self.tuner.max_requests
+        return held
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
@@ -291,7 +328,7 @@ class Prefetcher:
         in order (one request each, concurrent: not one round trip after another). The reader's
         first item is probed alone: its probe brings its first bytes (HEAD-START), and the
         window's requests follow its first parts (FIRST-BYTES-FIRST)."""
-        end = index + 1 if index == 0 else self._consumer + self.config.window
+        end = index + 1 if index == 0 else self._consumer + self.tuner.window
         for i in range(index, min(len(self.items), end)):
             item = self.items[i]
             if i not in sizing and item.ranges is None and item.size is None:
@@ -303,8 +340,10 @@ class Prefetcher:
         cfg = self.config
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index in itertools.count():  # items may be added (``extend``): wait for them
+            by_window = self.tuner.window if self._window_holds(index) else None
             await self._until(functools.partial(self._due, index))
             item = self.items[index]
+            part_size = self.tuner.part_size  # AUTOTUNE: the item's parts are cut as the knob is now
             try:
                 ranges = item.ranges
                 if ranges is None:
@@ -316,7 +355,7 @@ class Prefetcher:
                 # handed-over connection: ``parts.first_part_size``)
                 opening = index == 0 and item.ranges is None
                 small = first_part_size(cfg.first_part, self._endpoint) if opening else None
-                parts = split_parts(ranges, cfg.part_size, small)
+                parts = split_parts(ranges, part_size, small)
                 if self._tee is not None:
                     entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
                     if entry is not None:  # from disk: no request, no budget
@@ -328,23 +367,24 @@ class Prefetcher:
             # each part's offset in the item's bytes (the cache entry): parts tile the ranges
             offsets = itertools.accumulate(((e if e is not None else s) - s for s, e in parts), initial=0)
             todo: collections.deque[tuple[Range, concurrent.futures.Future]] = collections.deque(
-                (part, concurrent.futures.Future()) for part in parts)
+                (part, _part_future(part, part_size)) for part in parts)
             # the reader gets its own queue of the same futures: each side drops a future
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
             first = first_parts(todo) if small is not None else None
             if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's connections
-                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(cfg)))
+                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(self.tuner)))
                 ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             while todo:
                 (start, end), fut = todo.popleft()
                 offset = next(offsets)
-                need = (end if end is not None else start + cfg.part_size) - start
+                need = fut.need  # type: ignore[attr-defined]
                 # No slow start: the window's requests all go out at once, in consumption
                 # order (a slow start cost throughput for no better first batch:
                 # benchmarks/README.md, "Latency"). READER-THROTTLE (``retry``): at most as many
                 # parts in flight as the reader's throttle allows (max_requests, unless throttled).
-                held = not self._fits(need)
+                held = self._holds(need, Held(window=by_window))
+                by_window = None  # the item's first part only
                 await self._until(functools.partial(self._may_send, need))
                 self._reserved += need
                 self._inflight += 1
@@ -360,14 +400,16 @@ class Prefetcher:
                     pass
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
-                     fut: concurrent.futures.Future, index: int, offset: int, held: bool = False) -> None:
+                     fut: concurrent.futures.Future, index: int, offset: int,
+                     held: Held | None = None) -> None:
         latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
         try:
             data = await self.client.get(url, start, end, chunks=True, first_byte=latency)
-            if held and latency:  # the budget held its request back: a wait for it may grow it
-                fut.latency = latency[0]  # type: ignore[attr-defined]
+            if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
+                fut.held = held  # type: ignore[attr-defined]
+                fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
             elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
-                self._budget_event(self.budget.far, latency[0])
+                self._tuned(self.tuner.far, latency[0])
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
                 self._stats.add_many({"requests": 1, "bytes": size} if not latency else {
@@ -391,6 +433,21 @@ class Prefetcher:
         finally:
             self._inflight -= 1
             self._wake.set()
+
+
+_NOT_HELD = Held()
+# the counter each of the tuner's decisions adds to (``metrics.COUNTERS``)
+_DECISION = {"window": "tuned.window", "max_requests": "tuned.max_requests", "byte_budget": "budget.grown",
+             "part_size": "tuned.part_size"}
+
+
+def _part_future(part: Range, part_size: int) -> concurrent.futures.Future:
+    """A part's future, with the bytes it reserves (``need``: an open-ended part reserves the
+    part size it was cut with) for BYTE-BUDGET's accounting on either side."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    start, end = part
+    fut.need = (end if end is not None else start + part_size) - start  # type: ignore[attr-defined]
+    return fut
 
 
 def _as_item(item: FetchItem | Shard) -> FetchItem:
@@ -430,8 +487,8 @@ class ItemReader:
                 data = f.wait(fut, f"bytes {start}..{end}", self.url)
                 if stalled:
                     f.waited(waiting)
-                if stalled and hasattr(fut, "latency"):  # BUDGET-GROWTH
-                    f.stalled(fut.latency)
+                if stalled and hasattr(fut, "held"):  # AUTOTUNE, BUDGET-GROWTH
+                    f.stalled(fut.held, fut.latency)
                 pending.popleft()
                 del fut
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one
@@ -457,8 +514,8 @@ class ItemReader:
                 exc.where = f.where
             raise
         finally:
-            for (start, end), fut in pending:  # abandoned mid-item: free the budget as parts land
-                need = (end if end is not None else start + f.config.part_size) - start
+            for _, fut in pending:  # abandoned mid-item: free the budget as parts land
+                need = fut.need
                 fut.add_done_callback(lambda fu, n=need: f.release_soon(
                     n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
 

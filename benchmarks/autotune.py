@@ -1,0 +1,196 @@
+"""AUTOTUNE against a hand-tuned grid: whole-run samples/s at several one-way delays.
+
+The embedded S3 server holds tar shards once; for each one-way delay a ``LatencyProxy`` sits in
+front of it, and each method reads the whole epoch through ``sd.loader`` (``num_workers``
+workers, ``decode=False``) in a fresh interpreter:
+
+- ``grid:W/R``: ``autotune=False``, ``window=W``, ``max_requests=R``, the byte budget fixed
+  at the memory cap (``--cap``): the hand-tuned grid;
+- ``auto``: the defaults (``autotune=True``: the knobs start at their defaults, the budget at
+  ``byte_budget`` and grows up to ``byte_budget_max=--cap``);
+- ``auto:smallest``: ``autotune=True`` started from the smallest settings: one shard ahead, one
+  request, an 8 MiB budget (``tune_from={"window": 1, "max_requests": 1}``,
+  ``byte_budget=8 MiB``: a start, not a bound), cap ``--cap``.
+
+Rounds are interleaved (each round runs every delay, its methods in a rotated order); the
+ratios are per round: ``auto / best grid`` of that round and delay. For ``auto:smallest`` it
+also reports when it reached 90% of the round's best grid rate (the rate over the next
+``--span`` of the epoch's samples from that batch on), as a fraction of the epoch, and each
+method's peak RSS (the child's and its workers', summed) and the largest byte budget a reader
+reached (``knob.byte_budget``, sampled from ``loader.metrics()``), against the cap.
+
+    python -m benchmarks.autotune --quick     # 2 rounds, grid {1,32}x{1,32}, 128 MiB (~15 min loaded)
+    python -m benchmarks.autotune --rounds 3 --grid 1,8,32 --samples 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import MiB, replace_in_options, shard_pattern, upload_shards, upstream  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import json, sys, threading, time
+import psutil
+import streamdata as sd
+spec, options, workers = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+fetch = json.loads(sys.argv[4])
+peak = {"rss": 0, "budget": 0}
+def rss():
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for child in me.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+ds = sd.TarDataset(spec, storage_options=options, index=None, decode=False, batch_size=16, **fetch)
+loader = sd.loader(ds, num_workers=workers)
+stop = threading.Event()
+def sample():
+    while not stop.wait(0.05):
+        peak["rss"] = max(peak["rss"], rss())
+        peak["budget"] = max(peak["budget"], ds.reader_stats() and max(
+            r["knob.byte_budget"] for r in ds.reader_stats()) or 0)
+threading.Thread(target=sample, daemon=True).start()
+marks, n, start = [], 0, time.perf_counter()
+for batch in loader:
+    n += len(batch["__key__"])
+    marks.append((time.perf_counter() - start, n))
+wall = time.perf_counter() - start
+m = loader.metrics()
+stop.set()
+loader.close()
+print(json.dumps({"samples": n, "wall_s": wall, "marks": marks, "peak_rss": peak["rss"],
+                  "peak_budget": peak["budget"], "tuned": {k: v for k, v in m.items()
+                  if k.startswith(("tuned.", "budget.grown"))}}))
+"""
+
+
+def _run(spec: str, options: dict, workers: int, fetch: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", CHILD, spec, json.dumps(options), str(workers),
+                           json.dumps(fetch)], env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _methods(grid: list[int], cap: int) -> dict[str, dict]:
+    out = {f"grid:{w}/{r}": {"autotune": False, "window": w, "max_requests": r, "byte_budget": cap}
+           for w in grid for r in grid}
+    out["auto"] = {"byte_budget_max": cap}
+    out["auto:smallest"] = {"tune_from": {"window": 1, "max_requests": 1}, "byte_budget": 8 * MiB,
+                            "byte_budget_max": cap}
+    return out
+
+
+def reached(marks: list[list[float]], total: int, rate: float, span: float) -> float | None:
+    """The fraction of the epoch's samples after which the rate over the next ``span`` of them
+    is at least ``rate``; None if never."""
+    width = max(1, int(total * span))
+    j = 0
+    for t0, n0 in [(0.0, 0), *marks]:
+        while j < len(marks) and marks[j][1] < n0 + width:
+            j += 1
+        if j >= len(marks):
+            return None
+        t1, n1 = marks[j]
+        if t1 > t0 and (n1 - n0) / (t1 - t0) >= rate:
+            return n0 / total
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="grid 1,32, 512 samples in 16 shards, 2 rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="3 (2 with --quick)")
+    ap.add_argument("--delays", default="0,25,100,250", help="one-way delays, ms")
+    ap.add_argument("--grid", default="1,8,32", help="window and max_requests values of the grid")
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--shards", type=int, default=32)
+    ap.add_argument("--sample-kib", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--cap", type=int, default=128, help="memory cap, MiB (byte_budget_max)")
+    ap.add_argument("--span", type=float, default=0.1, help="the share of the epoch a rate is taken over")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "autotune.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.grid, args.samples, args.shards = "1,32", 512, 16
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    delays = [float(d) for d in args.delays.split(",")]
+    methods = _methods([int(g) for g in args.grid.split(",")], args.cap * MiB)
+
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.testing import S3Server
+
+    rows: list[dict] = []
+    with S3Server() as server:
+        server.create_bucket("bench")
+        upload_shards(server.boto3_client(), "bench", "tar/train", args.samples, args.shards,
+                      args.sample_kib * 1024 + 128)
+        spec = shard_pattern("bench", "tar/train", args.shards)
+        names = list(methods)
+        for r in range(args.rounds):
+            for delay in delays:
+                with LatencyProxy(*upstream(server.endpoint_url), delay_s=delay / 1000) as proxy:
+                    options = replace_in_options(server.storage_options, server.endpoint_url,
+                                                 proxy.url_for(server.endpoint_url))
+                    shift = (r + int(delay)) % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        got = _run(spec, options, args.workers, methods[name])
+                        assert got["samples"] == args.samples, got["samples"]
+                        row = {"round": r, "delay_ms": delay, "method": name,
+                               "rate": got["samples"] / got["wall_s"], **got}
+                        rows.append(row)
+                        print(f"round {r} delay {delay:g} ms {name:>14}: {row['rate']:8.1f} samples/s, "
+                              f"peak RSS {got['peak_rss'] / MiB:.0f} MiB, "
+                              f"budget {got['peak_budget'] / MiB:.0f} MiB"
+                              f" {got['tuned']}", flush=True)
+    summary: dict = {"when": time.strftime("%Y-%m-%d"), "args": vars(args), "delays": {}}
+    for delay in delays:
+        ratios: dict[str, list[float]] = {"auto": [], "auto:smallest": []}
+        reach: list[float | None] = []
+        for r in range(args.rounds):
+            mine = {row["method"]: row for row in rows if row["round"] == r and row["delay_ms"] == delay}
+            best = max(v["rate"] for k, v in mine.items() if k.startswith("grid:"))
+            for k in ratios:
+                ratios[k].append(mine[k]["rate"] / best)
+            small = mine["auto:smallest"]
+            reach.append(reached(small["marks"], small["samples"], 0.9 * best, args.span))
+        at = [row for row in rows if row["delay_ms"] == delay]
+        summary["delays"][f"{delay:g}"] = {
+            **{f"{k} / best grid": {"median": statistics.median(v), "min": min(v), "max": max(v)}
+               for k, v in ratios.items()},
+            "best grid (most often)": statistics.mode(
+                max((row for row in at if row["round"] == r and row["method"].startswith("grid:")),
+                    key=lambda row: row["rate"])["method"] for r in range(args.rounds)),
+            "auto:smallest reached 90% of the best grid at (epoch fraction)": reach,
+            "peak RSS MiB (max)": {k: max(row["peak_rss"] for row in at if row["method"] == k) / MiB
+                                   for k in methods},
+            "peak budget MiB (auto, auto:smallest)": [
+                max(row["peak_budget"] for row in at if row["method"] == k) / MiB
+                for k in ("auto", "auto:smallest")],
+        }
+    print(json.dumps(summary, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        row.pop("marks")
+    Path(args.out).write_text(json.dumps({"summary": summary, "rounds": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
