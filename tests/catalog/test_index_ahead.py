@@ -32,12 +32,12 @@ def _gets(proxy: FaultProxy) -> list[str]:
 
 
 @pytest.mark.parametrize("spec, index, url", [
-    ("s3://b/d/s-{0..2}.tar", "auto", "s3://b/d/streamdata.sdx"),
-    (["s3://b/d/x/a.tar", "s3://b/d/y/b.tar"], "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/", "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/*.tar", "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/s-0.tar", "auto", "s3://b/d/streamdata.sdx"),
-    ("/data/d/s-{0..1}.tar", "auto", "/data/d/streamdata.sdx"),
+    ("s3://b/d/s-{0..2}.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    (["s3://b/d/x/a.tar", "s3://b/d/y/b.tar"], "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/", "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/*.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/s-0.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    ("/data/d/s-{0..1}.tar", "auto", "/data/d/_streamdata.sdx"),
     ("s3://b/d/s-{0..2}.tar", "s3://b/other.sdx", "s3://b/other.sdx"),
     ("s3://b/d", "auto", None),  # a directory or the start of names: the listing tells
     ("s3://b/d/s-", "auto", None),
@@ -134,7 +134,7 @@ def test_no_index_is_one_404_during_the_listing(s3_bucket) -> None:
 
 
 def test_a_wrong_guess_falls_back_to_the_listed_location(s3_bucket) -> None:
-    """``d/`` whose shards all lie in ``d/sub/``: the early GET asks for ``d/streamdata.sdx``
+    """``d/`` whose shards all lie in ``d/sub/``: the early GET asks for ``d/_streamdata.sdx``
     (404), the listing says ``d/sub/``, whose index is then read and used."""
     server, bucket = s3_bucket
     sd.build_index(_put(server, bucket, "d/sub/"), server.storage_options)
@@ -146,7 +146,7 @@ def test_a_wrong_guess_falls_back_to_the_listed_location(s3_bucket) -> None:
         proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
         ds = sd.TarDataset(f"s3://{bucket}/d/", storage_options=options, decode=False)
         assert proxy.requests == {"list": 1, "get": 2}
-        assert _gets(proxy) == [f"/{bucket}/d/streamdata.sdx", f"/{bucket}/d/sub/streamdata.sdx"]
+        assert _gets(proxy) == [f"/{bucket}/d/_streamdata.sdx", f"/{bucket}/d/sub/_streamdata.sdx"]
     assert list(ds.sample_counts()) == COUNTS
 
 

@@ -58,8 +58,8 @@ def test_a_dataset_written_as_shards_reads_back_the_same_through_streamdata_and_
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/images"))
     tasks = {n.split("-")[1] for n in names if n.endswith(".tar")}
-    assert len(tasks) == 4 and names[-1] == "streamdata.sdx"  # each block its own shards; one index
-    assert not [n for n in names if not (n.endswith(".tar") or n == "streamdata.sdx")]  # nothing partial
+    assert len(tasks) == 4 and names[-1] == "_streamdata.sdx"  # each block its own shards; one index
+    assert not [n for n in names if not (n.endswith(".tar") or n == "_streamdata.sdx")]  # nothing partial
     assert sum(1 for n in names if n.endswith(".tar")) > 4  # maxcount=8: several shards per task
 
     ds = recipe["train"]
