@@ -378,6 +378,7 @@ def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
     assert out.strip() == f"wrote {url}: 7 shards, {len(keys)} samples (offsets {8 * (len(keys) + 7)} B)"
     entries = read_index(url, server.storage_options)
     assert sorted(e.name for e in entries) == [f"shard-{i:03d}.tar" for i in range(7)]
+    assert read_index(f"s3://{name}/d/streamdata.sdx", server.storage_options) is None  # old name: unwritten
     code, out, _ = run_cli(capsys, "inspect", spec, *opts)
     assert f"samples   {len(keys)} (from the index)" in out
     assert f"index     {url}: 7/7 shards, {len(keys)} samples" in out

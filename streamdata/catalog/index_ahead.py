@@ -117,16 +117,16 @@ def listing_tells(spec: Spec, url: str, listing: bool = True) -> bool:
         protocol, path = split_url(item)
         if protocol in ("http", "https"):
             continue
-        join = (lambda p: p) if protocol == "file" else (lambda p: f"{protocol}://{p}")
+        head = "" if protocol == "file" else f"{protocol}://"
         if path.endswith("/"):  # listed with all below it
-            will.saw(join(path.rstrip("/")), True, ())
+            will.saw(head + path.rstrip("/"), True, ())
         elif "{" in path or len(plain) >= 2 and item in plain:  # their directories, one listing each
             try:
                 stated = brace_expand(path)
             except SpecError:
                 return False
             for p in stated:
-                will.saw(join(posixpath.dirname(p)), False, ())
+                will.saw(head + posixpath.dirname(p), False, ())
     return will.tells(url.rsplit("/", 1)[0])
 
 
