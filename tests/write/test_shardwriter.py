@@ -292,8 +292,8 @@ def test_round_trip_over_gcs_with_the_index(gcs_bucket, publish):
     import gcsfs
 
     fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
-    assert sorted(objects(fs, f"{bucket}/g")) == ["part-000.tar", "part-001.tar", "part-002.tar",
-                                                  "_streamdata.sdx"]
+    assert sorted(objects(fs, f"{bucket}/g")) == ["_streamdata.sdx", "part-000.tar", "part-001.tar",
+                                                  "part-002.tar"]
     ds = sd.TarDataset(f"gs://{bucket}/g/", storage_options=options)
     assert ds.sample_counts().tolist() == [4, 4, 2]  # the writer's index, found and not stale
     assert sorted(read_all(f"gs://{bucket}/g/", options)) == [f"k{n:05d}" for n in range(10)]
