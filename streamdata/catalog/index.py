@@ -185,8 +185,9 @@ def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
 
 def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mapping[str, Any] | None = None,
                 merge: bool = True, *, config: FetchConfig | None = None) -> None:
-    """Write the index at ``url``: with ``merge``, the entries already there stay, and those of
-    the same name are replaced. Entry names that are absolute URLs under the index's directory
+    """Write the index at ``url``: with ``merge``, the entries already there (at the default
+    name, where there is no index there, those under :data:`LEGACY_INDEX_NAME` beside it) stay,
+    and those of the same name are replaced. Entry names that are absolute URLs under the index's directory
     are made relative. Written to a temporary key, then moved over ``url``, so a reader sees the
     old index or the new one, never half of one."""
     config = config or FetchConfig()
@@ -194,7 +195,11 @@ def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mappin
     for e in entries:
         name = entry_name(url, e.name)
         new[name] = e if name == e.name else ShardEntry(name, e.size, e.etag, e.samples, e.offsets)
-    old = (read_index(url, storage_options, config) or []) if merge else []
+    old: list[ShardEntry] = []
+    if merge and url.rsplit("/", 1)[-1] == INDEX_NAME:  # or the old name's entries, where only it exists
+        old = find_index(url, read_index, storage_options, config)[1] or []
+    elif merge:
+        old = read_index(url, storage_options, config) or []
     merged = {**{e.name: e for e in old if e.offsets is not None}, **new}
     data = encode_index([merged[name] for name in sorted(merged)])
     fs, path = _fs(url, storage_options, config)

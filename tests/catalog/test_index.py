@@ -526,3 +526,28 @@ def test_http_auto_lookup_and_build(tmp_path, http_server):
     signed = [sd.Shard(u + "?X-Amz-Signature=abc") for u in urls]
     before = len(server.requests)
     assert sdx.lookup(signed, "auto") is None and len(server.requests) == before  # no default location
+
+
+def test_writing_the_new_name_keeps_the_old_name_entries(tmp_path):
+    """A writer adding shards to a folder indexed under the old name (``streamdata.sdx``) writes
+    ``_streamdata.sdx`` with the old entries and its own, so the whole folder stays indexed;
+    ``build_index`` resumes from the old index without reading its shards again."""
+    for i, shard in enumerate(make_samples([3, 2, 4])):
+        (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
+    shards = sd.expand_spec(str(tmp_path / "s-{0..2}.tar"))
+    entries = [sdx.ShardEntry(s.url, s.size, None, len(o) - 1, o) for s, o in
+               zip(shards, [sdx.tar_sample_offsets([Path(s.url).read_bytes()], s.url) for s in shards],
+                   strict=True)]
+    old = str(tmp_path / sdx.LEGACY_INDEX_NAME)
+    sdx.write_index(old, entries[:2])
+    new = sdx.default_index_url([s.url for s in shards])
+    assert new == str(tmp_path / "_streamdata.sdx")
+    assert sdx.lookup(shards[:2], "auto").url == old  # only the old name: read
+    sdx.write_index(new, entries[2:])
+    assert [e.name for e in sdx.read_index(new)] == ["s-0.tar", "s-1.tar", "s-2.tar"]
+    assert sdx.lookup(shards, "auto").counts.tolist() == [3, 2, 4]
+    (tmp_path / "_streamdata.sdx").unlink()
+    read: list[str] = []
+    assert sdx.build_index(str(tmp_path / "s-{0..2}.tar"), progress=read.append) == new
+    assert [e.name for e in read] == ["s-2.tar"]  # s-0 and s-1 taken from the old index
+    assert sdx.lookup(shards, "auto").url == new
