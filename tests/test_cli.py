@@ -382,15 +382,16 @@ def test_index_builds_what_inspect_and_the_index_read(bucket, capsys):
     assert "index     none at " in out and "samples   about " in out
     code, out, err = run_cli(capsys, "index", spec, *opts)
     assert code == 0, err
-    url = f"s3://{name}/d/streamdata.sdx"
+    url = f"s3://{name}/d/_streamdata.sdx"
     assert out.strip() == f"wrote {url}: 7 shards, {len(keys)} samples (offsets {8 * (len(keys) + 7)} B)"
     entries = read_index(url, server.storage_options)
     assert sorted(e.name for e in entries) == [f"shard-{i:03d}.tar" for i in range(7)]
+    assert read_index(f"s3://{name}/d/streamdata.sdx", server.storage_options) is None  # old name: unwritten
     code, out, _ = run_cli(capsys, "inspect", spec, *opts)
     assert f"samples   {len(keys)} (from the index)" in out
     assert f"index     {url}: 7/7 shards, {len(keys)} samples" in out
     code, out, _ = run_cli(capsys, "ls", spec, *opts)
-    assert "streamdata.sdx" not in out  # the index is not a shard
+    assert "streamdata.sdx" not in out  # the index (either name) is not a shard
     from tests.helpers import make_samples, tar_bytes
 
     _s3fs(server).pipe_file(f"{name}/d/shard-000.tar", tar_bytes(make_samples([2])[0]))  # was 5 samples
@@ -411,7 +412,7 @@ def test_convert_writes_the_index_of_its_tar_shards(s3_bucket, tmp_path, capsys)
     code, out, err = run_cli(capsys, "convert", str(tmp_path / "imgs"), f"s3://{name}/o/train-%04d.tar",
                              "--maxcount", "4", "-o", json.dumps(server.storage_options))
     assert code == 0, err
-    assert f"index     s3://{name}/o/streamdata.sdx" in out
+    assert f"index     s3://{name}/o/_streamdata.sdx" in out
     ds = sd.TarDataset(f"s3://{name}/o/", storage_options=server.storage_options, decode=False)
     found = lookup(ds.shards, "auto", server.storage_options)
     assert found is not None and found.counts.tolist() == [4, 2]

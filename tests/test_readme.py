@@ -76,7 +76,7 @@ def bkt(s3_server):
     # the index the README has the reader build once (`streamdata index SPEC`): exact epochs
     sd.build_index("s3://bkt/train-{000000..000031}.tar", storage_options=s3_server.storage_options,
                    progress=False)
-    assert fs.exists("bkt/streamdata.sdx")
+    assert fs.exists("bkt/_streamdata.sdx")
     yield s3_server, fs, data
 
 
@@ -293,7 +293,7 @@ def test_writing_recipe(aws):
     _run(code)
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/written/")) == [
-        "streamdata.sdx", "train-000000.tar", "train-000001.tar", "train-000002.tar"]
+        "_streamdata.sdx", "train-000000.tar", "train-000001.tar", "train-000002.tar"]
     samples = list(sd.TarDataset("s3://bkt/written/"))
     assert sorted(s["__key__"] for s in samples) == [f"{i:08d}" for i in range(250)]
     assert all(int(s["npy"][0]) == int(s["__key__"]) and s["cls"] == int(s["__key__"]) % 10

@@ -1,7 +1,11 @@
 """The sample index: per tar shard, its sample count and each sample's byte offset.
 
-One index object per directory of shards, ``<directory>/streamdata.sdx`` (:data:`INDEX_NAME`;
-for shards in several directories, their longest common directory). Its entries are keyed by
+One index object per directory of shards, ``<directory>/_streamdata.sdx`` (:data:`INDEX_NAME`;
+for shards in several directories, their longest common directory). Its name starts with
+``_`` so that tools reading a folder's files as shards skip it as they skip ``_SUCCESS`` (Ray
+Data, pyarrow datasets, Spark, Hadoop). Every writer writes that name; ``index="auto"`` still
+reads the old name :data:`LEGACY_INDEX_NAME` where the new one is absent, and the new one
+wins where both exist (:func:`find_index`). Its entries are keyed by
 the shard's URL relative to that directory (the absolute URL for a shard outside it), so a
 copied bucket keeps a working index. The bytes (format v1, checksummed; or a wids shard-list
 JSON, counts only) are ``formats.sdx``'s.
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from streamdata.catalog.specs import Spec, expand_spec, listing_deadline
+from streamdata.catalog.specs import Sightings, Spec, expand_spec, listing_deadline
 from streamdata.config import FetchConfig
 from streamdata.errors import (
     AccessDeniedError,
@@ -47,11 +51,14 @@ from streamdata.redact import redact_url
 from streamdata.store.backends import call_with_deadline, close_filesystem, filesystem, translate_error
 from streamdata.store.urls import Shard, split_url
 
-__all__ = ["INDEX_NAME", "IndexedShards", "ShardEntry", "build_index", "decode_index", "default_index_url",
-           "encode_index", "entry_name", "index_entries", "index_status", "lookup", "open_index",
-           "read_index", "tar_sample_offsets", "write_index"]
+__all__ = ["INDEX_NAME", "INDEX_NAMES", "LEGACY_INDEX_NAME", "IndexedShards", "ShardEntry", "build_index",
+           "decode_index", "default_index_url", "encode_index", "entry_name", "find_index", "index_entries",
+           "index_status", "legacy_index_url", "lookup", "open_index", "read_index", "tar_sample_offsets",
+           "write_index"]
 
-INDEX_NAME = "streamdata.sdx"
+INDEX_NAME = "_streamdata.sdx"  # "_": skipped by other tools' reads of the folder
+LEGACY_INDEX_NAME = "streamdata.sdx"  # the name before: read, never written
+INDEX_NAMES = (INDEX_NAME, LEGACY_INDEX_NAME)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +75,7 @@ class IndexedShards:
 
 
 def default_index_url(urls: Sequence[str]) -> str:
-    """``<longest common directory of urls>/streamdata.sdx``; ``SpecError`` when the shards
+    """``<longest common directory of urls>/_streamdata.sdx``; ``SpecError`` when the shards
     share no directory (several buckets or protocols) or are signed HTTP URLs."""
     if not urls:
         raise SpecError("no shards: an index location needs at least one shard URL")
@@ -87,6 +94,31 @@ def default_index_url(urls: Sequence[str]) -> str:
         raise SpecError(f"the shards ({redact_url(urls[0])}, ...) share no directory (several buckets "
                         "or protocols): pass index= the index's URL")
     return "/".join(common + [INDEX_NAME])
+
+
+def legacy_index_url(index_url: str) -> str:
+    """The index under :data:`LEGACY_INDEX_NAME` in ``index_url``'s directory."""
+    return index_url.rsplit("/", 1)[0] + "/" + LEGACY_INDEX_NAME if "/" in index_url else LEGACY_INDEX_NAME
+
+
+def find_index(url: str, read: Callable[..., list[ShardEntry] | None],
+               storage_options: Mapping[str, Any] | None = None, config: FetchConfig | None = None,
+               sightings: Sightings | None = None) -> tuple[str, list[ShardEntry] | None]:
+    """``(URL, entries)`` of the index at the default location ``url`` (:data:`INDEX_NAME`) or,
+    where there is none, of :data:`LEGACY_INDEX_NAME` beside it (``entries`` ``None``: neither).
+    Where the listing covered the directory (``sightings``, LISTED-NAMES) it says which name
+    exists and one of the two is read; else ``url`` is read, and the old name after a 404."""
+    legacy = legacy_index_url(url)
+    if sightings is not None and sightings.tells(url.rsplit("/", 1)[0]):
+        if url in sightings.found or legacy not in sightings.found:
+            return url, read(url, storage_options, config)
+        return legacy, read(legacy, storage_options, config)
+    entries = read(url, storage_options, config)
+    if entries is None:
+        old = read(legacy, storage_options, config)
+        if old is not None:
+            return legacy, old
+    return url, entries
 
 
 def _directory(index_url: str) -> str:
@@ -153,8 +185,9 @@ def read_index(url: str, storage_options: Mapping[str, Any] | None = None,
 
 def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mapping[str, Any] | None = None,
                 merge: bool = True, *, config: FetchConfig | None = None) -> None:
-    """Write the index at ``url``: with ``merge``, the entries already there stay, and those of
-    the same name are replaced. Entry names that are absolute URLs under the index's directory
+    """Write the index at ``url``: with ``merge``, the entries already there (at the default
+    name, where there is no index there, those under :data:`LEGACY_INDEX_NAME` beside it) stay,
+    and those of the same name are replaced. Entry names that are absolute URLs under the index's directory
     are made relative. Written to a temporary key, then moved over ``url``, so a reader sees the
     old index or the new one, never half of one."""
     config = config or FetchConfig()
@@ -162,7 +195,11 @@ def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mappin
     for e in entries:
         name = entry_name(url, e.name)
         new[name] = e if name == e.name else ShardEntry(name, e.size, e.etag, e.samples, e.offsets)
-    old = (read_index(url, storage_options, config) or []) if merge else []
+    old: list[ShardEntry] = []
+    if merge and url.rsplit("/", 1)[-1] == INDEX_NAME:  # or the old name's entries, where only it exists
+        old = find_index(url, read_index, storage_options, config)[1] or []
+    elif merge:
+        old = read_index(url, storage_options, config) or []
     merged = {**{e.name: e for e in old if e.offsets is not None}, **new}
     data = encode_index([merged[name] for name in sorted(merged)])
     fs, path = _fs(url, storage_options, config)
@@ -204,10 +241,12 @@ def _stale(shard: Shard, entry: ShardEntry) -> str | None:
 def lookup(shards: Sequence[Shard], index: str | None = "auto",
            storage_options: Mapping[str, Any] | None = None,
            config: FetchConfig | None = None, *,
-           read: Callable[..., list[ShardEntry] | None] | None = None) -> IndexedShards | None:
+           read: Callable[..., list[ShardEntry] | None] | None = None,
+           sightings: Sightings | None = None) -> IndexedShards | None:
     """The sample counts (and offsets) of ``shards`` from an index, read with one GET.
 
-    ``index=None``: ``None``. ``"auto"``: the index at :func:`default_index_url`; ``None`` when
+    ``index=None``: ``None``. ``"auto"``: the index at :func:`default_index_url`, or under its
+    old name there (:func:`find_index`, told by ``sightings``); ``None`` when
     there is no object there, and, with one warning, when it lacks entries for some shards.
     A URL: that index (binary, or a wids shard-list JSON); missing, or lacking entries, is
     ``SpecError``. Either way an entry whose shard changed is ``StaleIndexError``. ``read``
@@ -225,7 +264,11 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
         url = index
     shown = redact_url(url)
     try:
-        entries = (read or read_index)(url, storage_options, config)
+        if auto:
+            url, entries = find_index(url, read or read_index, storage_options, config, sightings)
+            shown = redact_url(url)
+        else:
+            entries = (read or read_index)(url, storage_options, config)
     except AccessDeniedError as exc:
         if not auto:
             raise
@@ -270,11 +313,11 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
 def index_status(shards: Sequence[Shard], storage_options: Mapping[str, Any] | None = None,
                  config: FetchConfig | None = None, *,
                  read: Callable[..., list[ShardEntry] | None] | None = None) -> str:
-    """One line on the default index of ``shards``, for ``streamdata inspect``; ``read`` as for
-    :func:`lookup` (one reader for both: one GET)."""
+    """One line on the default index of ``shards`` (or its old name, :func:`find_index`), for
+    ``streamdata inspect``; ``read`` as for :func:`lookup` (one reader for both: one GET)."""
     try:
-        url = default_index_url([s.url for s in shards])
-        entries = (read or read_index)(url, storage_options, config)
+        url, entries = find_index(default_index_url([s.url for s in shards]), read or read_index,
+                                  storage_options, config)
     except StreamDataError as exc:
         return f"index: unavailable ({exc})"
     shown = redact_url(url)
@@ -331,8 +374,12 @@ def build_index(spec: Spec, storage_options: Mapping[str, Any] | None = None, ou
         shards = [s for s in shards if not s.url.endswith(COMPRESSED)]
     if not shards:
         raise SpecError(f"nothing to index in {spec!r}: no uncompressed .tar shards")
-    output = output or default_index_url([s.url for s in shards])
-    entries = {e.name: e for e in read_index(output, storage_options, config) or [] if e.offsets is not None}
+    if output is None:  # an index under the old name there is resumed from, and the new one written
+        output = default_index_url([s.url for s in shards])
+        _, found = find_index(output, read_index, storage_options, config)
+    else:
+        found = read_index(output, storage_options, config)
+    entries = {e.name: e for e in found or [] if e.offsets is not None}
     todo: list[Shard] = []
     for shard in shards:  # RESUME: keep what is still fresh, drop what is stale
         name = entry_name(output, shard.url)

@@ -1,7 +1,8 @@
 """INDEX-AHEAD: the constructor's sample-index GET sent while the listing is in flight.
 
-``TarDataset(index="auto")`` reads ``streamdata.sdx`` from the shards' longest common
-directory (``index.default_index_url``). For the common spec forms that directory is known
+``TarDataset(index="auto")`` reads ``_streamdata.sdx`` from the shards' longest common
+directory (``index.default_index_url``), or the old name ``streamdata.sdx`` there where only
+that exists (``index.find_index``). For the common spec forms that directory is known
 before the listing (a brace pattern or a list of names: exactly; a directory prefix ending
 in ``/`` or a glob in the last path component: that directory), so the index's GET starts on
 a thread of its own before the listing's request and the two round trips overlap. The answer
@@ -10,8 +11,16 @@ lookup reads the right URL after the listing, as without this module. A spec who
 location cannot be told before listing (``s3://bkt/name`` without ``/``: a directory or the
 start of names) sends nothing ahead.
 
+The two names, at the cost they had with one: where the listing will cover the index's
+directory whole (a brace pattern or two or more names in it, a prefix ending in ``/``), it
+tells which name exists (LISTED-NAMES, ``specs.Sightings``), and only the new name's GET is
+sent ahead: a dataset without an index costs one 404 beside the listing, as before; one
+indexed under the old name only pays one GET after the listing. Where the listing will not
+(a glob, a single object, HTTP, ``listing=False``), both GETs are sent ahead together: no
+round trip after the listing, one more 404 beside it for a dataset without an index.
+
 Invariant (LIST-ONCE holds): only the process that will make the lookup (rank 0, or the only
-process) sends the early GET; ``from_rank0`` hands the result to the other ranks as before.
+process) sends the early GETs; ``from_rank0`` hands the result to the other ranks as before.
 The early read has ``read_index``'s bounds (its own retries and deadline); its prefetcher is
 closed (its loop thread joined, FORK-AFTER-CLOSE) before the constructor returns or raises.
 Under LITE-S3 it is one GET on a plain thread (``LiteS3.get``: no event loop, little CPU
@@ -20,7 +29,6 @@ beside the listing's), waited for at most the listing's deadline; anything but a
 or loop a forked worker could need: if a constructor raises before the lookup, it may run on
 until its request's ``timeout``.
 """
-
 from __future__ import annotations
 
 import os
@@ -29,15 +37,22 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from streamdata.catalog.index import default_index_url, index_entries, open_index, read_index
-from streamdata.catalog.specs import Spec, brace_expand, listing_deadline
+from streamdata.catalog.index import (
+    INDEX_NAMES,
+    default_index_url,
+    index_entries,
+    legacy_index_url,
+    open_index,
+    read_index,
+)
+from streamdata.catalog.specs import Sightings, Spec, brace_expand, listing_deadline
 from streamdata.config import FetchConfig, lite_http
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.formats.sdx import ShardEntry, decode_index
 from streamdata.store.backends import lite_path, lite_s3
 from streamdata.store.urls import Shard, split_url
 
-__all__ = ["IndexAhead", "early_index_url", "start_index_ahead"]
+__all__ = ["IndexAhead", "early_index_url", "listing_tells", "start_index_ahead"]
 
 
 def _item_urls(item: Any, suffixes: tuple[str, ...]) -> list[str] | None:
@@ -87,37 +102,75 @@ def early_index_url(spec: Spec, index: str | None, suffixes: tuple[str, ...] = (
         return None
 
 
-class IndexAhead:
-    """The index at ``url``, its GET sent now; :meth:`read` is ``read_index`` for the lookup.
-    Under LITE-S3 the GET is one request of ``LiteS3.get`` on a thread of its own (no event
-    loop to start: its CPU would compete with the listing's); else the prefetcher's, on its
-    loop thread (either one with ``read`` and ``close``). Always :meth:`close` (idempotent)."""
+def listing_tells(spec: Spec, url: str, listing: bool = True) -> bool:
+    """Whether the listing of ``spec`` will cover ``url``'s directory whole (and so tell which
+    of the index's names exists there, LISTED-NAMES), as far as the spec's form says."""
+    if not listing:
+        return False
+    items = [spec] if isinstance(spec, (str, os.PathLike, Shard)) else list(spec)
+    names = [os.fspath(i) for i in items if not isinstance(i, Shard)]
+    plain = [n for n in names if isinstance(n, str) and not any(c in n for c in "{}*?[")]
+    will = Sightings(INDEX_NAMES)
+    for item in names:
+        if not isinstance(item, str):
+            return False
+        protocol, path = split_url(item)
+        if protocol in ("http", "https"):
+            continue
+        head = "" if protocol == "file" else f"{protocol}://"
+        if path.endswith("/"):  # listed with all below it
+            will.saw(head + path.rstrip("/"), True, ())
+        elif "{" in path or len(plain) >= 2 and item in plain:  # their directories, one listing each
+            try:
+                stated = brace_expand(path)
+            except SpecError:
+                return False
+            for p in stated:
+                will.saw(head + posixpath.dirname(p), False, ())
+    return will.tells(url.rsplit("/", 1)[0])
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
+
+class IndexAhead:
+    """The index at ``url`` (and at each of ``more``), their GETs sent now; :meth:`read` is
+    ``read_index`` for the lookup. Under LITE-S3 a GET is one request of ``LiteS3.get`` on a
+    thread of its own (no event loop to start: its CPU would compete with the listing's); else
+    the prefetcher's, on its loop thread (either one with ``read`` and ``close``). Always
+    :meth:`close` (idempotent)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, config: FetchConfig,
+                 more: tuple[str, ...] = ()) -> None:
         self.url = url
-        protocol, path = split_url(url)
-        lite = lite_s3(protocol, storage_options) if lite_http() else None
-        self._early: _PrefetcherGet | _LiteGet | None = (
-            _LiteGet(lite, lite_path(path), config) if lite is not None
-            else _PrefetcherGet(url, storage_options, config))
+        self._early: dict[str, _PrefetcherGet | _LiteGet] = {}
+        try:
+            for one in (url, *more):
+                protocol, path = split_url(one)
+                lite = lite_s3(protocol, storage_options) if lite_http() else None
+                self._early[one] = (_LiteGet(lite, lite_path(path), config) if lite is not None
+                                    else _PrefetcherGet(one, storage_options, config))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> list[str]:
+        """The URLs whose answers are still held."""
+        return list(self._early)
 
     def close(self) -> None:
-        """Cancel the early GET if its answer was not taken (the prefetcher's loop thread is
+        """Cancel the early GETs whose answers were not taken (a prefetcher's loop thread is
         joined; a LITE-S3 GET's thread ends within its timeout, holding nothing shared)."""
-        early, self._early = self._early, None
-        if early is not None:
-            early.close()
+        early, self._early = self._early, {}
+        for one in early.values():
+            one.close()
 
     def read(self, url: str, storage_options: Mapping[str, Any] | None = None,
              config: FetchConfig | None = None) -> list[ShardEntry] | None:
-        """``read_index(url, ...)``: the early answer when ``url`` is the one fetched ahead,
-        else a read of ``url`` now (the spec's guess was not where the listing's shards are,
-        or the early GET got no plain answer: its errors are reported by that read)."""
-        early, self._early = self._early, None
-        if early is not None and url == self.url:
-            return early.read(url, storage_options, config)
+        """``read_index(url, ...)``: the early answer when ``url`` is one fetched ahead, else a
+        read of ``url`` now (the spec's guess was not where the listing's shards are, or the
+        early GET got no plain answer: its errors are reported by that read)."""
+        early = self._early.pop(url, None)
         if early is not None:
-            early.close()
+            return early.read(url, storage_options, config)
         return read_index(url, storage_options, config)
 
 
@@ -168,9 +221,11 @@ class _LiteGet:
 
 
 def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[str, Any] | None,
-                      config: FetchConfig, suffixes: tuple[str, ...] = ()) -> IndexAhead | None:
+                      config: FetchConfig, suffixes: tuple[str, ...] = (), *,
+                      listing: bool = True) -> IndexAhead | None:
     """An early read of the index the lookup will want, on the process that will look it up
-    (rank 0 of a multi-rank job, LIST-ONCE); ``None`` where the spec does not tell where."""
+    (rank 0 of a multi-rank job, LIST-ONCE); ``None`` where the spec does not tell where. For
+    ``index="auto"``, the old name's GET too where the listing will not tell which exists."""
     from streamdata.ranks import is_rank0
 
     if not is_rank0():
@@ -178,7 +233,8 @@ def start_index_ahead(spec: Spec, index: str | None, storage_options: Mapping[st
     url = early_index_url(spec, index, suffixes)
     if url is None:
         return None
+    more = () if index != "auto" or listing_tells(spec, url, listing) else (legacy_index_url(url),)
     try:
-        return IndexAhead(url, storage_options, config)
+        return IndexAhead(url, storage_options, config, more)
     except StreamDataError:  # e.g. an unknown protocol: the listing reports it
         return None

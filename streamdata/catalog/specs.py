@@ -27,7 +27,7 @@ from streamdata.store.backends import (
 )
 from streamdata.store.urls import Shard, etag_of, split_url
 
-__all__ = ["Shard", "brace_expand", "etag_of", "expand_spec", "listing_deadline", "split_url"]
+__all__ = ["Shard", "Sightings", "brace_expand", "etag_of", "expand_spec", "listing_deadline", "split_url"]
 
 Spec = str | Sequence[str]
 _NO_LISTING = {"http", "https"}
@@ -67,13 +67,37 @@ def brace_expand(pattern: str) -> list[str]:
     return out
 
 
+class Sightings:
+    """LISTED-NAMES: what a listing saw of objects with some names (``names``: base names),
+    whatever the spec's suffixes keep. ``found``: the URLs of such objects listed; a directory
+    the listing covered whole (:meth:`tells`) has none of those names where ``found`` has none
+    there. Filled by :func:`expand_spec` (its ``sightings``); only the process that lists has it."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+        self.found: set[str] = set()
+        self._dirs: set[tuple[str, bool]] = set()  # (directory URL without "/", recursive)
+
+    def saw(self, directory: str, recursive: bool, urls: Iterable[str]) -> None:
+        """The listing covered ``directory`` (and, ``recursive``, all below it), listing ``urls``."""
+        self._dirs.add((directory.rstrip("/"), recursive))
+        self.found.update(u for u in urls if u.rsplit("/", 1)[-1] in self.names)
+
+    def tells(self, directory: str) -> bool:
+        """Whether the listing covered ``directory`` (a URL, no trailing ``/``) whole."""
+        return any(directory == d or (recursive and directory.startswith(d + "/"))
+                   for d, recursive in self._dirs)
+
+
 class _Backends:
     """Per protocol, what expanding a spec may use: the fsspec filesystem (made on first use
     where a LITE-S3 signer can list instead, so that s3fs is never imported then), the signer,
     and the one-time import of what readers will need (``backends.warm_imports``)."""
 
-    def __init__(self, storage_options: Mapping[str, Any] | None, config: FetchConfig) -> None:
+    def __init__(self, storage_options: Mapping[str, Any] | None, config: FetchConfig,
+                 sightings: Sightings | None = None) -> None:
         self.options, self.config = storage_options, config
+        self.sightings = sightings
         self.filesystems: dict[str, Any] = {}
         self._lite: dict[str, Any] = {}
         self.warmed: set[str] = set()
@@ -98,6 +122,11 @@ class _Backends:
         if protocol not in self.warmed:
             self.warmed.add(protocol)
             warm_imports(protocol, self.options)
+
+    def saw(self, protocol: str, directory: str, recursive: bool, urls: Iterable[str]) -> None:
+        """A listing of ``directory`` (a path), for the :class:`Sightings` if there are any."""
+        if self.sightings is not None:
+            self.sightings.saw(_join(protocol, directory), recursive, urls)
 
     def close(self) -> None:
         for fs in self.filesystems.values():
@@ -174,13 +203,17 @@ def _list_sizes(b: _Backends, protocol: str, paths: list[str], config: FetchConf
         lite = _lite_list(b, protocol, parent + "/", config, delimiter="/", url=_join(protocol, parent))
         if lite is not None:
             sizes.update({split_url(shard.url)[1]: shard for shard in lite})
+            b.saw(protocol, parent, False, (shard.url for shard in lite))
             continue
         fs = b.fs(protocol)
         entries = _call(fs, config, _join(protocol, parent), "ls", parent, detail=True)
+        listed = []
         for e in entries:
             if e.get("type", "file") != "directory":
                 path = fs._strip_protocol(e["name"])
                 sizes[path] = Shard(_join(protocol, path), e.get("size"), etag_of(e))
+                listed.append(sizes[path].url)
+        b.saw(protocol, parent, False, listed)
     return sizes
 
 
@@ -215,14 +248,18 @@ def _expand_one(b: _Backends, protocol: str, item: str, suffixes: tuple[str, ...
         entries = [(n, e) for n, e in found.items() if e.get("type", "file") != "directory"]
     elif path.endswith("/") or call("isdir", path, stat=True, what="stat"):
         entries = list(call("find", path, detail=True).items())
+        b.saw(protocol, fs._strip_protocol(path), True,
+              (_join(protocol, fs._strip_protocol(n)) for n, _ in entries))
     elif call("isfile", path, stat=True, what="stat"):
         info = call("info", path, stat=True, what="stat")
         return [Shard(_join(protocol, fs._strip_protocol(path)), info.get("size"), etag_of(info))]
     else:  # the start of object names
         parent = posixpath.dirname(fs._strip_protocol(path))
-        entries = [(e["name"], e) for e in call("ls", parent, detail=True)
-                   if fs._strip_protocol(e["name"]).startswith(fs._strip_protocol(path))
-                   and e.get("type", "file") != "directory"]
+        everything = [(e["name"], e) for e in call("ls", parent, detail=True)
+                      if e.get("type", "file") != "directory"]
+        b.saw(protocol, parent, False, (_join(protocol, fs._strip_protocol(n)) for n, _ in everything))
+        entries = [(n, e) for n, e in everything
+                   if fs._strip_protocol(n).startswith(fs._strip_protocol(path))]
     shards = sorted(Shard(_join(protocol, fs._strip_protocol(n)), e.get("size"), etag_of(e))
                     for n, e in entries)
     if suffixes:
@@ -242,9 +279,12 @@ def _lite_expand(b: _Backends, protocol: str, path: str,
     found = [(split_url(s.url)[1], s) for s in listed]
     stem = path.rstrip("/")
     if "/" not in stem:  # a whole bucket
+        b.saw(protocol, stem, True, (s.url for s in listed))
         return sorted(listed), False
     inside = [s for p, s in found if p.startswith(stem + "/")]
     exact = [s for p, s in found if p == stem]
+    if path.endswith("/") or inside:  # a directory, listed whole (and all below it)
+        b.saw(protocol, stem, True, (s.url for s in inside))
     if path.endswith("/") or inside or not exact:
         chosen = inside if path.endswith("/") or inside else [
             s for p, s in found if "/" not in p[len(stem):]]
@@ -275,7 +315,7 @@ def _size_named_objects(b: _Backends, items: list[str],
 
 def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
                 suffixes: Iterable[str] = (), config: FetchConfig | None = None,
-                listing: bool = True) -> list[Shard]:
+                listing: bool = True, sightings: Sightings | None = None) -> list[Shard]:
     """Expand ``spec`` into shards, validated and sized; raises our errors on any problem.
 
     ``suffixes`` filters what a prefix or glob lists (e.g. ``(".tar",)``); explicit names
@@ -287,6 +327,9 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     size with no request at all (a reader learns each size from its first ranged GET's
     ``Content-Range``, HEAD-START in ``client``); a missing object is then reported when a
     reader requests it, not here. Globs, prefixes and directories need a listing: SpecError.
+
+    ``sightings``: filled with what the listings saw of its names (LISTED-NAMES), e.g. the
+    sample index's, which the suffixes leave out of the shards.
     """
     config = config or FetchConfig()
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
@@ -295,7 +338,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     if not listing:
         return _unlisted(items, storage_options)
     suffixes = tuple(suffixes)
-    b = _Backends(storage_options, config)
+    b = _Backends(storage_options, config, sightings)
     try:
         protocols = set()
         for raw in items:

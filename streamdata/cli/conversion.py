@@ -46,7 +46,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "names in classes.txt beside the shards) or flat (<key>.<ext> only), or a JSONL "
                     "file (<key>.json per line). DEST is a directory or prefix "
                     "(s3://bkt/train/ -> shard-000000.tar ...) or a pattern with %06d (tar) or "
-                    "{shard:06d} (Parquet). Tar shards get the sample index (streamdata.sdx); "
+                    "{shard:06d} (Parquet). Tar shards get the sample index (_streamdata.sdx); "
                     "Parquet shards carry their own counts in the footers.")
     p.add_argument("src", metavar="SRC", help="image directory or JSONL file (local path or URL)")
     p.add_argument("dest", metavar="DEST", help="output directory, prefix or shard name pattern")

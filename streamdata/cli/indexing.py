@@ -11,17 +11,18 @@ __all__ = ["add_parsers"]
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "index", help="build the sample index (streamdata.sdx) of SPEC's tar shards, for exact epochs",
+        "index", help="build the sample index (_streamdata.sdx) of SPEC's tar shards, for exact epochs",
         description="Read every tar shard of SPEC (in parallel, through the prefetcher) and write "
                     "the sample index: each shard's sample count and the byte offset of every "
                     "sample, about 8 bytes per sample, in one object beside the shards "
-                    "(<directory>/streamdata.sdx). With it the datasets split epochs by sample, "
+                    "(<directory>/_streamdata.sdx). With it the datasets split epochs by sample, "
                     "exactly, and inspect counts samples without reading shards. Resumable: "
                     "shards already indexed and unchanged (size, ETag) are not read again; the "
-                    "partial index is saved every few seconds. Compressed shards are skipped.")
+                    "partial index is saved every few seconds (an index under the older name "
+                    "streamdata.sdx is resumed from). Compressed shards are skipped.")
     p.add_argument("spec", nargs="+", metavar="SPEC", help="URL, brace pattern, prefix or glob of tar shards")
     p.add_argument("--output", metavar="URL",
-                   help="where to write the index (default: streamdata.sdx in the shards' directory)")
+                   help="where to write the index (default: _streamdata.sdx in the shards' directory)")
     p.add_argument("--window", type=int, default=None, metavar="N",
                    help="shards read at once (default: the prefetcher's window, 32)")
     add_common(p)

@@ -24,7 +24,7 @@ import torch.utils.data
 from streamdata._compat import prepared_by_accelerate
 from streamdata._fork import install
 from streamdata.batch.batches import batches
-from streamdata.catalog.specs import Spec, expand_spec
+from streamdata.catalog.specs import Sightings, Spec, expand_spec
 from streamdata.config import FetchConfig, stage_times
 from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stale_count
 from streamdata.epoch import blocks
@@ -132,12 +132,12 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
-        self.before_listing(spec)
+        sightings = self.before_listing(spec, listing)
         # one listing per job: rank 0 expands the spec for every rank (LIST-ONCE); listing=False:
         # none, sizes from the readers' first GETs (NO-LISTING, ``catalog.specs.expand_spec``)
         self.shards: list[Shard] = from_rank0(lambda: expand_spec(
             spec, self.storage_options, suffixes=self.suffixes, config=self.fetch_config,
-            listing=listing))
+            listing=listing, sightings=sightings))
         blocks.check_shuffle_option(shuffle, shuffle_window)  # True/"block"/"buffer" (``blocks``)
         self.shuffle, self.shuffle_mode = bool(shuffle), shuffle if isinstance(shuffle, str) else None
         self.shuffle_window, self.buffer_given = shuffle_window, shuffle_buffer is not None
@@ -216,8 +216,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         are split whole (``sharding``)."""
         return None
 
-    def before_listing(self, spec: Spec) -> None:
-        """Requests a format can send while the spec is listed (a tar index, ``indexahead``)."""
+    def before_listing(self, spec: Spec, listing: bool) -> Sightings | None:
+        """Requests a format can send while the spec is listed (a tar index, ``indexahead``);
+        the names the listing should note (LISTED-NAMES), if any."""
+        return None
 
     def fetch_item(self, unit: Any) -> FetchItem:
         """What to fetch for ``unit``: its object, whole or as byte ranges."""

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from streamdata.catalog.index import IndexedShards, lookup
+from streamdata.catalog.index import INDEX_NAMES, IndexedShards, lookup
 from streamdata.catalog.index_ahead import IndexAhead, start_index_ahead
-from streamdata.catalog.specs import Spec
+from streamdata.catalog.specs import Sightings, Spec
 from streamdata.datasets.passes import stale_count
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.world import World
@@ -38,10 +38,11 @@ class TarDataset(ShardedDataset):
 
     Yields decoded sample dicts (``__key__``, ``__url__`` and one entry per extension), or,
     with ``batch_size``, collated batches built inside the worker.  With a sample index
-    (``index="auto"``: ``streamdata.sdx`` beside the shards, if there is one; a URL: that
-    index; None: never) every epoch is exact: equal spans of samples per reader, read with
-    ranged GETs from the samples' offsets, and the same number of batches on every rank
-    (EQUAL-STEPS, ``plan``).  Without one, shards are split whole.  See the README for options.
+    (``index="auto"``: ``_streamdata.sdx`` beside the shards, or the older ``streamdata.sdx``,
+    if there is one; a URL: that index; None: never) every epoch is exact: equal spans of
+    samples per reader, read with ranged GETs from the samples' offsets, and the same number of
+    batches on every rank (EQUAL-STEPS, ``plan``).  Without one, shards are split whole.  See
+    the README for options.
     """
 
     suffixes = TAR_SUFFIXES
@@ -55,13 +56,14 @@ class TarDataset(ShardedDataset):
         self._pass_decoder = self._decoder  # bound to the current pass (``start_pass``)
         self.index = index
         self._ahead: IndexAhead | None = None
+        self._sightings: Sightings | None = None
         try:
             super().__init__(spec, **options)
             ahead = self._ahead  # INDEX-AHEAD: its GET went out while the spec was listed
             # LIST-ONCE: rank 0 reads the index (one GET) and hands it to every rank
             self._index: IndexedShards | None = None if index is None else from_rank0(
                 lambda: lookup(self.shards, index, self.storage_options, self.fetch_config,
-                               read=None if ahead is None else ahead.read))
+                               read=None if ahead is None else ahead.read, sightings=self._sightings))
         finally:
             if self._ahead is not None:
                 self._ahead.close()
@@ -76,9 +78,12 @@ class TarDataset(ShardedDataset):
                         "a plain DataLoader needs torch.distributed.algorithms.join.Join). For exact "
                         "epochs, build the index once: streamdata index SPEC", len(self.shards))
 
-    def before_listing(self, spec: Spec) -> None:
+    def before_listing(self, spec: Spec, listing: bool) -> Sightings | None:
         self._ahead = start_index_ahead(spec, self.index, self.storage_options, self.fetch_config,
-                                        self.suffixes)
+                                        self.suffixes, listing=listing)
+        # LISTED-NAMES: which of the index's names the listing saw tells which one to read
+        self._sightings = Sightings(INDEX_NAMES) if self.index == "auto" else None
+        return self._sightings
 
     def sample_counts(self) -> np.ndarray | None:
         return None if self._index is None else self._index.counts

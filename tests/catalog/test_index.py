@@ -19,6 +19,7 @@ import pytest
 
 import streamdata as sd
 from streamdata.catalog import index as sdx
+from streamdata.catalog.specs import Sightings
 from streamdata.formats.tar import member_offsets, samples_from_chunks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root holds benchmarks/
@@ -158,7 +159,7 @@ def test_format_round_trip_and_size_per_sample():
         entries.append(sdx.ShardEntry(f"shard-{i:05d}.tar", int(offsets[-1]) + 1024, f"etag{i}", n, offsets))
     data = sdx.encode_index(entries)
     assert data[:6] == b"SDIDX\x00" and int.from_bytes(data[6:8], "little") == 1
-    back = sdx.decode_index(data, "s3://bkt/streamdata.sdx")
+    back = sdx.decode_index(data, "s3://bkt/_streamdata.sdx")
     assert back == entries
     assert [e.offsets.tolist() for e in back] == [e.offsets.tolist() for e in entries]
     per_sample = len(data) / sum(counts)
@@ -191,21 +192,21 @@ def test_corrupt_index_is_a_format_error_naming_the_url(damage):
     else:
         data[header_at] = ord("[")
     with pytest.raises(sd.FormatError) as info:
-        sdx.decode_index(bytes(data), "s3://bkt/dir/streamdata.sdx")
-    assert "s3://bkt/dir/streamdata.sdx" in str(info.value)
+        sdx.decode_index(bytes(data), "s3://bkt/dir/_streamdata.sdx")
+    assert "s3://bkt/dir/_streamdata.sdx" in str(info.value)
     if damage == "version":
         assert "version 2" in str(info.value)
 
 
 def test_default_location_and_entry_names():
     urls = ["s3://bkt/a/train/x-0.tar", "s3://bkt/a/train/x-1.tar"]
-    assert sdx.default_index_url(urls) == "s3://bkt/a/train/streamdata.sdx"
-    assert sdx.default_index_url([*urls, "s3://bkt/a/val/y.tar"]) == "s3://bkt/a/streamdata.sdx"
-    assert sdx.default_index_url(["/data/t/a.tar", "/data/u/b.tar"]) == "/data/streamdata.sdx"
+    assert sdx.default_index_url(urls) == "s3://bkt/a/train/_streamdata.sdx"
+    assert sdx.default_index_url([*urls, "s3://bkt/a/val/y.tar"]) == "s3://bkt/a/_streamdata.sdx"
+    assert sdx.default_index_url(["/data/t/a.tar", "/data/u/b.tar"]) == "/data/_streamdata.sdx"
     with pytest.raises(sd.SpecError, match="share no directory"):
         sdx.default_index_url(["s3://one/a.tar", "s3://two/b.tar"])
-    assert sdx.entry_name("s3://bkt/a/streamdata.sdx", "s3://bkt/a/val/y.tar") == "val/y.tar"
-    assert sdx.entry_name("s3://bkt/a/streamdata.sdx", "s3://other/y.tar") == "s3://other/y.tar"
+    assert sdx.entry_name("s3://bkt/a/_streamdata.sdx", "s3://bkt/a/val/y.tar") == "val/y.tar"
+    assert sdx.entry_name("s3://bkt/a/_streamdata.sdx", "s3://other/y.tar") == "s3://other/y.tar"
 
 
 # ---------------------------------------------------------------------------- S3: write, lookup
@@ -255,11 +256,11 @@ def test_write_merge_and_lookup_on_s3(s3):
     counts = [5, 1, 9, 3, 0, 7, 2]
     shards = _upload(fs, bucket, counts)
     url = sdx.default_index_url([s.url for s in shards])
-    assert url == f"s3://{bucket}/ds/streamdata.sdx"
+    assert url == f"s3://{bucket}/ds/_streamdata.sdx"
     entries = _entries_of(fs, shards, url)
     sdx.write_index(url, entries[:4], server.storage_options)
     sdx.write_index(url, entries[3:], server.storage_options)  # merged: 3 replaced, the rest added
-    assert [p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ds")].count("streamdata.sdx") == 1
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ds")].count("_streamdata.sdx") == 1
     assert not [p for p in fs.ls(f"{bucket}/ds") if ".tmp-" in p]  # the temporary key is gone
     stored = sdx.read_index(url, server.storage_options)
     assert [e.name for e in stored] == [f"shard-{i:03d}.tar" for i in range(7)]  # relative names
@@ -280,14 +281,24 @@ def test_write_merge_and_lookup_on_s3(s3):
 
 
 def test_auto_without_an_index_makes_one_request_and_no_noise(s3):
+    """Told by the listing (LISTED-NAMES) that neither name exists: one GET; without a listing's
+    word, the old name is asked for after the new one's 404 (the datasets send both ahead)."""
     server, bucket, fs = s3
     shards = _upload(fs, bucket, [2, 2])
     with FaultProxy(server.endpoint_url) as proxy:
         options = {**server.storage_options, "endpoint_url": proxy.url}
+        listed = Sightings(sdx.INDEX_NAMES)
+        listing = sd.expand_spec(f"s3://{bucket}/ds/", options, suffixes=(".tar",), sightings=listed)
+        assert [s.url for s in listing] == [s.url for s in shards]
+        assert listed.tells(f"s3://{bucket}/ds") and not listed.found
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert sdx.lookup(shards, "auto", options, sightings=listed) is None
+        assert proxy.requests == {"list": 1, "get": 1}, proxy.requests
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert sdx.lookup(shards, "auto", options) is None
-        assert proxy.requests == {"get": 1}, proxy.requests
+        assert proxy.requests == {"list": 1, "get": 3}, proxy.requests
         # without s3:ListBucket, S3 answers a missing key with 403: a warning, no index, no failure
         denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
         proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
@@ -295,7 +306,7 @@ def test_auto_without_an_index_makes_one_request_and_no_noise(s3):
             assert sdx.lookup(shards, "auto", options) is None
         proxy.add(Fault("status", status=403, match="get", times=1, body=denied))
         with pytest.raises(sd.AccessDeniedError):
-            sdx.lookup(shards, f"s3://{bucket}/ds/streamdata.sdx", options)
+            sdx.lookup(shards, f"s3://{bucket}/ds/_streamdata.sdx", options)
     with pytest.raises(sd.SpecError, match="no sample index at"):
         sdx.lookup(shards, f"s3://{bucket}/ds/other.sdx", server.storage_options)
 
@@ -361,14 +372,14 @@ def test_local_write_and_lookup(tmp_path):
         (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
     shards = sd.expand_spec(str(tmp_path / "s-{0..1}.tar"))
     url = sdx.default_index_url([s.url for s in shards])
-    assert url == str(tmp_path / "streamdata.sdx")
+    assert url == str(tmp_path / "_streamdata.sdx")
     entries = [sdx.ShardEntry(s.url, s.size, None, 0, None) for s in shards]
     entries = [sdx.ShardEntry(e.name, e.size, None, len(off) - 1, off) for e, off in
                zip(entries, [sdx.tar_sample_offsets([Path(s.url).read_bytes()], s.url) for s in shards],
                    strict=True)]
     sdx.write_index(url, entries)
     assert sdx.lookup(shards, "auto").counts.tolist() == [4, 6]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-0.tar", "s-1.tar", "streamdata.sdx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_streamdata.sdx", "s-0.tar", "s-1.tar"]
 
 
 # ---------------------------------------------------------------------------- building
@@ -389,7 +400,7 @@ def test_build_skips_compressed_and_resumes_after_a_failed_shard(s3):
     counts = [5, 1, 9, 3, 0, 7, 2, 4]
     shards = _upload(fs, bucket, counts)
     fs.pipe_file(f"{bucket}/ds/extra.tar.gz", b"\x1f\x8b not indexed")
-    url = f"s3://{bucket}/ds/streamdata.sdx"
+    url = f"s3://{bucket}/ds/_streamdata.sdx"
     with FaultProxy(server.endpoint_url) as proxy:
         options = {**server.storage_options, "endpoint_url": proxy.url}
         proxy.add(Fault("status", status=404, times=None,
@@ -404,7 +415,7 @@ def test_build_skips_compressed_and_resumes_after_a_failed_shard(s3):
         proxy.reset_counters()
         with pytest.warns(UserWarning, match="compressed"):
             assert sdx.build_index(f"s3://{bucket}/ds/", options, progress=False) == url
-        assert _gets(proxy) == ["shard-005.tar", "streamdata.sdx"]  # the index, and the one shard left
+        assert _gets(proxy) == ["_streamdata.sdx", "shard-005.tar"]  # the index, and the one shard left
     found = sdx.lookup(shards, "auto", server.storage_options)
     assert found.counts.tolist() == counts
     assert [o.tolist() for o in found.offsets] == _expected(fs, shards)
@@ -415,7 +426,7 @@ def test_interrupted_build_resumes_and_stale_shards_are_read_again(s3, monkeypat
     server, bucket, fs = s3
     counts = [3, 4, 5, 6, 7, 8, 9, 10]
     shards = _upload(fs, bucket, counts)
-    url = f"s3://{bucket}/ds/streamdata.sdx"
+    url = f"s3://{bucket}/ds/_streamdata.sdx"
     monkeypatch.setattr(sdx, "SAVE_EVERY_S", 0.0)  # save after every shard
     monkeypatch.setattr(sdx, "SAVE_COST_RATIO", 0)
     seen = []
@@ -437,11 +448,11 @@ def test_interrupted_build_resumes_and_stale_shards_are_read_again(s3, monkeypat
     with FaultProxy(server.endpoint_url) as proxy:
         options = {**server.storage_options, "endpoint_url": proxy.url}
         sdx.build_index(f"s3://{bucket}/ds/shard-{{000..007}}.tar", options, progress=False)
-        assert _gets(proxy) == [f"shard-{i:03d}.tar" for i in range(3, 8)] + ["streamdata.sdx"]
+        assert _gets(proxy) == ["_streamdata.sdx"] + [f"shard-{i:03d}.tar" for i in range(3, 8)]
         fs.pipe_file(shards[6].url, tar_bytes(make_samples([1])[0]))  # shard 6 changes: stale
         proxy.reset_counters()
         sdx.build_index(f"s3://{bucket}/ds/", options, progress=False)
-        assert _gets(proxy) == ["shard-006.tar", "streamdata.sdx"]
+        assert _gets(proxy) == ["_streamdata.sdx", "shard-006.tar"]
     fresh = sd.expand_spec(f"s3://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
     assert sdx.lookup(fresh, "auto", server.storage_options).counts.tolist() == counts[:6] + [1] + counts[7:]
 
@@ -455,7 +466,7 @@ def test_build_local_equals_the_entries_made_by_hand(tmp_path, capsys):
         made.append(sdx.ShardEntry(f"s-{i}.tar", len(data), None, len(off) - 1, off))
     (tmp_path / "other.sdx").write_bytes(sdx.encode_index(made[:1]))
     out = sdx.build_index(str(tmp_path / "s-{0..2}.tar"), progress=True)
-    assert out == str(tmp_path / "streamdata.sdx")
+    assert out == str(tmp_path / "_streamdata.sdx")
     assert sdx.read_index(out) == made
     assert "indexing 3 shards" in capsys.readouterr().err  # the bar, drawn when asked for
     with pytest.raises(sd.SpecError, match="unknown option 'windw'"):
@@ -488,7 +499,7 @@ def test_gcs_etag_build_and_stale(gcs_bucket):
     shards = sd.expand_spec(f"gs://{bucket}/ds/", server.storage_options, suffixes=(".tar",))
     assert shards[0].etag and shards[0].etag == fs.info(shards[0].url)["md5Hash"]
     url = sdx.build_index(f"gs://{bucket}/ds/", server.storage_options, progress=False)
-    assert url == f"gs://{bucket}/ds/streamdata.sdx"
+    assert url == f"gs://{bucket}/ds/_streamdata.sdx"
     assert sdx.lookup(shards, "auto", server.storage_options).counts.tolist() == [3, 4]
     old = fs.cat_file(shards[1].url)
     fs.pipe_file(shards[1].url, old.replace(b"s000004", b"s000099"))  # same size, other content
@@ -506,11 +517,37 @@ def test_http_auto_lookup_and_build(tmp_path, http_server):
     assert all(s.size is None and s.etag is None for s in shards)  # HTTP is not listed
     before = len(server.requests)
     assert sdx.lookup(shards, "auto") is None  # a 404 at the default location: no index
-    assert len(server.requests) - before == 1
+    # HTTP is not listed: the old name is asked for after the new one's 404
+    assert [r[1] for r in server.requests[before:]] == ["/_streamdata.sdx", "/streamdata.sdx"]
     built = sdx.build_index(str(tmp_path / "s-{0..1}.tar"))  # local build, served over HTTP
-    assert built == str(tmp_path / "streamdata.sdx")
+    assert built == str(tmp_path / "_streamdata.sdx")
     found = sdx.lookup(shards, "auto")
-    assert found.url == server.url("streamdata.sdx") and found.counts.tolist() == [2, 5]
+    assert found.url == server.url("_streamdata.sdx") and found.counts.tolist() == [2, 5]
     signed = [sd.Shard(u + "?X-Amz-Signature=abc") for u in urls]
     before = len(server.requests)
     assert sdx.lookup(signed, "auto") is None and len(server.requests) == before  # no default location
+
+
+def test_writing_the_new_name_keeps_the_old_name_entries(tmp_path):
+    """A writer adding shards to a folder indexed under the old name (``streamdata.sdx``) writes
+    ``_streamdata.sdx`` with the old entries and its own, so the whole folder stays indexed;
+    ``build_index`` resumes from the old index without reading its shards again."""
+    for i, shard in enumerate(make_samples([3, 2, 4])):
+        (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
+    shards = sd.expand_spec(str(tmp_path / "s-{0..2}.tar"))
+    entries = [sdx.ShardEntry(s.url, s.size, None, len(o) - 1, o) for s, o in
+               zip(shards, [sdx.tar_sample_offsets([Path(s.url).read_bytes()], s.url) for s in shards],
+                   strict=True)]
+    old = str(tmp_path / sdx.LEGACY_INDEX_NAME)
+    sdx.write_index(old, entries[:2])
+    new = sdx.default_index_url([s.url for s in shards])
+    assert new == str(tmp_path / "_streamdata.sdx")
+    assert sdx.lookup(shards[:2], "auto").url == old  # only the old name: read
+    sdx.write_index(new, entries[2:])
+    assert [e.name for e in sdx.read_index(new)] == ["s-0.tar", "s-1.tar", "s-2.tar"]
+    assert sdx.lookup(shards, "auto").counts.tolist() == [3, 2, 4]
+    (tmp_path / "_streamdata.sdx").unlink()
+    read: list[str] = []
+    assert sdx.build_index(str(tmp_path / "s-{0..2}.tar"), progress=read.append) == new
+    assert [e.name for e in read] == ["s-2.tar"]  # s-0 and s-1 taken from the old index
+    assert sdx.lookup(shards, "auto").url == new

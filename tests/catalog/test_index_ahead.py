@@ -5,6 +5,7 @@ back to a serial read when it is not; against the S3 test server behind the coun
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,12 @@ def _gets(proxy: FaultProxy) -> list[str]:
 
 
 @pytest.mark.parametrize("spec, index, url", [
-    ("s3://b/d/s-{0..2}.tar", "auto", "s3://b/d/streamdata.sdx"),
-    (["s3://b/d/x/a.tar", "s3://b/d/y/b.tar"], "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/", "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/*.tar", "auto", "s3://b/d/streamdata.sdx"),
-    ("s3://b/d/s-0.tar", "auto", "s3://b/d/streamdata.sdx"),
-    ("/data/d/s-{0..1}.tar", "auto", "/data/d/streamdata.sdx"),
+    ("s3://b/d/s-{0..2}.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    (["s3://b/d/x/a.tar", "s3://b/d/y/b.tar"], "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/", "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/*.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    ("s3://b/d/s-0.tar", "auto", "s3://b/d/_streamdata.sdx"),
+    ("/data/d/s-{0..1}.tar", "auto", "/data/d/_streamdata.sdx"),
     ("s3://b/d/s-{0..2}.tar", "s3://b/other.sdx", "s3://b/other.sdx"),
     ("s3://b/d", "auto", None),  # a directory or the start of names: the listing tells
     ("s3://b/d/s-", "auto", None),
@@ -134,7 +135,7 @@ def test_no_index_is_one_404_during_the_listing(s3_bucket) -> None:
 
 
 def test_a_wrong_guess_falls_back_to_the_listed_location(s3_bucket) -> None:
-    """``d/`` whose shards all lie in ``d/sub/``: the early GET asks for ``d/streamdata.sdx``
+    """``d/`` whose shards all lie in ``d/sub/``: the early GET asks for ``d/_streamdata.sdx``
     (404), the listing says ``d/sub/``, whose index is then read and used."""
     server, bucket = s3_bucket
     sd.build_index(_put(server, bucket, "d/sub/"), server.storage_options)
@@ -146,7 +147,7 @@ def test_a_wrong_guess_falls_back_to_the_listed_location(s3_bucket) -> None:
         proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
         ds = sd.TarDataset(f"s3://{bucket}/d/", storage_options=options, decode=False)
         assert proxy.requests == {"list": 1, "get": 2}
-        assert _gets(proxy) == [f"/{bucket}/d/streamdata.sdx", f"/{bucket}/d/sub/streamdata.sdx"]
+        assert _gets(proxy) == [f"/{bucket}/d/_streamdata.sdx", f"/{bucket}/d/sub/_streamdata.sdx"]
     assert list(ds.sample_counts()) == COUNTS
 
 
@@ -169,3 +170,118 @@ def test_a_failed_listing_leaves_no_early_request_running(s3_bucket) -> None:
     _put(server, bucket, "d/")
     with pytest.raises(sd.ShardNotFoundError, match="first: .*s-3.tar"):
         sd.TarDataset(f"s3://{bucket}/d/s-{{0..9}}.tar", storage_options=server.storage_options)
+
+
+# ---------------------------------------------------------------------------- the index's two names
+
+LEGACY = "streamdata.sdx"  # the name before _streamdata.sdx: read where only it exists, never written
+
+
+def _forms(bucket: str) -> dict[str, tuple[str, bool]]:
+    """Spec forms of ``d/``'s shards, and whether their listing covers ``d/`` whole (LISTED-NAMES:
+    it then tells which index name exists; else both GETs go ahead together)."""
+    return {"brace": (f"s3://{bucket}/d/s-{{0..{len(COUNTS) - 1}}}.tar", True),
+            "directory": (f"s3://{bucket}/d/", True),
+            "glob": (f"s3://{bucket}/d/*.tar", False)}
+
+
+def _answers(proxy: FaultProxy) -> list[tuple[str, str, str]]:
+    """``(kind, object, outcome)`` in the order the proxy answered them."""
+    return [(kind, target.split("?")[0].rsplit("/", 1)[-1], outcome)
+            for kind, _, target, outcome in proxy.history]
+
+
+@pytest.mark.parametrize("form", ["brace", "directory", "glob"])
+def test_an_index_under_the_old_name_is_still_read(s3_bucket, form) -> None:
+    """A dataset indexed before the rename keeps its exact epochs. Where the listing covers the
+    directory, the old name is read after it (one GET more, for such datasets only); else both
+    names were asked for beside the listing."""
+    server, bucket = s3_bucket
+    sd.build_index(_put(server, bucket, "d/"), server.storage_options, output=f"s3://{bucket}/d/{LEGACY}")
+    spec, told = _forms(bucket)[form]
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
+        ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        assert proxy.requests == {"list": 1, "get": 2}, proxy.history
+        answers = _answers(proxy)
+        gets = [(name, outcome) for kind, name, outcome in answers if kind == "get"]
+        assert sorted(gets) == [("_streamdata.sdx", "404"), (LEGACY, "200")], proxy.history
+        last = answers[-1] if told else [a for a in answers if a[0] == "list"][-1]
+        assert last[0] == ("get" if told else "list"), proxy.history
+        assert ds._index is not None and ds._index.url == f"s3://{bucket}/d/{LEGACY}"
+        assert list(ds.sample_counts()) == COUNTS  # exact epochs, from the old index
+        assert sorted(s["__key__"] for s in ds) == sorted(s["__key__"] for shard in make_samples(COUNTS)
+                                                          for s in shard)
+
+
+@pytest.mark.parametrize("form", ["brace", "directory", "glob"])
+def test_where_both_names_exist_the_new_one_is_read(s3_bucket, form) -> None:
+    """The old index (one shard's entry only here: read, it would warn and leave no index) is not
+    used."""
+    from streamdata.catalog.index import read_index, write_index
+
+    server, bucket = s3_bucket
+    new = sd.build_index(_put(server, bucket, "d/"), server.storage_options)
+    assert new == f"s3://{bucket}/d/_streamdata.sdx"
+    write_index(f"s3://{bucket}/d/{LEGACY}", read_index(new, server.storage_options)[:1],
+                server.storage_options)
+    spec, told = _forms(bucket)[form]
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        gets = sorted(name for kind, name, _ in _answers(proxy) if kind == "get")
+        assert gets == (["_streamdata.sdx"] if told else ["_streamdata.sdx", LEGACY]), proxy.history
+    assert ds._index is not None and ds._index.url == new
+    assert list(ds.sample_counts()) == COUNTS
+
+
+@pytest.mark.parametrize("form", ["directory", "glob"])
+def test_no_index_costs_the_same_requests_as_before_the_rename(s3_bucket, form) -> None:
+    """Without an index: where the listing covers the directory, one 404 beside the listing and
+    nothing after it, as with one name; a glob's listing does not say, so both names' GETs go
+    out beside it (two 404s, still none after the listing)."""
+    server, bucket = s3_bucket
+    _put(server, bucket, "d/")
+    spec, told = _forms(bucket)[form]
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        proxy.add(Fault("hang", match="list", seconds=3.0, times=1))
+        ds = sd.TarDataset(spec, storage_options=options, decode=False)
+        answers = _answers(proxy)
+        assert (answers[-1][0], answers[-1][2]) == ("list", "200 hang"), proxy.history  # none after it
+        gets = sorted((name, outcome) for kind, name, outcome in answers if kind == "get")
+        assert gets == [("_streamdata.sdx", "404")] + ([] if told else [(LEGACY, "404")]), proxy.history
+    assert ds.sample_counts() is None
+
+
+def test_no_listing_sends_both_names_ahead(s3_bucket) -> None:
+    """``listing=False`` (NO-LISTING) lists nothing: both GETs go out at once, none after."""
+    server, bucket = s3_bucket
+    spec = _put(server, bucket, "d/")
+    sd.build_index(spec, server.storage_options, output=f"s3://{bucket}/d/{LEGACY}")
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = dict(server.storage_options, endpoint_url=proxy.url)
+        ds = sd.TarDataset(spec, storage_options=options, decode=False, listing=False)
+        assert proxy.requests == {"get": 2}, proxy.history
+    assert list(ds.sample_counts()) == COUNTS
+
+
+def test_other_tools_folder_discovery_skips_the_index(tmp_path) -> None:
+    """pyarrow's dataset discovery (as Ray Data's, Spark's: ``_`` and ``.`` prefixes skipped)
+    finds the shards and not the index; the old name it would take for a shard."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    for i, shard in enumerate(make_samples(COUNTS)):
+        (tmp_path / f"s-{i}.tar").write_bytes(tar_bytes(shard))
+    assert sd.build_index(str(tmp_path / "s-{0..2}.tar")) == str(tmp_path / "_streamdata.sdx")
+    shards = sorted(str(tmp_path / f"s-{i}.tar") for i in range(len(COUNTS)))
+    # a schema given: nothing is read, only discovered (they are not Parquet files)
+    assert sorted(pads.dataset(str(tmp_path), format="parquet", schema=pa.schema([])).files) == shards
+    (tmp_path / LEGACY).write_bytes((tmp_path / "_streamdata.sdx").read_bytes())
+    found = pads.dataset(str(tmp_path), format="parquet", schema=pa.schema([])).files
+    assert sorted(found) == sorted([*shards, str(tmp_path / LEGACY)])
+    assert [s.url for s in sd.TarDataset(str(tmp_path) + "/").shards] == shards  # neither name a shard

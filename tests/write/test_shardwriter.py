@@ -119,7 +119,7 @@ def test_compressed_writing_round_trips(s3_bucket, compress, pattern):
     _, packed = decompressed([first], "u")
     assert packed and first[:2] in (b"\x1f\x8b", b"\x28\xb5")
     assert sorted(read_all(f"s3://{bucket}/", options)) == [f"k{n:05d}" for n in range(20)]
-    assert "streamdata.sdx" not in objects(fs, bucket)  # compressed shards: no offsets index
+    assert "_streamdata.sdx" not in objects(fs, bucket)  # compressed shards: no offsets index
 
 
 def test_close_raises_naming_the_url_when_the_bucket_does_not_exist(s3_server):
@@ -223,14 +223,14 @@ def test_the_writers_index_equals_build_index(s3_bucket):
                         index=False) as silent:
         for n in range(20):
             silent.write({**make_sample(n), "__key__": f"{long_key}{n:03d}" if n % 5 == 0 else f"k{n:05d}"})
-    assert read_index(f"s3://{bucket}/noidx/streamdata.sdx", options) is None
+    assert read_index(f"s3://{bucket}/noidx/_streamdata.sdx", options) is None
     assert [e.samples for e in silent.entries] == [7, 7, 6]
     # a second writer into the same directory: its shards join the index
     with sd.ShardWriter(f"s3://{bucket}/idx/part-%03d.tar", maxcount=7, start_shard=3,
                         storage_options=options) as second:
         for n in range(20, 25):
             second.write(make_sample(n))
-    ours = read_index(f"s3://{bucket}/idx/streamdata.sdx", options)
+    ours = read_index(f"s3://{bucket}/idx/_streamdata.sdx", options)
     built = build_index(f"s3://{bucket}/idx/", options, output=f"s3://{bucket}/built.sdx", progress=False)
     theirs = read_index(built, options)
     assert [e.name for e in ours] == [f"part-{i:03d}.tar" for i in range(4)]
@@ -292,8 +292,8 @@ def test_round_trip_over_gcs_with_the_index(gcs_bucket, publish):
     import gcsfs
 
     fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
-    assert sorted(objects(fs, f"{bucket}/g")) == ["part-000.tar", "part-001.tar", "part-002.tar",
-                                                  "streamdata.sdx"]
+    assert sorted(objects(fs, f"{bucket}/g")) == ["_streamdata.sdx", "part-000.tar", "part-001.tar",
+                                                  "part-002.tar"]
     ds = sd.TarDataset(f"gs://{bucket}/g/", storage_options=options)
     assert ds.sample_counts().tolist() == [4, 4, 2]  # the writer's index, found and not stale
     assert sorted(read_all(f"gs://{bucket}/g/", options)) == [f"k{n:05d}" for n in range(10)]
