@@ -13,18 +13,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from streamdata.catalog.footers import read_footers, with_sizes
+from streamdata.catalog.index import default_index_url, entry_name, write_object
 from streamdata.catalog.specs import listing_deadline
 from streamdata.config import FetchConfig
 from streamdata.errors import FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
-from streamdata.formats.tokens import MegatronIndex, parse_idx, tar_token_counts, token_dtype
+from streamdata.formats.tokens import (
+    MegatronIndex,
+    TarCounts,
+    decode_tar_counts,
+    encode_tar_counts,
+    parse_idx,
+    tar_token_counts,
+    token_dtype,
+)
 from streamdata.policy import ErrorPolicy
 from streamdata.progress import progress
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import Shard
 
-__all__ = ["SIDECAR", "count_tar_tokens", "idx_url", "read_indexes", "sidecar_dtype"]
+__all__ = ["COUNTS_NAME", "SIDECAR", "count_tar_tokens", "default_counts_url", "idx_url", "read_indexes",
+           "save_tar_counts", "sidecar_dtype"]
+
+COUNTS_NAME = "streamdata.tokens.npz"  # a tar corpus's counts, beside its shards (save_tar_counts)
 
 SIDECAR = "tokens.json"  # beside flat .bin files: {"dtype": "uint16"}
 
@@ -96,22 +108,64 @@ def sidecar_dtype(shards: Sequence[Shard], storage_options: dict, config: FetchC
     return next(iter(dtypes.values()))
 
 
+def default_counts_url(shards: Sequence[Shard]) -> str | None:
+    """Where a tar corpus's counts are kept by default: ``streamdata.tokens.npz`` in the shards'
+    longest common directory (``None`` where they share none)."""
+    try:
+        return default_index_url([s.url for s in shards]).rsplit("/", 1)[0] + "/" + COUNTS_NAME
+    except SpecError:
+        return None
+
+
+def _fresh(url: str, field: str, shards: Sequence[Shard], storage_options: dict, config: FetchConfig
+           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The counts in the file at ``url`` (if any, of ``field``) of the shards whose size and
+    ETag still match."""
+    data = _read_small(url, storage_options, config)
+    if data is None:
+        return {}
+    kept_field, entries = decode_tar_counts(data, url)
+    if kept_field != field:
+        return {}
+    by_name = {e.name: e for e in entries}
+    out = {}
+    for s in shards:
+        e = by_name.get(entry_name(url, s.url)) or by_name.get(s.url)
+        if e is not None and e.size == s.size and (not (s.etag and e.etag) or s.etag == e.etag):
+            out[s.url] = (e.counts, e.offsets)
+    return out
+
+
+def save_tar_counts(url: str, field: str, shards: Sequence[Shard],
+                    counted: Sequence[tuple[np.ndarray, np.ndarray]], storage_options: dict,
+                    config: FetchConfig) -> None:
+    """The counting pass's results for ``shards`` kept at ``url`` (``encode_tar_counts``), so
+    that later jobs count only shards that are new or changed."""
+    entries = [TarCounts(entry_name(url, s.url), _size(s), s.etag, c, o)
+               for s, (c, o) in zip(shards, counted, strict=True)]
+    write_object(url, encode_tar_counts(field, entries), storage_options, config,
+                 what="write the token counts")
+
+
 def count_tar_tokens(shards: Sequence[Shard], field: str, storage_options: dict, config: FetchConfig, *,
-                     show: bool | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+                     show: bool | None = None, counts_url: str | None = None
+                     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Each tar shard's tokens per sample (its ``field``'s ``.npy`` header) and its samples'
-    ``samples + 1`` byte offsets: a counting pass on rank 0 that reads every shard once,
-    whole, through the prefetcher (a bar of bytes on stderr when it is a terminal, or ``show``)."""
-    def count() -> list[tuple[np.ndarray, np.ndarray]]:
-        out = []
-        total = sum(_size(s) for s in shards)
-        bar = progress(total, desc=f"counting tokens in {len(shards)} shards", unit="B", unit_scale=True,
-                       enabled=show)
-        with bar, Prefetcher(list(shards), dict(storage_options), config) as fetcher:
-            for shard, reader in zip(shards, fetcher, strict=True):
+    ``samples + 1`` byte offsets, and how many shards were read for it: on rank 0, the counts
+    kept at ``counts_url`` (``save_tar_counts``) for shards whose size and ETag still match,
+    and a counting pass that reads each other shard once, whole, through the prefetcher (a bar
+    of bytes on stderr when it is a terminal, or ``show``)."""
+    def count() -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        known = {} if counts_url is None else _fresh(counts_url, field, shards, storage_options, config)
+        todo = [s for s in shards if s.url not in known]
+        bar = progress(sum(_size(s) for s in todo), desc=f"counting tokens in {len(todo)} shards", unit="B",
+                       unit_scale=True, enabled=show if todo else False)
+        with bar, Prefetcher(todo, dict(storage_options), config) as fetcher:
+            for shard, reader in zip(todo, fetcher, strict=True):
                 with contextlib.closing(reader.chunks()) as chunks:
                     data = b"".join(chunks)
                 bar.update(len(data))
-                out.append(tar_token_counts(data, shard.url, field))
-        return out
+                known[shard.url] = tar_token_counts(data, shard.url, field)
+        return [known[s.url] for s in shards], len(todo)
 
     return from_rank0(count)

@@ -30,7 +30,14 @@ from streamdata.batch.batches import batches
 from streamdata.batch.tokens import pack
 from streamdata.catalog.footers import read_footers, with_sizes
 from streamdata.catalog.specs import Spec
-from streamdata.catalog.tokens import SIDECAR, count_tar_tokens, read_indexes, sidecar_dtype
+from streamdata.catalog.tokens import (
+    SIDECAR,
+    count_tar_tokens,
+    default_counts_url,
+    read_indexes,
+    save_tar_counts,
+    sidecar_dtype,
+)
 from streamdata.datasets.passes import EpochIterator, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.plan import SampleSlice
@@ -82,7 +89,9 @@ class TokenDataset(ShardedDataset):
     The source: ``column=`` a Parquet list column of integer token ids (one row, one document);
     ``field=`` tar shards, each sample's ``field`` (e.g. ``"npy"``) a 1-D integer ``.npy`` (one
     sample, one document; counted by reading each shard once in the constructor, on rank 0,
-    with a bar on stderr when it is a terminal or ``progress=True``); else ``.bin`` files:
+    with a bar on stderr when it is a terminal or ``progress=True``; ``save_counts()`` keeps the
+    counts for later jobs, which read them from ``counts``: ``"auto"``, beside the shards, or a
+    URL, or ``None``: count always); else ``.bin`` files:
     ``dtype=`` flat token arrays (one file, one document), or, without ``dtype``, flat arrays of
     the dtype that a ``tokens.json`` (``{"dtype": "uint16"}``) beside them names, or else (or with
     ``idx=True``) Megatron ``.bin`` + ``.idx`` pairs. ``bos_id`` / ``eos_id``:
@@ -102,7 +111,8 @@ class TokenDataset(ShardedDataset):
                  targets: bool = False, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
                  sep_id: int | None = None, packing: str = "concat", footer_bytes: int = 64 * 1024,
-                 field: str | None = None, progress: bool | None = None, **options: Any) -> None:
+                 field: str | None = None, progress: bool | None = None, counts: str | None = "auto",
+                 **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
         if partial not in PARTIAL:
@@ -130,6 +140,9 @@ class TokenDataset(ShardedDataset):
         self.column = column
         self.field = None if field is None else field.lower()  # (tar field names are read lower-case)
         self.progress = progress
+        self._counts_option = counts
+        self.counted_shards = 0  # tar shards this constructor's counting pass read
+        self._tar_counts: list[tuple[np.ndarray, np.ndarray]] = []
         self._sniff = dtype is None and idx is None  # .idx or tokens.json: whichever is there
         self.dtype = None if dtype is None else token_dtype(dtype)
         self.seq_len, self.width = seq_len, seq_len + int(bool(targets))
@@ -193,9 +206,11 @@ class TokenDataset(ShardedDataset):
                 add(shard.url, size, -1, n, np.array([n], np.int64), 1)
         elif self.layout == "tar":
             assert self.field is not None
-            counted = count_tar_tokens(self.shards, self.field, self.storage_options, self.fetch_config,
-                                       show=self.progress)
-            for shard, (counts, offsets) in zip(self.shards, counted, strict=True):
+            url = default_counts_url(self.shards) if self._counts_option == "auto" else self._counts_option
+            self._tar_counts, self.counted_shards = count_tar_tokens(
+                self.shards, self.field, self.storage_options, self.fetch_config, show=self.progress,
+                counts_url=url)
+            for shard, (counts, offsets) in zip(self.shards, self._tar_counts, strict=True):
                 self._offsets[shard.url] = offsets
                 add(shard.url, _size(shard), -1, int(counts.sum()), counts, len(counts))
         elif self.layout == "idx":
@@ -248,6 +263,22 @@ class TokenDataset(ShardedDataset):
             raise SpecError(f"column {self.column!r} of {redact_url(url)} is {kind}, not a list of integer "
                             "token ids (e.g. list<int32>)")
         return leaves[0]
+
+    def save_counts(self, url: str | None = None) -> str:
+        """Keep a tar corpus's counts (what the constructor's counting pass found) at ``url``
+        (default: ``streamdata.tokens.npz`` in the shards' common directory), so that later
+        constructors (``counts="auto"`` or that URL) read only shards that are new or changed
+        (size or ETag); returns the URL written. Call it on one rank."""
+        if self.layout != "tar":
+            raise SpecError("save_counts keeps the counts of tar shards (field=); the other layouts' "
+                            "counts are metadata already")
+        url = url or default_counts_url(self.shards)
+        if url is None:
+            raise SpecError("the shards share no directory: pass save_counts the counts file's URL")
+        assert self.field is not None
+        save_tar_counts(url, self.field, self.shards, self._tar_counts, self.storage_options,
+                        self.fetch_config)
+        return url
 
     # ---- what ShardedDataset asks ----------------------------------------------------------
 

@@ -21,6 +21,7 @@ are these sequences, which the ``.bin`` holds back to back.
 from __future__ import annotations
 
 import io
+import json
 import struct
 from typing import NamedTuple
 
@@ -31,8 +32,9 @@ from streamdata.errors import FormatError, SpecError
 from streamdata.formats.tar import sample_offsets, samples_from_chunks
 from streamdata.redact import redact_url
 
-__all__ = ["IDX_MAGIC", "MegatronIndex", "idx_bytes", "npy_tokens", "parse_idx", "tar_token_counts",
-           "tar_tokens", "token_dtype", "tokens_of"]
+__all__ = ["COUNTS_FORMAT", "IDX_MAGIC", "MegatronIndex", "TarCounts", "decode_tar_counts",
+           "encode_tar_counts", "idx_bytes", "npy_tokens", "parse_idx", "tar_token_counts", "tar_tokens",
+           "token_dtype", "tokens_of"]
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 _HEAD = struct.Struct("<9sQBQQ")
@@ -195,3 +197,55 @@ def tar_tokens(data: bytes, url: str, field: str, counts: np.ndarray) -> np.ndar
         raise FormatError(f"{redact_url(url)} changed after its tokens were counted: samples of "
                           f"{got[:8]} tokens where the count said {counts[:8].tolist()}", url=url, key=field)
     return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, np.int64)
+
+
+# ---- a tar corpus's counts, kept between jobs --------------------------------------------------
+
+COUNTS_FORMAT = "streamdata-token-counts"
+
+
+class TarCounts(NamedTuple):
+    """A tar shard's counting pass: its name (relative to the counts file's directory, or a URL),
+    size and ETag when counted, tokens per sample, and the samples' ``samples + 1`` offsets."""
+
+    name: str
+    size: int
+    etag: str | None
+    counts: np.ndarray
+    offsets: np.ndarray
+
+
+def encode_tar_counts(field: str, entries: list[TarCounts]) -> bytes:
+    """A counts file (an ``.npz`` without pickles): a JSON header (format, version, field, each
+    shard's name, size, ETag, samples), then every shard's counts and offsets, concatenated."""
+    header = {"format": COUNTS_FORMAT, "version": 1, "field": field,
+              "shards": [{"name": e.name, "size": int(e.size), "etag": e.etag, "samples": len(e.counts)}
+                         for e in entries]}
+    out = io.BytesIO()
+    np.savez(out, header=np.frombuffer(json.dumps(header).encode(), np.uint8),
+             counts=np.concatenate([e.counts for e in entries] or [np.zeros(0)]).astype("<i8"),
+             offsets=np.concatenate([e.offsets for e in entries] or [np.zeros(0)]).astype("<i8"))
+    return out.getvalue()
+
+
+def decode_tar_counts(data: bytes, url: str) -> tuple[str, list[TarCounts]]:
+    """The field and entries of a counts file; anything malformed is a FormatError naming it."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            header = json.loads(z["header"].tobytes())
+            counts, offsets = z["counts"], z["offsets"]
+        if header["format"] != COUNTS_FORMAT or header["version"] != 1:
+            raise ValueError(f"format {header['format']!r} version {header['version']!r}")
+        shards = header["shards"]
+        samples = [int(sh["samples"]) for sh in shards]
+        if len(counts) != sum(samples) or len(offsets) != sum(samples) + len(samples):
+            raise ValueError("arrays shorter or longer than the header says")
+        entries, a, b = [], 0, 0
+        for sh, n in zip(shards, samples, strict=True):
+            entries.append(TarCounts(str(sh["name"]), int(sh["size"]), sh["etag"], counts[a:a + n],
+                                     offsets[b:b + n + 1]))
+            a, b = a + n, b + n + 1
+        return str(header["field"]), entries
+    except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
+        raise FormatError(f"{redact_url(url)} is not a usable token counts file ({type(exc).__name__}: "
+                          f"{exc}): delete it and save the counts again", url=url) from None

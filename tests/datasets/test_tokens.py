@@ -357,12 +357,12 @@ def test_a_mix_of_token_sources_resumes_exactly(tmp_path, old, new):
         assert mine + sum(m.counts[f"mix.undelivered.{k}"] for m in mixes) == total
 
 
-@pytest.mark.parametrize("layout", ["idx", "parquet"])
+@pytest.mark.parametrize("layout", ["idx", "parquet", "tar"])
 def test_over_http_every_token_once(http_server, tmp_path, layout):
     """Over HTTP (sizes by HEAD, ranged GETs): the same sequences as from the local files."""
     spec, kw, _ = _corpus(tmp_path, layout)
     server = http_server(tmp_path / layout)
-    suffix = "parquet" if layout == "parquet" else "bin"
+    suffix = {"parquet": "parquet", "tar": "tar"}.get(layout, "bin")
     names = [p.name for p in sorted((tmp_path / layout).glob(f"*.{suffix}"))]
     url = server.endpoint_url + "/{" + ",".join(names) + "}"
     opts = dict(seq_len=5, batch_size=2, shuffle=True, seed=2, bos_id=BOS, **kw)
@@ -555,3 +555,48 @@ def test_sidecars_that_disagree(tmp_path):
         (tmp_path / name / "tokens.json").write_text(json.dumps({"dtype": dtype}))
     with pytest.raises(sd.SpecError, match="disagree"):
         sd.TokenDataset([str(tmp_path / "a" / "x.bin"), str(tmp_path / "b" / "x.bin")], seq_len=4)
+
+
+def test_a_tar_corpus_counts_kept_between_jobs(tmp_path):
+    """save_counts() keeps the pass's counts; a later constructor reads only new or changed shards
+    and yields the same sequences; a corrupt counts file is a FormatError naming it."""
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    first = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert first.counted_shards == len(DOCS)
+    want = [s for b in first for s in _delivered(b)]
+    url = first.save_counts()
+    assert url.endswith("tar/streamdata.tokens.npz")
+    again = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert again.counted_shards == 0
+    assert [s for b in again for s in _delivered(b)] == want
+    # a changed shard (its size: a local file has no ETag) is counted again, the others not
+    _write_tar(tmp_path / "tar" / "part-1.tar", [(f"n{k:02d}", {"npy": _npy(np.arange(10) + 5000)})
+                                                 for k in range(30)])
+    changed = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert changed.counted_shards == 1 and changed.num_tokens == first.num_tokens - 40 + 300
+    assert sd.TokenDataset(spec, seq_len=4, counts=None, **kw).counted_shards == len(DOCS)
+    (tmp_path / "tar" / "streamdata.tokens.npz").write_bytes(b"PK not really")
+    with pytest.raises(sd.FormatError, match="streamdata.tokens.npz is not a usable token counts file"):
+        sd.TokenDataset(spec, seq_len=4, **kw)
+
+
+def test_a_tar_corpus_on_s3_with_kept_counts(s3_bucket, tmp_path):
+    """Over S3 (ETags): the local epoch's sequences on 2 ranks x 2 workers; the counts kept
+    beside the shards are read by the next constructor instead of the shards."""
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    for path in sorted((tmp_path / "tar").iterdir()):
+        fs.pipe_file(f"{bucket}/tok/{path.name}", path.read_bytes())
+    opts = dict(seq_len=7, batch_size=2, shuffle=True, seed=1, eos_id=EOS, **kw)
+    local = sorted(tuple(s) for b in sd.TokenDataset(spec, **opts) for s in b["input_ids"].tolist())
+    remote = sd.TokenDataset(f"s3://{bucket}/tok/", storage_options=server.storage_options, **opts)
+    assert remote.counted_shards == len(DOCS)
+    assert remote.save_counts() == f"s3://{bucket}/tok/streamdata.tokens.npz"
+    again = sd.TokenDataset(f"s3://{bucket}/tok/", storage_options=server.storage_options, **opts)
+    assert again.counted_shards == 0
+    per_rank = _epoch(again, 2, 2)
+    assert len({len(b) for b in per_rank}) == 1
+    assert sorted(tuple(s) for r in per_rank for b in r for s in b["input_ids"].tolist()) == local
