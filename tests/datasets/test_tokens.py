@@ -600,3 +600,15 @@ def test_a_tar_corpus_on_s3_with_kept_counts(s3_bucket, tmp_path):
     per_rank = _epoch(again, 2, 2)
     assert len({len(b) for b in per_rank}) == 1
     assert sorted(tuple(s) for r in per_rank for b in r for s in b["input_ids"].tolist()) == local
+
+
+def test_the_index_command_keeps_a_tar_corpus_counts(tmp_path, capsys):
+    from streamdata.cli import main
+
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    assert main(["index", spec, "--tokens", "npy", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    total = sum(map(sum, DOCS))
+    assert f"streamdata.tokens.npz: {total} tokens in 5 shards ({len(DOCS)} counted now)" in out
+    ds = sd.TokenDataset(spec, seq_len=4, **kw)
+    assert ds.counted_shards == 0 and ds.num_tokens == total
