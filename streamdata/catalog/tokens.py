@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import posixpath
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ from streamdata.catalog.footers import read_footers, with_sizes
 from streamdata.catalog.index import default_index_url, entry_name, write_object
 from streamdata.catalog.specs import listing_deadline
 from streamdata.config import FetchConfig
-from streamdata.errors import FormatError, ShardNotFoundError, SpecError
+from streamdata.errors import AccessDeniedError, FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
 from streamdata.formats.tokens import (
     MegatronIndex,
@@ -65,14 +66,23 @@ def read_indexes(shards: Sequence[Shard], storage_options: dict, config: FetchCo
     return [parse_idx(data[idx_url(s.url)], idx_url(s.url), s.url, _size(s)) for s in shards]
 
 
-def _read_small(url: str, storage_options: dict, config: FetchConfig) -> bytes | None:
-    """A small object's bytes (one GET, no HEAD first), ``None`` when there is none."""
+def _read_small(url: str, storage_options: dict, config: FetchConfig, *, looked_up: bool = True
+                ) -> bytes | None:
+    """A small object's bytes (one GET, no HEAD first), ``None`` when there is none; one
+    ``looked_up`` on the user's behalf is also ``None`` (with a warning) where access is denied:
+    S3 answers 403, not 404, for a missing key to a caller without s3:ListBucket."""
     config = config.replace(retry_deadline=listing_deadline(config), cache_dir=None)
     try:
         with Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options), config) as fetcher:
             return next(iter(fetcher)).read()
     except ShardNotFoundError as exc:
         exc.with_traceback(None)
+        return None
+    except AccessDeniedError as exc:
+        if not looked_up:
+            raise
+        warnings.warn(f"could not read {redact_url(url)} (access denied: {exc.message[:200]}); "
+                      "reading without it", stacklevel=2)
         return None
 
 
@@ -117,13 +127,18 @@ def default_counts_url(shards: Sequence[Shard]) -> str | None:
         return None
 
 
-def _fresh(url: str, field: str, shards: Sequence[Shard], storage_options: dict, config: FetchConfig
-           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The counts in the file at ``url`` (if any, of ``field``) of the shards whose size and
-    ETag still match."""
-    data = _read_small(url, storage_options, config)
+def _fresh(url: str, field: str, shards: Sequence[Shard], storage_options: dict, config: FetchConfig,
+           auto: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The counts in the file at ``url`` (of ``field``) of the shards whose size and ETag still
+    match; none where there is no file at the default location (``auto``), a SpecError at a
+    location the user named."""
+    data = _read_small(url, storage_options, config, looked_up=auto)
     if data is None:
-        return {}
+        if auto:
+            return {}
+        raise SpecError(f"no token counts at {redact_url(url)}: write them there with "
+                        "ds.save_counts(url) (or `streamdata index SPEC --tokens FIELD`), or pass "
+                        "counts='auto' (beside the shards) or counts=None")
     kept_field, entries = decode_tar_counts(data, url)
     if kept_field != field:
         return {}
@@ -148,15 +163,16 @@ def save_tar_counts(url: str, field: str, shards: Sequence[Shard],
 
 
 def count_tar_tokens(shards: Sequence[Shard], field: str, storage_options: dict, config: FetchConfig, *,
-                     show: bool | None = None, counts_url: str | None = None
+                     show: bool | None = None, counts_url: str | None = None, auto: bool = True
                      ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Each tar shard's tokens per sample (its ``field``'s ``.npy`` header) and its samples'
     ``samples + 1`` byte offsets, and how many shards were read for it: on rank 0, the counts
     kept at ``counts_url`` (``save_tar_counts``) for shards whose size and ETag still match,
     and a counting pass that reads each other shard once, whole, through the prefetcher (a bar
-    of bytes on stderr when it is a terminal, or ``show``)."""
+    of bytes on stderr when it is a terminal, or ``show``). ``auto``: ``counts_url`` is the
+    default location (a file missing there is no error)."""
     def count() -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-        known = {} if counts_url is None else _fresh(counts_url, field, shards, storage_options, config)
+        known = {} if counts_url is None else _fresh(counts_url, field, shards, storage_options, config, auto)
         todo = [s for s in shards if s.url not in known]
         bar = progress(sum(_size(s) for s in todo), desc=f"counting tokens in {len(todo)} shards", unit="B",
                        unit_scale=True, enabled=show if todo else False)

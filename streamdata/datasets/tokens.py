@@ -209,7 +209,7 @@ class TokenDataset(ShardedDataset):
             url = default_counts_url(self.shards) if self._counts_option == "auto" else self._counts_option
             self._tar_counts, self.counted_shards = count_tar_tokens(
                 self.shards, self.field, self.storage_options, self.fetch_config, show=self.progress,
-                counts_url=url)
+                counts_url=url, auto=self._counts_option == "auto")
             for shard, (counts, offsets) in zip(self.shards, self._tar_counts, strict=True):
                 self._offsets[shard.url] = offsets
                 add(shard.url, _size(shard), -1, int(counts.sum()), counts, len(counts))

@@ -575,6 +575,10 @@ def test_a_tar_corpus_counts_kept_between_jobs(tmp_path):
     changed = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
     assert changed.counted_shards == 1 and changed.num_tokens == first.num_tokens - 40 + 300
     assert sd.TokenDataset(spec, seq_len=4, counts=None, **kw).counted_shards == len(DOCS)
+    with pytest.raises(sd.SpecError, match="no token counts at .*elsewhere.npz: write them there"):
+        sd.TokenDataset(spec, seq_len=4, counts=str(tmp_path / "elsewhere.npz"), **kw)
+    assert changed.save_counts(str(tmp_path / "elsewhere.npz")) == str(tmp_path / "elsewhere.npz")
+    assert sd.TokenDataset(spec, seq_len=4, counts=str(tmp_path / "elsewhere.npz"), **kw).counted_shards == 0
     (tmp_path / "tar" / "streamdata.tokens.npz").write_bytes(b"PK not really")
     with pytest.raises(sd.FormatError, match="streamdata.tokens.npz is not a usable token counts file"):
         sd.TokenDataset(spec, seq_len=4, **kw)
