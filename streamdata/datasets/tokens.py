@@ -184,8 +184,8 @@ class TokenDataset(ShardedDataset):
         def add(url: str, size: int, index: int, tokens: int, lengths: np.ndarray | None,
                 n_docs: int) -> None:
             nonlocal docs
-            if tokens + n_docs * self.specials == 0 or (tokens == 0 and index < 0):
-                return  # nothing in the stream (an empty .bin holds no documents)
+            if tokens + n_docs * self.specials == 0 or (tokens == 0 and index < 0 and self.layout != "tar"):
+                return  # nothing in the stream (an empty .bin holds no documents; a tar's empty samples do)
             units.append(TokenUnit(url, size, index, n_docs, tokens, docs, len(units)))
             self._lengths.append(lengths)
             docs += n_docs

@@ -616,3 +616,12 @@ def test_the_index_command_keeps_a_tar_corpus_counts(tmp_path, capsys):
     assert f"streamdata.tokens.npz: {total} tokens in 5 shards ({len(DOCS)} counted now)" in out
     ds = sd.TokenDataset(spec, seq_len=4, **kw)
     assert ds.counted_shards == 0 and ds.num_tokens == total
+
+
+def test_a_tar_of_empty_samples_still_has_its_documents(tmp_path):
+    """A shard whose samples hold no tokens still puts each one's bos/eos in the stream."""
+    _write_tar(tmp_path / "a.tar", [("k0", {"npy": _npy(np.zeros(0, np.int32))}),
+                                    ("k1", {"npy": _npy(np.zeros(0, np.int32))})])
+    _write_tar(tmp_path / "b.tar", [("k2", {"npy": _npy(np.array([7, 8], np.int32))})])
+    ds = sd.TokenDataset(str(tmp_path) + "/", seq_len=4, field="npy", bos_id=1, eos_id=2, partial="pad")
+    assert [b["input_ids"].tolist() for b in ds] == [[1, 2, 1, 2], [1, 7, 8, 2]]
