@@ -4,6 +4,7 @@ cu_seqlens flatten for a variable-length kernel."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import s3_environment
+from tests.helpers import s3_environment, tar_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES, TOKENS = 4, 2_600  # tokens per flat .bin: 160 sequences of 65, 20 steps of 8
@@ -43,7 +44,19 @@ def corpus(s3_server):
         ids = rng.integers(200, 500, lengths.sum()).astype(np.uint16)  # (apart from the flat corpus: 3..99)
         fs.pipe_file(f"corpus/megatron/part-{i}.bin", ids.tobytes())
         fs.pipe_file(f"corpus/megatron/part-{i}.idx", idx_bytes(lengths, np.uint16))
+    for i in range(3):  # tar shards of .npy fields: 20 documents each, ids 600..699
+        samples = [(f"d{i}-{k:02d}", rng.integers(600, 700, rng.integers(5, 60))) for k in range(20)]
+        fs.pipe_file(f"corpus/npy/part-{i}.tar", tar_bytes(
+            [{"__key__": key, "npy": _npy(ids.astype(np.uint32)), "txt": b"x"} for key, ids in samples]))
+        fs.pipe_file(f"corpus/flat/part-{i}.bin", rng.integers(700, 800, 1000).astype(np.uint16).tobytes())
+    fs.pipe_file("corpus/flat/tokens.json", json.dumps({"dtype": "uint16"}).encode())
     return s3_server
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 @pytest.fixture
@@ -81,7 +94,8 @@ def test_the_docs_training_loop_runs(aws):
 
 
 def test_the_docs_recipes_run(aws):
-    _, varlen, mix = _blocks(ROOT / "docs" / "tokens.md")
+    varlen, mix = _blocks(ROOT / "docs" / "tokens.md", "## Packing")[0], _blocks(ROOT / "docs" / "tokens.md",
+                                                                                "## Mixing corpora")[0]
     ns = _run(varlen)
     assert int(ns["cu"][-1]) == 4 * 32 and len(ns["cu"]) > 5  # documents in the sequences
     batches = _run(mix)["batches"]
@@ -104,3 +118,15 @@ def test_the_tokens_benchmark_runs(tmp_path, capsys):
     assert [r["delay_ms"] for r in report["results"]] == [0, 100]
     assert all(r["vs_whole-file_median"] > 0 for r in report["results"])
     assert len(report["rss_after_epoch"]) == 2
+
+
+def test_the_docs_tar_recipe_runs(aws):
+    (code,) = _blocks(ROOT / "docs" / "tokens.md", "### Tar shards of `.npy` tokens")
+    ns = _run(code)
+    ds, batches = ns["ds"], ns["batches"]
+    rows = [r for b in batches for r in b["input_ids"].tolist()]
+    assert len(rows) == ds.num_sequences == ds.num_tokens // 32 and all(len(r) == 32 for r in rows)
+    ids = [t for r in rows for t in r]
+    assert set(ids) - {0} <= set(range(600, 700)) and ids.count(0) >= 60 - 2  # a document's eos each
+    flat = ns["flat"]
+    assert flat.layout == "bin" and flat.num_tokens == 3000

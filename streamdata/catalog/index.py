@@ -54,7 +54,7 @@ from streamdata.store.urls import Shard, split_url
 __all__ = ["INDEX_NAME", "INDEX_NAMES", "LEGACY_INDEX_NAME", "IndexedShards", "ShardEntry", "build_index",
            "decode_index", "default_index_url", "encode_index", "entry_name", "find_index", "index_entries",
            "index_status", "legacy_index_url", "lookup", "open_index", "read_index", "tar_sample_offsets",
-           "write_index"]
+           "write_index", "write_object"]
 
 INDEX_NAME = "_streamdata.sdx"  # "_": skipped by other tools' reads of the folder
 LEGACY_INDEX_NAME = "streamdata.sdx"  # the name before: read, never written
@@ -201,22 +201,29 @@ def write_index(url: str, entries: Iterable[ShardEntry], storage_options: Mappin
     elif merge:
         old = read_index(url, storage_options, config) or []
     merged = {**{e.name: e for e in old if e.offsets is not None}, **new}
-    data = encode_index([merged[name] for name in sorted(merged)])
+    write_object(url, encode_index([merged[name] for name in sorted(merged)]), storage_options, config,
+                 what="write the sample index")
+
+
+def write_object(url: str, data: bytes, storage_options: Mapping[str, Any] | None, config: FetchConfig, *,
+                 what: str) -> None:
+    """``data`` at ``url``, written to a temporary key, then moved over ``url``: a reader sees
+    the old object or the new one, never half of one."""
     fs, path = _fs(url, storage_options, config)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         if split_url(url)[0] == "file":
             fs.makedirs(posixpath.dirname(path) or ".", exist_ok=True)
-        _call(fs, url, config, "pipe_file", tmp, data, what="write the sample index")
+        _call(fs, url, config, "pipe_file", tmp, data, what=what)
         if getattr(fs, "async_impl", False) and not hasattr(fs, "_mv"):  # s3fs: copy (atomic), delete
-            _call(fs, url, config, "cp_file", tmp, path, what="write the sample index")
-            _call(fs, url, config, "rm_file", tmp, what="write the sample index")
+            _call(fs, url, config, "cp_file", tmp, path, what=what)
+            _call(fs, url, config, "rm_file", tmp, what=what)
         else:
-            _call(fs, url, config, "mv", tmp, path, what="write the sample index")
+            _call(fs, url, config, "mv", tmp, path, what=what)
     except StreamDataError:
         raise
     except Exception as exc:
-        raise translate_error(exc, url, "write the sample index") from None
+        raise translate_error(exc, url, what) from None
     finally:
         close_filesystem(fs)
 

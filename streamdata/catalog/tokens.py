@@ -1,20 +1,45 @@
-"""Token files' counts before any reader starts: each ``.bin``'s Megatron ``.idx``, read whole,
-once per job on rank 0 (LIST-ONCE), and checked against its ``.bin``'s listed size."""
+"""Token files' counts before any reader starts, once per job on rank 0 (LIST-ONCE): each
+``.bin``'s Megatron ``.idx``, read whole and checked against its ``.bin``'s listed size; a flat
+``.bin``'s dtype from the ``tokens.json`` beside it; a tar shard's tokens per sample, from a
+counting pass that reads each shard once (its ``.npy`` headers)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import posixpath
+import warnings
 from collections.abc import Sequence
 
+import numpy as np
+
 from streamdata.catalog.footers import read_footers, with_sizes
+from streamdata.catalog.index import default_index_url, entry_name, write_object
+from streamdata.catalog.specs import listing_deadline
 from streamdata.config import FetchConfig
-from streamdata.errors import SpecError
-from streamdata.formats.tokens import MegatronIndex, parse_idx
+from streamdata.errors import AccessDeniedError, FormatError, ShardNotFoundError, SpecError
+from streamdata.fetch.prefetcher import FetchItem, Prefetcher
+from streamdata.formats.tokens import (
+    MegatronIndex,
+    TarCounts,
+    decode_tar_counts,
+    encode_tar_counts,
+    parse_idx,
+    tar_token_counts,
+    token_dtype,
+)
 from streamdata.policy import ErrorPolicy
+from streamdata.progress import progress
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import Shard
 
-__all__ = ["idx_url", "read_indexes"]
+__all__ = ["COUNTS_NAME", "SIDECAR", "count_tar_tokens", "default_counts_url", "idx_url", "read_indexes",
+           "save_tar_counts", "sidecar_dtype"]
+
+COUNTS_NAME = "_streamdata.tokens.npz"  # a tar corpus's counts, beside its shards (save_tar_counts)
+
+SIDECAR = "tokens.json"  # beside flat .bin files: {"dtype": "uint16"}
 
 
 def idx_url(bin_url: str) -> str:
@@ -39,3 +64,124 @@ def read_indexes(shards: Sequence[Shard], storage_options: dict, config: FetchCo
 
     data = from_rank0(read)
     return [parse_idx(data[idx_url(s.url)], idx_url(s.url), s.url, _size(s)) for s in shards]
+
+
+def _read_small(url: str, storage_options: dict, config: FetchConfig, *, looked_up: bool = True
+                ) -> bytes | None:
+    """A small object's bytes (one GET, no HEAD first), ``None`` when there is none; one
+    ``looked_up`` on the user's behalf is also ``None`` (with a warning) where access is denied:
+    S3 answers 403, not 404, for a missing key to a caller without s3:ListBucket."""
+    config = config.replace(retry_deadline=listing_deadline(config), cache_dir=None)
+    try:
+        with Prefetcher([FetchItem(url, None, ((0, None),))], dict(storage_options), config) as fetcher:
+            return next(iter(fetcher)).read()
+    except ShardNotFoundError as exc:
+        exc.with_traceback(None)
+        return None
+    except AccessDeniedError as exc:
+        if not looked_up:
+            raise
+        warnings.warn(f"could not read {redact_url(url)} (access denied: {exc.message[:200]}); "
+                      "reading without it", stacklevel=2)
+        return None
+
+
+def sidecar_dtype(shards: Sequence[Shard], storage_options: dict, config: FetchConfig) -> np.dtype | None:
+    """The token dtype that the ``tokens.json`` in the directory of each of ``shards`` (``.bin``
+    files) names, ``{"dtype": "uint16"}``; ``None`` when no directory has one. Directories
+    that disagree, or where some have one and some not, are a SpecError."""
+    def read() -> dict[str, bytes | None]:
+        dirs = sorted({posixpath.dirname(s.url) for s in shards})
+        return {d: _read_small(f"{d}/{SIDECAR}", storage_options, config) for d in dirs}
+
+    found = from_rank0(read)
+    dtypes: dict[str, np.dtype] = {}
+    for d, data in found.items():
+        if data is None:
+            continue
+        url = f"{d}/{SIDECAR}"
+        try:
+            doc = json.loads(data)
+            value = doc["dtype"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"{redact_url(url)} is not {{\"dtype\": \"uint16\"}}-style JSON "
+                              f"({type(exc).__name__}: {exc}): fix it, or pass dtype=", url=url) from None
+        dtypes[d] = token_dtype(value, where=redact_url(url) or SIDECAR)
+    if not dtypes:
+        return None
+    missing = [d for d, data in found.items() if data is None]
+    if missing or len(set(dtypes.values())) > 1:
+        said = ", ".join(f"{redact_url(d)}: {dt}" for d, dt in dtypes.items())
+        raise SpecError(f"the {SIDECAR} files beside the .bin files disagree ({said}"
+                        + (f"; none in {redact_url(missing[0])}" if missing else "")
+                        + "): one dtype for every file, or pass dtype=")
+    return next(iter(dtypes.values()))
+
+
+def default_counts_url(shards: Sequence[Shard]) -> str | None:
+    """Where a tar corpus's counts are kept by default: ``_streamdata.tokens.npz`` in the shards'
+    longest common directory (``None`` where they share none)."""
+    try:
+        return default_index_url([s.url for s in shards]).rsplit("/", 1)[0] + "/" + COUNTS_NAME
+    except SpecError:
+        return None
+
+
+def _fresh(url: str, field: str, shards: Sequence[Shard], storage_options: dict, config: FetchConfig,
+           auto: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The counts in the file at ``url`` (of ``field``) of the shards whose size and ETag still
+    match; none where there is no file at the default location (``auto``), a SpecError at a
+    location the user named."""
+    data = _read_small(url, storage_options, config, looked_up=auto)
+    if data is None:
+        if auto:
+            return {}
+        raise SpecError(f"no token counts at {redact_url(url)}: write them there with "
+                        "ds.save_counts(url) (or `streamdata index SPEC --tokens FIELD`), or pass "
+                        "counts='auto' (beside the shards) or counts=None")
+    kept_field, entries = decode_tar_counts(data, url)
+    if kept_field != field:
+        return {}
+    by_name = {e.name: e for e in entries}
+    out = {}
+    for s in shards:
+        e = by_name.get(entry_name(url, s.url)) or by_name.get(s.url)
+        if e is not None and e.size == s.size and (not (s.etag and e.etag) or s.etag == e.etag):
+            out[s.url] = (e.counts, e.offsets)
+    return out
+
+
+def save_tar_counts(url: str, field: str, shards: Sequence[Shard],
+                    counted: Sequence[tuple[np.ndarray, np.ndarray]], storage_options: dict,
+                    config: FetchConfig) -> None:
+    """The counting pass's results for ``shards`` kept at ``url`` (``encode_tar_counts``), so
+    that later jobs count only shards that are new or changed."""
+    entries = [TarCounts(entry_name(url, s.url), _size(s), s.etag, c, o)
+               for s, (c, o) in zip(shards, counted, strict=True)]
+    write_object(url, encode_tar_counts(field, entries), storage_options, config,
+                 what="write the token counts")
+
+
+def count_tar_tokens(shards: Sequence[Shard], field: str, storage_options: dict, config: FetchConfig, *,
+                     show: bool | None = None, counts_url: str | None = None, auto: bool = True
+                     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Each tar shard's tokens per sample (its ``field``'s ``.npy`` header) and its samples'
+    ``samples + 1`` byte offsets, and how many shards were read for it: on rank 0, the counts
+    kept at ``counts_url`` (``save_tar_counts``) for shards whose size and ETag still match,
+    and a counting pass that reads each other shard once, whole, through the prefetcher (a bar
+    of bytes on stderr when it is a terminal, or ``show``). ``auto``: ``counts_url`` is the
+    default location (a file missing there is no error)."""
+    def count() -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        known = {} if counts_url is None else _fresh(counts_url, field, shards, storage_options, config, auto)
+        todo = [s for s in shards if s.url not in known]
+        bar = progress(sum(_size(s) for s in todo), desc=f"counting tokens in {len(todo)} shards", unit="B",
+                       unit_scale=True, enabled=show if todo else False)
+        with bar, Prefetcher(todo, dict(storage_options), config) as fetcher:
+            for shard, reader in zip(todo, fetcher, strict=True):
+                with contextlib.closing(reader.chunks()) as chunks:
+                    data = b"".join(chunks)
+                bar.update(len(data))
+                known[shard.url] = tar_token_counts(data, shard.url, field)
+        return [known[s.url] for s in shards], len(todo)
+
+    return from_rank0(count)

@@ -23,6 +23,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", nargs="+", metavar="SPEC", help="URL, brace pattern, prefix or glob of tar shards")
     p.add_argument("--output", metavar="URL",
                    help="where to write the index (default: _streamdata.sdx in the shards' directory)")
+    p.add_argument("--tokens", metavar="FIELD",
+                   help="also count the tokens of each sample's FIELD (a 1-D integer .npy) and keep "
+                        "them beside the shards (_streamdata.tokens.npz) for sd.TokenDataset(field=FIELD); "
+                        "reads the shards not counted yet a second time")
     p.add_argument("--window", type=int, default=None, metavar="N",
                    help="shards read at once (default: the prefetcher's window, 32)")
     add_common(p)
@@ -44,4 +48,12 @@ def run(args: argparse.Namespace) -> int:
     size = sum(8 * (e.samples + 1) for e in entries)
     write_out(f"wrote {redact_url(url)}: {len(entries)} shards, {samples} samples "
               f"(offsets {human(size)})")
+    if args.tokens is not None:
+        import streamdata as sd
+
+        ds = sd.TokenDataset(spec, seq_len=1, field=args.tokens, storage_options=options,
+                             progress=False if args.quiet else None, **fetch)
+        counts = ds.save_counts()
+        write_out(f"wrote {redact_url(counts)}: {ds.num_tokens} tokens in {len(ds.units_)} shards "
+                  f"({ds.counted_shards} counted now)")
     return 0

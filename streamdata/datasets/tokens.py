@@ -1,15 +1,19 @@
 """``sd.TokenDataset``: pre-tokenized corpora packed into ``[batch, seq_len]`` blocks, exact and resumable.
 
-Sources: flat ``.bin`` token arrays (``dtype=``; nanoGPT), ``.bin`` + ``.idx`` pairs (Megatron;
-the ``.idx`` beside each ``.bin`` gives the dtype and the documents), and a Parquet list column
-of token ids (``column=``). Token counts come from metadata, read once on rank 0 (LIST-ONCE):
-the listing's ``.bin`` sizes, the ``.idx`` files, the Parquet footers (a list column's value
-count less its null count, per row group). The epoch's stream is cut into whole sequences
+Sources: flat ``.bin`` token arrays (``dtype=``, or a ``tokens.json`` beside them; nanoGPT),
+``.bin`` + ``.idx`` pairs (Megatron; the ``.idx`` beside each ``.bin`` gives the dtype and the
+documents), a Parquet list column of token ids (``column=``), and tar shards whose samples each
+hold a 1-D integer ``.npy`` (``field=``; WebDataset style). Token counts come from metadata,
+read once on rank 0 (LIST-ONCE): the listing's ``.bin`` sizes, the ``.idx`` files, the Parquet
+footers (a list column's value count less its null count, per row group); a tar shard has no
+such metadata, so the constructor's counting pass reads each shard once on rank 0 (its
+samples' ``.npy`` headers and byte offsets). The epoch's stream is cut into whole sequences
 before readers get spans of them (TOKENS-ONCE in ``epoch.tokens``), so a reader's position is
 a number of sequences: resume (same or another world) is ``resume``'s, exact to the token.
 
-A unit is one ``.bin`` file (read in byte ranges: only the tokens of the reader's span) or one
-Parquet row group (its token column chunk). See docs/tokens.md.
+A unit is one ``.bin`` file (read in byte ranges: only the tokens of the reader's span), one
+Parquet row group (its token column chunk) or one tar shard (read in byte ranges: only the
+samples of the reader's span, from the counting pass's offsets). See docs/tokens.md.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from streamdata.batch.batches import batches
 from streamdata.batch.tokens import pack
 from streamdata.catalog.footers import read_footers, with_sizes
 from streamdata.catalog.specs import Spec
-from streamdata.catalog.tokens import read_indexes
+from streamdata.catalog.tokens import (
+    SIDECAR,
+    count_tar_tokens,
+    default_counts_url,
+    read_indexes,
+    save_tar_counts,
+    sidecar_dtype,
+)
 from streamdata.datasets.passes import EpochIterator, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.plan import SampleSlice
@@ -42,10 +53,10 @@ from streamdata.epoch.tokens import (
     unit_tokens,
 )
 from streamdata.epoch.world import World
-from streamdata.errors import FormatError, SpecError
+from streamdata.errors import FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
-from streamdata.formats.tokens import token_dtype, tokens_of
+from streamdata.formats.tokens import tar_tokens, token_dtype, tokens_of
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -76,8 +87,14 @@ class TokenDataset(ShardedDataset):
     ``batch_size`` sequences (one ``[width]`` sequence at a time with ``batch_size=None``).
 
     The source: ``column=`` a Parquet list column of integer token ids (one row, one document);
-    else ``.bin`` files: ``dtype=`` flat token arrays (one file, one document), or, without
-    ``dtype`` (or with ``idx=True``), Megatron ``.bin`` + ``.idx`` pairs. ``bos_id`` / ``eos_id``:
+    ``field=`` tar shards, each sample's ``field`` (e.g. ``"npy"``) a 1-D integer ``.npy`` (one
+    sample, one document; counted by reading each shard once in the constructor, on rank 0,
+    with a bar on stderr when it is a terminal or ``progress=True``; ``save_counts()`` keeps the
+    counts for later jobs, which read them from ``counts``: ``"auto"``, beside the shards, or a
+    URL, or ``None``: count always); else ``.bin`` files:
+    ``dtype=`` flat token arrays (one file, one document), or, without ``dtype``, flat arrays of
+    the dtype that a ``tokens.json`` (``{"dtype": "uint16"}``) beside them names, or else (or with
+    ``idx=True``) Megatron ``.bin`` + ``.idx`` pairs. ``bos_id`` / ``eos_id``:
     inserted around every document. ``partial``: the epoch's final partial sequence is
     ``"drop"``-ped (its tokens counted in ``counts["tokens.dropped"]``) or ``"pad"``-ded with
     ``pad_id`` (``counts["tokens.padded"]``). ``documents=True`` adds ``doc_ids``,
@@ -94,6 +111,7 @@ class TokenDataset(ShardedDataset):
                  targets: bool = False, bos_id: int | None = None, eos_id: int | None = None,
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
                  sep_id: int | None = None, packing: str = "concat", footer_bytes: int = 64 * 1024,
+                 field: str | None = None, progress: bool | None = None, counts: str | None = "auto",
                  **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -109,18 +127,29 @@ class TokenDataset(ShardedDataset):
         if options.get("on_error", "raise") != "raise":
             raise SpecError("TokenDataset reads every token of its plan: on_error must be 'raise' "
                             "(a skipped unit would break the epoch's token accounting)")
-        self.layout = "parquet" if column is not None else ("idx" if idx or (idx is None and dtype is None)
-                                                            else "bin")
-        if column is not None and (dtype is not None or idx):
-            raise SpecError("TokenDataset: column= reads Parquet; dtype= and idx= are for .bin files")
-        self.suffixes = (".parquet", ".pq", ".parq") if column is not None else (".bin",)
+        self.layout = "parquet" if column is not None else "tar" if field is not None else (
+            "idx" if idx or (idx is None and dtype is None) else "bin")
+        if column is not None and (dtype is not None or idx or field is not None):
+            raise SpecError("TokenDataset: column= reads Parquet; dtype= and idx= are for .bin files, "
+                            "field= for tar shards")
+        if field is not None and (dtype is not None or idx):
+            raise SpecError("TokenDataset: field= reads tar shards (each sample's .npy gives its dtype); "
+                            "dtype= and idx= are for .bin files")
+        self.suffixes = {"parquet": (".parquet", ".pq", ".parq"), "tar": (".tar",)}.get(self.layout,
+                                                                                         (".bin",))
         self.column = column
+        self.field = None if field is None else field.lower()  # (tar field names are read lower-case)
+        self.progress = progress
+        self._counts_option = counts
+        self.counted_shards = 0  # tar shards this constructor's counting pass read
+        self._tar_counts: list[tuple[np.ndarray, np.ndarray]] = []
+        self._sniff = dtype is None and idx is None  # .idx or tokens.json: whichever is there
         self.dtype = None if dtype is None else token_dtype(dtype)
         self.seq_len, self.width = seq_len, seq_len + int(bool(targets))
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, int(pad_id)
         self.specials = int(bos_id is not None) + int(eos_id is not None)
         self.partial, self.documents, self.footer_bytes = partial, bool(documents), footer_bytes
-        if sep_id is not None and self.layout != "bin":
+        if sep_id is not None and self.layout not in ("bin", "idx") or sep_id is not None and idx:
             raise SpecError("sep_id marks documents in flat .bin files (dtype=); the .idx and Parquet rows "
                             "already say where documents end")
         self.sep_id = sep_id
@@ -134,10 +163,14 @@ class TokenDataset(ShardedDataset):
         super().__init__(urls, batch_size=batch_size, shuffle_buffer=0, **options)
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._lengths: list[np.ndarray | None] = []  # documents' raw tokens per unit (None: read)
+        self._offsets: dict[str, np.ndarray] = {}  # a tar shard's samples' byte offsets
         self._footers: dict[str, bytes] = {}
         self._meta_cache: dict[str, Any] = {}
         self._fit: tuple[tuple, SequencePlan] | None = None  # packing "fit": the last epoch's plan
         self.units_: list[TokenUnit] = self._scan()
+        if sep_id is not None and self.layout != "bin":
+            raise SpecError(f"sep_id marks documents in flat .bin files; {redact_url(self.shards[0].url)} "
+                            "has a .idx, which already says where documents end")
         self._tokens = unit_tokens([u.docs for u in self.units_], [u.tokens for u in self.units_],
                                    self.specials)
 
@@ -151,12 +184,16 @@ class TokenDataset(ShardedDataset):
         def add(url: str, size: int, index: int, tokens: int, lengths: np.ndarray | None,
                 n_docs: int) -> None:
             nonlocal docs
-            if tokens + n_docs * self.specials == 0 or (tokens == 0 and index < 0):
-                return  # nothing in the stream (an empty .bin holds no documents)
+            if tokens + n_docs * self.specials == 0 or (tokens == 0 and index < 0 and self.layout != "tar"):
+                return  # nothing in the stream (an empty .bin holds no documents; a tar's empty samples do)
             units.append(TokenUnit(url, size, index, n_docs, tokens, docs, len(units)))
             self._lengths.append(lengths)
             docs += n_docs
 
+        if self._sniff:  # no dtype=, no idx=: a tokens.json beside flat .bin files, else .idx files
+            sidecar = sidecar_dtype(self.shards, self.storage_options, self.fetch_config)
+            if sidecar is not None:
+                self.layout, self.dtype = "bin", sidecar
         if self.layout == "bin":
             assert self.dtype is not None
             for shard in self.shards:
@@ -167,8 +204,23 @@ class TokenDataset(ShardedDataset):
                                       key="bin")
                 n = size // self.dtype.itemsize
                 add(shard.url, size, -1, n, np.array([n], np.int64), 1)
+        elif self.layout == "tar":
+            assert self.field is not None
+            url = default_counts_url(self.shards) if self._counts_option == "auto" else self._counts_option
+            self._tar_counts, self.counted_shards = count_tar_tokens(
+                self.shards, self.field, self.storage_options, self.fetch_config, show=self.progress,
+                counts_url=url, auto=self._counts_option == "auto")
+            for shard, (counts, offsets) in zip(self.shards, self._tar_counts, strict=True):
+                self._offsets[shard.url] = offsets
+                add(shard.url, _size(shard), -1, int(counts.sum()), counts, len(counts))
         elif self.layout == "idx":
-            indexes = read_indexes(self.shards, self.storage_options, self.fetch_config)
+            try:
+                indexes = read_indexes(self.shards, self.storage_options, self.fetch_config)
+            except ShardNotFoundError as exc:
+                if self._sniff:  # neither dtype= nor a tokens.json nor the .idx files: say how to fix
+                    exc.message += (f"; a flat .bin needs its token dtype: pass dtype= (e.g. 'uint16') or "
+                                    f"put a {SIDECAR} beside the files holding {{\"dtype\": \"uint16\"}}")
+                raise
             for shard, (dtype, lengths) in zip(self.shards, indexes, strict=True):
                 if self.dtype is not None and dtype != self.dtype:
                     raise SpecError(f"{redact_url(shard.url)}: its .idx says {dtype} tokens, dtype= says "
@@ -211,6 +263,22 @@ class TokenDataset(ShardedDataset):
             raise SpecError(f"column {self.column!r} of {redact_url(url)} is {kind}, not a list of integer "
                             "token ids (e.g. list<int32>)")
         return leaves[0]
+
+    def save_counts(self, url: str | None = None) -> str:
+        """Keep a tar corpus's counts (what the constructor's counting pass found) at ``url``
+        (default: ``_streamdata.tokens.npz`` in the shards' common directory), so that later
+        constructors (``counts="auto"`` or that URL) read only shards that are new or changed
+        (size or ETag); returns the URL written. Call it on one rank."""
+        if self.layout != "tar":
+            raise SpecError("save_counts keeps the counts of tar shards (field=); the other layouts' "
+                            "counts are metadata already")
+        url = url or default_counts_url(self.shards)
+        if url is None:
+            raise SpecError("the shards share no directory: pass save_counts the counts file's URL")
+        assert self.field is not None
+        save_tar_counts(url, self.field, self.shards, self._tar_counts, self.storage_options,
+                        self.fetch_config)
+        return url
 
     # ---- what ShardedDataset asks ----------------------------------------------------------
 
@@ -276,6 +344,11 @@ class TokenDataset(ShardedDataset):
             leaves = [self._leaf(meta, unit.url)]
             ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
             return FetchItem(unit.url, unit.size, tuple(ranges), self.etag(unit.url))
+        if self.layout == "tar":  # the bytes of the samples that hold [start, stop)
+            offsets = self._offsets[unit.url]
+            d0, d1 = self._samples(unit, start, stop)
+            return FetchItem(unit.url, unit.size, ((int(offsets[d0]), int(offsets[d1])),),
+                             self.etag(unit.url))
         assert self.dtype is not None
         a, b = self._raw(unit, start, stop)
         return FetchItem(unit.url, unit.size, ((a * self.dtype.itemsize, b * self.dtype.itemsize),),
@@ -290,6 +363,15 @@ class TokenDataset(ShardedDataset):
             b = a + 1
         return a, b
 
+    def _samples(self, unit: TokenUnit, start: int, stop: int) -> tuple[int, int]:
+        """A tar shard's samples (documents) ``[d0, d1)`` that stream positions ``[start, stop)``
+        need: at least one."""
+        lengths = self._doc_lengths(unit)
+        starts = np.concatenate([[0], np.cumsum(lengths + self.specials)])
+        d0 = max(int(np.searchsorted(starts, start, side="right")) - 1, 0)
+        d1 = min(max(int(np.searchsorted(starts, stop, side="left")), d0 + 1), len(lengths))
+        return d0, d1
+
     def _doc_lengths(self, unit: TokenUnit) -> np.ndarray:
         lengths = self._lengths[unit.i]
         assert lengths is not None  # (a .bin's documents are known before reading)
@@ -301,6 +383,13 @@ class TokenDataset(ShardedDataset):
         if unit.index >= 0:
             values, lengths = self._row_group_tokens(unit, reader)
             tokens, doc = augmented(lengths, start, stop, values, 0, self.bos_id, self.eos_id)
+        elif self.layout == "tar":
+            assert self.field is not None
+            lengths = self._doc_lengths(unit)
+            d0, d1 = self._samples(unit, start, stop)
+            raw = tar_tokens(reader.read_ranges()[0], reader.url, self.field, lengths[d0:d1])
+            tokens, doc = augmented(lengths, start, stop, raw, int(lengths[:d0].sum()), self.bos_id,
+                                    self.eos_id)
         else:
             assert self.dtype is not None
             lengths = self._doc_lengths(unit)

@@ -20,15 +20,21 @@ are these sequences, which the ``.bin`` holds back to back.
 
 from __future__ import annotations
 
+import io
+import json
 import struct
 from typing import NamedTuple
 
 import numpy as np
+from numpy.lib import format as npy
 
 from streamdata.errors import FormatError, SpecError
+from streamdata.formats.tar import sample_offsets, samples_from_chunks
 from streamdata.redact import redact_url
 
-__all__ = ["IDX_MAGIC", "MegatronIndex", "idx_bytes", "parse_idx", "token_dtype", "tokens_of"]
+__all__ = ["COUNTS_FORMAT", "IDX_MAGIC", "MegatronIndex", "TarCounts", "decode_tar_counts",
+           "encode_tar_counts", "idx_bytes", "npy_tokens", "parse_idx", "tar_token_counts", "tar_tokens",
+           "token_dtype", "tokens_of"]
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 _HEAD = struct.Struct("<9sQBQQ")
@@ -118,3 +124,128 @@ def tokens_of(data: bytes | bytearray | memoryview, dtype: np.dtype, url: str, e
                           f"bytes where {expected} {dtype} tokens were expected (truncated or "
                           "rewritten while read?)", url=url, key="bin")
     return np.frombuffer(data, dtype, n)
+
+
+# ---- tar shards with a 1-D integer .npy field per sample (WebDataset style) ----------------
+
+
+def _npy_header(data: bytes, url: str, key: str) -> tuple[np.dtype, int, int]:
+    """A sample's ``.npy`` field: its dtype, token count and where its data starts; a
+    FormatError naming the shard and the sample unless it is a 1-D integer array."""
+    name = redact_url(url)
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{name}: sample {key!r} holds {what}, not a 1-D integer .npy of token ids "
+                           "(write each sample's tokens with np.save(f, np.asarray(ids, np.uint32)))",
+                           url=url, key=key)
+
+    f = io.BytesIO(data)
+    try:
+        version = npy.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = npy.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = npy.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"npy format version {version}")
+    except ValueError as exc:
+        raise bad(f"no readable .npy ({exc})") from None
+    if dtype.kind not in _TOKEN_KINDS or dtype.hasobject:
+        raise bad(f"{dtype} values")
+    if len(shape) != 1:
+        raise bad(f"an array of shape {shape}")
+    start = f.tell()
+    if len(data) - start != shape[0] * dtype.itemsize:
+        raise bad(f"{len(data) - start} data bytes where its header says {shape[0]} {dtype} values "
+                  "(truncated?)")
+    return dtype, int(shape[0]), start
+
+
+def npy_tokens(data: bytes, url: str, key: str) -> np.ndarray:
+    """A sample's ``.npy`` field's token ids (1-D, integer), without a copy."""
+    dtype, n, start = _npy_header(data, url, key)
+    return np.frombuffer(data, dtype, n, start)
+
+
+def _field(sample: dict, field: str, url: str) -> bytes:
+    data = sample.get(field)
+    if data is None:
+        raise FormatError(f"{redact_url(url)}: sample {sample['__key__']!r} has no field {field!r} "
+                          f"(it has {sorted(k for k in sample if not k.startswith('__'))}); every sample "
+                          "of a token tar holds its tokens in that field", url=url, key=sample["__key__"])
+    return data
+
+
+def tar_token_counts(data: bytes, url: str, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """A whole tar shard's samples: the tokens in each one's ``field`` (from the ``.npy`` headers)
+    and the ``samples + 1`` byte offsets of the samples (``tar.sample_offsets``)."""
+    offsets = np.asarray(sample_offsets([data], url, total=len(data)), dtype=np.int64)
+    counts = [_npy_header(_field(s, field, url), url, s["__key__"])[1]
+              for s in samples_from_chunks([data], url, total=len(data))]
+    if len(counts) != len(offsets) - 1:  # (both follow group_samples: never, unless a bug)
+        raise FormatError(f"{redact_url(url)}: {len(counts)} samples but {len(offsets) - 1} offsets", url=url)
+    return np.asarray(counts, dtype=np.int64), offsets
+
+
+def tar_tokens(data: bytes, url: str, field: str, counts: np.ndarray) -> np.ndarray:
+    """The tokens of consecutive samples (the bytes of a span of them, ``tar_token_counts``'s
+    offsets) laid back to back, checked against their ``counts``."""
+    arrays = [npy_tokens(_field(s, field, url), url, s["__key__"])
+              for s in samples_from_chunks([data], url, accept_unterminated=True)]
+    got = [len(a) for a in arrays]
+    if got != [int(n) for n in counts]:
+        raise FormatError(f"{redact_url(url)} changed after its tokens were counted: samples of "
+                          f"{got[:8]} tokens where the count said {counts[:8].tolist()}", url=url, key=field)
+    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, np.int64)
+
+
+# ---- a tar corpus's counts, kept between jobs --------------------------------------------------
+
+COUNTS_FORMAT = "streamdata-token-counts"
+
+
+class TarCounts(NamedTuple):
+    """A tar shard's counting pass: its name (relative to the counts file's directory, or a URL),
+    size and ETag when counted, tokens per sample, and the samples' ``samples + 1`` offsets."""
+
+    name: str
+    size: int
+    etag: str | None
+    counts: np.ndarray
+    offsets: np.ndarray
+
+
+def encode_tar_counts(field: str, entries: list[TarCounts]) -> bytes:
+    """A counts file (an ``.npz`` without pickles): a JSON header (format, version, field, each
+    shard's name, size, ETag, samples), then every shard's counts and offsets, concatenated."""
+    header = {"format": COUNTS_FORMAT, "version": 1, "field": field,
+              "shards": [{"name": e.name, "size": int(e.size), "etag": e.etag, "samples": len(e.counts)}
+                         for e in entries]}
+    out = io.BytesIO()
+    np.savez(out, header=np.frombuffer(json.dumps(header).encode(), np.uint8),
+             counts=np.concatenate([e.counts for e in entries] or [np.zeros(0)]).astype("<i8"),
+             offsets=np.concatenate([e.offsets for e in entries] or [np.zeros(0)]).astype("<i8"))
+    return out.getvalue()
+
+
+def decode_tar_counts(data: bytes, url: str) -> tuple[str, list[TarCounts]]:
+    """The field and entries of a counts file; anything malformed is a FormatError naming it."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            header = json.loads(z["header"].tobytes())
+            counts, offsets = z["counts"], z["offsets"]
+        if header["format"] != COUNTS_FORMAT or header["version"] != 1:
+            raise ValueError(f"format {header['format']!r} version {header['version']!r}")
+        shards = header["shards"]
+        samples = [int(sh["samples"]) for sh in shards]
+        if len(counts) != sum(samples) or len(offsets) != sum(samples) + len(samples):
+            raise ValueError("arrays shorter or longer than the header says")
+        entries, a, b = [], 0, 0
+        for sh, n in zip(shards, samples, strict=True):
+            entries.append(TarCounts(str(sh["name"]), int(sh["size"]), sh["etag"], counts[a:a + n],
+                                     offsets[b:b + n + 1]))
+            a, b = a + n, b + n + 1
+        return str(header["field"]), entries
+    except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
+        raise FormatError(f"{redact_url(url)} is not a usable token counts file ({type(exc).__name__}: "
+                          f"{exc}): delete it and save the counts again", url=url) from None

@@ -6,7 +6,9 @@ and on other worlds; corrupt inputs as typed errors naming the URL."""
 from __future__ import annotations
 
 import collections
+import io
 import json
+import tarfile
 
 import numpy as np
 import pyarrow as pa
@@ -42,15 +44,34 @@ def _corpus(tmp_path, layout):
             rows = [d.astype(np.int32).tolist() for d in file_docs] + ([None] if i == 0 else [])
             table = pa.table({"tokens": pa.array(rows, pa.list_(pa.int32())), "n": np.arange(len(rows))})
             pq.write_table(table, root / f"part-{i}.parquet", row_group_size=half)
+        elif layout == "tar":  # one sample per document, its tokens a 1-D .npy (dtypes vary)
+            _write_tar(root / f"part-{i}.tar", [(f"s{i}-{k:03d}", {"npy": _npy(d.astype(
+                np.uint32 if k % 2 else np.int64)), "txt": b"x"}) for k, d in enumerate(file_docs)])
         else:
             dtype = np.int32 if layout == "idx" else np.uint32  # (Megatron's types: int32 past 65500)
             flat.astype(dtype).tofile(root / f"part-{i}.bin")
             if layout == "idx":
                 (root / f"part-{i}.idx").write_bytes(idx_bytes([len(d) for d in file_docs], dtype))
-    kw = {"parquet": {"column": "tokens"}, "idx": {}, "bin": {"dtype": "uint32"}}[layout]
+    kw = {"parquet": {"column": "tokens"}, "idx": {}, "bin": {"dtype": "uint32"},
+          "tar": {"field": "npy"}}[layout]
     if layout == "bin":  # a flat .bin is one document per file
         docs = [[np.concatenate(d)] if d else [] for d in docs]
     return str(root) + "/", kw, docs
+
+
+def _npy(array):
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def _write_tar(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for key, fields in samples:
+            for name, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
 
 
 def _stream(ds, docs, epoch):
@@ -97,7 +118,7 @@ def _epoch(ds, world_size, num_workers):
     return per_rank
 
 
-@pytest.mark.parametrize("layout", ["bin", "idx", "parquet"])
+@pytest.mark.parametrize("layout", ["bin", "idx", "parquet", "tar"])
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 2), (3, 1)])
 @pytest.mark.parametrize("partial,documents,specials", [("drop", False, False), ("pad", False, False),
                                                         ("pad", True, True), ("drop", True, True)])
@@ -163,7 +184,7 @@ def _delivered(batch):
     return [tuple(r) for r in batch["input_ids"].tolist()]
 
 
-@pytest.mark.parametrize("layout", ["idx", "parquet"])
+@pytest.mark.parametrize("layout", ["idx", "parquet", "tar"])
 @pytest.mark.parametrize("new", [(2, 2), (3, 1), (1, 0)])
 def test_resume_is_exact_to_the_token_on_any_world(tmp_path, layout, new):
     """2 ranks x 2 workers stop at a seeded step; the state restarts on 2x2, 3x1 and 1x0: every
@@ -336,12 +357,12 @@ def test_a_mix_of_token_sources_resumes_exactly(tmp_path, old, new):
         assert mine + sum(m.counts[f"mix.undelivered.{k}"] for m in mixes) == total
 
 
-@pytest.mark.parametrize("layout", ["idx", "parquet"])
+@pytest.mark.parametrize("layout", ["idx", "parquet", "tar"])
 def test_over_http_every_token_once(http_server, tmp_path, layout):
     """Over HTTP (sizes by HEAD, ranged GETs): the same sequences as from the local files."""
     spec, kw, _ = _corpus(tmp_path, layout)
     server = http_server(tmp_path / layout)
-    suffix = "parquet" if layout == "parquet" else "bin"
+    suffix = {"parquet": "parquet", "tar": "tar"}.get(layout, "bin")
     names = [p.name for p in sorted((tmp_path / layout).glob(f"*.{suffix}"))]
     url = server.endpoint_url + "/{" + ",".join(names) + "}"
     opts = dict(seq_len=5, batch_size=2, shuffle=True, seed=2, bos_id=BOS, **kw)
@@ -454,3 +475,153 @@ def test_fit_packing_needs_known_documents(tmp_path):
     spec, _, _ = _corpus(tmp_path, "parquet")
     with pytest.raises(sd.SpecError, match="packing='fit'"):
         sd.TokenDataset(spec, seq_len=8, column="tokens", packing="fit")
+
+
+# ---- tar shards of .npy token fields ---------------------------------------------------------
+
+
+def test_a_tar_is_read_by_sample_spans(tmp_path):
+    """A reader fetches the bytes of the samples its span needs, not whole shards."""
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    ds = sd.TokenDataset(spec, seq_len=5, batch_size=None, **kw)
+    sizes = {u.url: u.size for u in ds.units_}
+    with rank_env(1, 3):
+        p = ds.reader_pass(None)
+        items = [ds.fetch_segment(r.unit, *r.part) for r in p.reads]
+    assert all(item.ranges and len(item.ranges) == 1 for item in items)
+    fetched = sum(e - s for item in items for s, e in item.ranges)
+    assert fetched < sum(sizes.values()) / 2
+
+
+@pytest.mark.parametrize("array,what", [(np.zeros((2, 3), np.int32), r"an array of shape \(2, 3\)"),
+                                        (np.ones(4, np.float32), "float32 values")])
+def test_a_tar_field_that_is_not_1d_integer_tokens(tmp_path, array, what):
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    _write_tar(tmp_path / "tar" / "part-9.tar", [("good", {"npy": _npy(np.arange(3))}),
+                                                ("bad", {"npy": _npy(array)})])
+    with pytest.raises(sd.FormatError, match=f"part-9.tar: sample 'bad' holds {what}") as info:
+        sd.TokenDataset(spec, seq_len=4, **kw)
+    assert info.value.url.endswith("part-9.tar") and info.value.key == "bad"
+
+
+def test_a_tar_sample_without_the_field(tmp_path):
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    _write_tar(tmp_path / "tar" / "part-9.tar", [("k1", {"tokens.npy": _npy(np.arange(3))})])
+    with pytest.raises(sd.FormatError, match=r"sample 'k1' has no field 'npy' \(it has \['tokens.npy'\]\)"):
+        sd.TokenDataset(spec, seq_len=4, **kw)
+    ds = sd.TokenDataset(str(tmp_path / "tar" / "part-9.tar"), seq_len=3, field="Tokens.npy")
+    assert [b["input_ids"].tolist() for b in ds] == [[0, 1, 2]]
+
+
+def test_a_tar_changed_after_counting(tmp_path):
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    ds = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    path = tmp_path / "tar" / "part-1.tar"
+    size = path.stat().st_size
+    _write_tar(path, [("s1-000", {"npy": _npy(np.arange(30, dtype=np.int64)), "txt": b"x"})])
+    path.write_bytes(path.read_bytes().ljust(size, b"\0")[:size])  # same size, other tokens
+    with pytest.raises(sd.StreamDataError, match="part-1.tar"):
+        list(ds)
+
+
+# ---- a flat .bin's dtype from tokens.json ----------------------------------------------------
+
+
+def test_a_flat_bin_dtype_from_its_sidecar(tmp_path):
+    spec, kw, docs = _corpus(tmp_path, "bin")
+    want = [s for b in sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw) for s in _delivered(b)]
+    (tmp_path / "bin" / "tokens.json").write_text(json.dumps({"dtype": "uint32"}))
+    ds = sd.TokenDataset(spec, seq_len=4, batch_size=2)
+    assert ds.layout == "bin" and ds.dtype == np.dtype("<u4")
+    assert [s for b in ds for s in _delivered(b)] == want
+    (tmp_path / "bin" / "tokens.json").write_text(json.dumps({"dtype": "float16"}))
+    with pytest.raises(sd.SpecError, match="tokens.json: tokens must be an integer dtype"):
+        sd.TokenDataset(spec, seq_len=4)
+    (tmp_path / "bin" / "tokens.json").write_text("uint16")
+    with pytest.raises(sd.FormatError, match="tokens.json is not"):
+        sd.TokenDataset(spec, seq_len=4)
+
+
+def test_a_flat_bin_without_dtype_says_how_to_fix(tmp_path):
+    spec, _, _ = _corpus(tmp_path, "bin")
+    with pytest.raises(sd.StreamDataError, match=r"\.idx.*pass dtype= \(e.g. 'uint16'\) or put a tokens.js"):
+        sd.TokenDataset(spec, seq_len=4)
+
+
+def test_sidecars_that_disagree(tmp_path):
+    for name, dtype in (("a", "uint16"), ("b", "uint32")):
+        (tmp_path / name).mkdir()
+        np.arange(8, dtype=dtype).tofile(tmp_path / name / "x.bin")
+        (tmp_path / name / "tokens.json").write_text(json.dumps({"dtype": dtype}))
+    with pytest.raises(sd.SpecError, match="disagree"):
+        sd.TokenDataset([str(tmp_path / "a" / "x.bin"), str(tmp_path / "b" / "x.bin")], seq_len=4)
+
+
+def test_a_tar_corpus_counts_kept_between_jobs(tmp_path):
+    """save_counts() keeps the pass's counts; a later constructor reads only new or changed shards
+    and yields the same sequences; a corrupt counts file is a FormatError naming it."""
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    first = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert first.counted_shards == len(DOCS)
+    want = [s for b in first for s in _delivered(b)]
+    url = first.save_counts()
+    assert url.endswith("tar/_streamdata.tokens.npz")
+    again = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert again.counted_shards == 0
+    assert [s for b in again for s in _delivered(b)] == want
+    # a changed shard (its size: a local file has no ETag) is counted again, the others not
+    _write_tar(tmp_path / "tar" / "part-1.tar", [(f"n{k:02d}", {"npy": _npy(np.arange(10) + 5000)})
+                                                 for k in range(30)])
+    changed = sd.TokenDataset(spec, seq_len=4, batch_size=2, **kw)
+    assert changed.counted_shards == 1 and changed.num_tokens == first.num_tokens - 40 + 300
+    assert sd.TokenDataset(spec, seq_len=4, counts=None, **kw).counted_shards == len(DOCS)
+    with pytest.raises(sd.SpecError, match="no token counts at .*elsewhere.npz: write them there"):
+        sd.TokenDataset(spec, seq_len=4, counts=str(tmp_path / "elsewhere.npz"), **kw)
+    assert changed.save_counts(str(tmp_path / "elsewhere.npz")) == str(tmp_path / "elsewhere.npz")
+    assert sd.TokenDataset(spec, seq_len=4, counts=str(tmp_path / "elsewhere.npz"), **kw).counted_shards == 0
+    (tmp_path / "tar" / "_streamdata.tokens.npz").write_bytes(b"PK not really")
+    with pytest.raises(sd.FormatError, match="_streamdata.tokens.npz is not a usable token counts file"):
+        sd.TokenDataset(spec, seq_len=4, **kw)
+
+
+def test_a_tar_corpus_on_s3_with_kept_counts(s3_bucket, tmp_path):
+    """Over S3 (ETags): the local epoch's sequences on 2 ranks x 2 workers; the counts kept
+    beside the shards are read by the next constructor instead of the shards."""
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    for path in sorted((tmp_path / "tar").iterdir()):
+        fs.pipe_file(f"{bucket}/tok/{path.name}", path.read_bytes())
+    opts = dict(seq_len=7, batch_size=2, shuffle=True, seed=1, eos_id=EOS, **kw)
+    local = sorted(tuple(s) for b in sd.TokenDataset(spec, **opts) for s in b["input_ids"].tolist())
+    remote = sd.TokenDataset(f"s3://{bucket}/tok/", storage_options=server.storage_options, **opts)
+    assert remote.counted_shards == len(DOCS)
+    assert remote.save_counts() == f"s3://{bucket}/tok/_streamdata.tokens.npz"
+    again = sd.TokenDataset(f"s3://{bucket}/tok/", storage_options=server.storage_options, **opts)
+    assert again.counted_shards == 0
+    per_rank = _epoch(again, 2, 2)
+    assert len({len(b) for b in per_rank}) == 1
+    assert sorted(tuple(s) for r in per_rank for b in r for s in b["input_ids"].tolist()) == local
+
+
+def test_the_index_command_keeps_a_tar_corpus_counts(tmp_path, capsys):
+    from streamdata.cli import main
+
+    spec, kw, _ = _corpus(tmp_path, "tar")
+    assert main(["index", spec, "--tokens", "npy", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    total = sum(map(sum, DOCS))
+    assert f"_streamdata.tokens.npz: {total} tokens in 5 shards ({len(DOCS)} counted now)" in out
+    ds = sd.TokenDataset(spec, seq_len=4, **kw)
+    assert ds.counted_shards == 0 and ds.num_tokens == total
+
+
+def test_a_tar_of_empty_samples_still_has_its_documents(tmp_path):
+    """A shard whose samples hold no tokens still puts each one's bos/eos in the stream."""
+    _write_tar(tmp_path / "a.tar", [("k0", {"npy": _npy(np.zeros(0, np.int32))}),
+                                    ("k1", {"npy": _npy(np.zeros(0, np.int32))})])
+    _write_tar(tmp_path / "b.tar", [("k2", {"npy": _npy(np.array([7, 8], np.int32))})])
+    ds = sd.TokenDataset(str(tmp_path) + "/", seq_len=4, field="npy", bos_id=1, eos_id=2, partial="pad")
+    assert [b["input_ids"].tolist() for b in ds] == [[1, 2, 1, 2], [1, 7, 8, 2]]

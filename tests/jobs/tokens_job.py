@@ -4,10 +4,11 @@ from tests/test_tokens_ddp.py.
     python -m torch.distributed.run --nproc_per_node=N tests/jobs/tokens_job.py OUT_DIR CONFIG_JSON
 
 CONFIG: ``workers``, ``tag`` and ``cases``: per case name, ``spec``, ``options`` (the dataset's
-keyword arguments) and optionally ``stop`` + ``save`` (the step after which every rank calls
-``loader.state_dict()``; rank 0 writes it) or ``load`` (a state file to resume from). Each rank
-trains a tiny DDP model (gloo, CPU) and writes ``OUT_DIR/{tag}-rank{R}.json``: per case, its
-steps, every rank's steps, and the sequences it delivered.
+keyword arguments), optionally its own ``workers``, and optionally ``stop`` + ``save`` (the
+step after which every rank calls ``loader.state_dict()``; rank 0 writes it) or ``load`` (a
+state file to resume from). Each rank trains a tiny DDP model (gloo, CPU) and writes
+``OUT_DIR/{tag}-rank{R}.json``: per case, its steps, every rank's steps, and the sequences it
+delivered.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main(out_dir: str, config_json: str) -> None:
     cfg = json.loads(config_json)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    out = {name: run_case(case, cfg["workers"], rank) for name, case in cfg["cases"].items()}
+    out = {name: run_case(case, case.get("workers", cfg["workers"]), rank)
+           for name, case in cfg["cases"].items()}
     with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:
         json.dump(out, f)
     leave()
