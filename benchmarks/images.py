@@ -522,6 +522,7 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int,
             rate, cpu = med([r["images_per_s"] for r in ok]), med([r["cpu_ms_per_image"] for r in ok])
             ratios = ""
             if peer and m not in PEERS:  # per-round ratios against the best peer of that round
+                # (the fastest one for images/s, the cheapest one for CPU per image)
                 rr, cr = [], []
                 for i in range(rounds):
                     mine = runs[i] if i < len(runs) else {"error": 1}
@@ -531,7 +532,8 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int,
                         continue
                     rr.append(mine["images_per_s"] / max(t["images_per_s"] for t in theirs))
                     cr.append(mine["cpu_ms_per_image"] / min(t["cpu_ms_per_image"] for t in theirs))
-                ratios = f"{med(rr):13.2f} {med(cr):11.2f}"
+                rounds_ = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rr, cr, strict=True))
+                ratios = f"{med(rr):13.2f} {med(cr):11.2f}  rounds (img/s/CPU): {rounds_}"
             print(f"{d:6g} {m:16} {rate:9.0f} {cpu:11.2f} {ratios}")
 
 
