@@ -9,16 +9,28 @@ rounds, at each one-way delay. Methods:
 - ``streamdata``: ``sd.TarDataset(decode=sd.images.RandomResizedCrop(224))`` (the fast image path);
 - ``streamdata-pil``: ``decode=True`` (every JPEG decoded in full) and the same PIL transform as map;
 - ``streamdata-1x2`` / ``streamdata-2x2``: the fast path with ``decode_threads=2`` on 1 / 2 workers;
-- ``webdataset``: ``wds.WebDataset(...).decode("pil")`` and the same PIL transform in its workers.
+- ``webdataset``: ``wds.WebDataset(...).decode("pil")`` and the same PIL transform in its workers;
+- ``litdata``: LitData's ``StreamingDataset`` (``transform=``) + ``StreamingDataLoader`` over the same
+  JPEG bytes converted by ``litdata.optimize``, PIL decode and the same PIL transform in its workers;
+- ``mosaic``: MosaicML Streaming's ``StreamingDataset`` (``__getitem__`` overridden) +
+  ``StreamingDataLoader`` over the same JPEG bytes written by ``streaming.MDSWriter``, likewise.
 
 The PIL transform is torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` on a PIL image
 (Pillow's antialiased bilinear resize of the crop box), then a ``uint8 [3, H, W]`` tensor.
 ``images/s`` counts the whole run, from the dataset's constructor to the last batch; ``CPU ms/img``
-is the CPU time of the run's process and its workers over the images. LitData and MosaicML
-Streaming are not installed here (``benchmarks/latency.py``'s ``NOT_FEASIBLE`` says why).
+is the CPU time of the run's process and its workers over the images.
+
+LitData and MosaicML Streaming are not streamdata's dependencies (they pull torchvision, which does
+not load on this CPU torch, and move numpy): they run from ``--peers-python PY``, an interpreter
+of another virtualenv that has them (benchmarks/README.md gives the install), each conversion and
+each run a subprocess of that interpreter; without it, or without the package, the method is
+reported "not measured" with the reason. Their S3 clients (boto3) are pointed at the same
+endpoint behind the same proxy: LitData by ``storage_options``, MosaicML Streaming by
+``S3_ENDPOINT_URL`` and the ``AWS_*`` variables of its process.
 
     python -m benchmarks.images                  # 3 rounds, 0 and 100 ms (~10 min on 2 cores)
     python -m benchmarks.images --quick          # smoke run
+    python -m benchmarks.images --peers-python /tmp/peers-venv/bin/python   # with LitData, Mosaic
     python -m benchmarks.images --micro          # per-image CPU of each path, one thread, no loader
 """
 
@@ -35,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +55,10 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("streamdata", "streamdata-pil", "streamdata-1x2", "streamdata-2x2", "webdataset")
-PEERS = ("webdataset",)
+METHODS = ("streamdata", "streamdata-pil", "streamdata-1x2", "streamdata-2x2", "webdataset", "litdata",
+           "mosaic")
+PEERS = ("webdataset", "litdata", "mosaic")
+EXTERNAL = {"litdata": "litdata", "mosaic": "streaming"}  # run by --peers-python: method -> module
 SIZE = 224
 
 
@@ -93,6 +108,101 @@ def _wds_collate(samples: list) -> dict:
     return {"jpg": torch.stack(images), "cls": torch.tensor(labels)}
 
 
+class _PeerTransform:
+    """A LitData / Mosaic sample ``{"jpg": JPEG bytes, "cls": int}``: PIL decode + the PIL transform."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __call__(self, sample: dict) -> dict:
+        import PIL.Image
+
+        image = PIL.Image.open(io.BytesIO(sample["jpg"]))
+        return {"jpg": pil_random_resized_crop(image, self.rng), "cls": int(sample["cls"])}
+
+
+def _tar_samples(path: str) -> Iterator[dict]:
+    """One local tar shard's samples, in order, as the peers' writers take them."""
+    import tarfile
+
+    sample: dict = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            key, _, ext = member.name.partition(".")
+            if sample and sample["__key__"] != key:
+                yield {"jpg": sample["jpg"], "cls": int(sample["cls"])}
+                sample = {}
+            file = tar.extractfile(member)
+            if file is not None:
+                sample.update({"__key__": key, ext: file.read()})
+    if sample:
+        yield {"jpg": sample["jpg"], "cls": int(sample["cls"])}
+
+
+def _import_streaming() -> Any:
+    """MosaicML Streaming; its ``__init__`` imports its torchvision datasets (unused here), so where
+    torchvision does not load, that one subpackage is left out."""
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # not installed, or built for another torch
+        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
+
+
+def _mosaic_dataset(**kwargs: Any) -> Any:
+    streaming = _import_streaming()
+
+    class MosaicImages(streaming.StreamingDataset):  # type: ignore[misc,name-defined]
+        """The user's code: decode + the PIL transform in ``__getitem__`` (Mosaic has no transform=)."""
+
+        peer_transform = _PeerTransform()
+
+        def __getitem__(self, index: int) -> dict:
+            return self.peer_transform(super().__getitem__(index))
+
+    return MosaicImages(**kwargs)
+
+
+def _peer_child(cfg: dict) -> dict:
+    """Runs under ``--peers-python``: ``probe`` (the package's version) or ``convert`` (the local
+    tar shards into the peer's own format, by the peer's own writer)."""
+    method = cfg["method"]
+    if cfg["do"] == "probe":
+        module = _import_streaming() if method == "mosaic" else __import__(EXTERNAL[method])
+        return {"version": getattr(module, "__version__", "?")}
+    if method == "litdata":
+        import litdata as ld
+
+        ld.optimize(fn=_tar_samples, inputs=cfg["tars"], output_dir=cfg["out"], chunk_size=cfg["per_shard"],
+                    num_workers=1, verbose=False)
+    else:
+        writer = _import_streaming().MDSWriter
+        columns = {"jpg": "bytes", "cls": "int"}
+        with writer(out=cfg["out"], columns=columns, size_limit=cfg["size_limit"]) as w:
+            for tar in cfg["tars"]:
+                for sample in _tar_samples(tar):
+                    w.write(sample)
+    return {}
+
+
+def _peer_call(python: str, cfg: dict, timeout: float = 600) -> dict:
+    """One ``_peer_child`` in a subprocess of the peers' interpreter; ``{"error": why}`` on failure."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        proc = subprocess.run([python, "-m", "benchmarks.images", "--peer-child", json.dumps(cfg)], cwd=REPO,
+                              env=env, timeout=timeout, capture_output=True, text=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])}
+    return dict(json.loads(lines[-1]))
+
+
 # ---- one run, in a fresh process ---------------------------------------------------------------
 
 def _loader(cfg: dict) -> Any:
@@ -110,6 +220,19 @@ def _loader(cfg: dict) -> Any:
               .decode("pil").to_tuple("jpg", "cls").map(_wds_transform)
               .batched(cfg["batch"], collation_fn=_wds_collate))
         return DataLoader(ds, batch_size=None, num_workers=workers)
+    if method == "litdata":
+        import litdata as ld
+
+        lit = ld.StreamingDataset(cfg["peer_url"], cache_dir=cfg["cache_dir"],
+                                  storage_options=cfg["peer_options"], transform=_PeerTransform())
+        return ld.StreamingDataLoader(lit, batch_size=cfg["batch"], num_workers=workers)
+    if method == "mosaic":
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        mds = _mosaic_dataset(remote=cfg["peer_url"], local=cfg["cache_dir"], batch_size=cfg["batch"],
+                              shuffle=False)
+        return _import_streaming().StreamingDataLoader(mds, batch_size=cfg["batch"], num_workers=workers)
     import streamdata as sd
 
     threads = 1
@@ -128,10 +251,17 @@ def run_one(cfg: dict) -> dict:
     """One whole run: constructor to last batch; images/s and CPU per image (this process and
     its workers, reaped before the second reading)."""
     import torch  # noqa: F401  (imports are not what is timed)
-    import webdataset  # noqa: F401
 
     import streamdata  # noqa: F401
 
+    if cfg["method"] == "mosaic":
+        _import_streaming()
+    elif cfg["method"] in EXTERNAL:
+        __import__(EXTERNAL[cfg["method"]])
+    else:
+        import webdataset  # noqa: F401
+    cache = tempfile.TemporaryDirectory(prefix="sd-images-peer-cache-")
+    cfg = {**cfg, "cache_dir": cache.name}
     cpu0, start = os.times(), time.perf_counter()
     loader = _loader(cfg)
     it = iter(loader)
@@ -148,6 +278,7 @@ def run_one(cfg: dict) -> dict:
         shutdown()
     del it
     cpu1 = os.times()
+    cache.cleanup()
     cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
            - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)
     main = cpu1.user + cpu1.system - cpu0.user - cpu0.system
@@ -156,15 +287,16 @@ def run_one(cfg: dict) -> dict:
             "batch_shape": shape}
 
 
-def _child(cfg: dict, timeout: float) -> dict:
+def _child(cfg: dict, timeout: float, python: str | None = None, env_extra: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sd-images-") as tmp:
         cfg_path, out_path = Path(tmp, "cfg.json"), Path(tmp, "out.json")
         cfg_path.write_text(json.dumps(cfg))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   **(env_extra or {}))
         try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.images", "--run-one", str(cfg_path),
-                                   str(out_path)], cwd=REPO, env=env, timeout=timeout, capture_output=True,
-                                  text=True)
+            proc = subprocess.run([python or sys.executable, "-m", "benchmarks.images", "--run-one",
+                                   str(cfg_path), str(out_path)], cwd=REPO, env=env, timeout=timeout,
+                                  capture_output=True, text=True)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         if proc.returncode != 0 or not out_path.exists():
@@ -174,19 +306,69 @@ def _child(cfg: dict, timeout: float) -> dict:
 
 # ---- the orchestrator ----------------------------------------------------------------------------
 
-def _upload(server: Any, n_images: int, per_shard: int) -> tuple[str, list[str]]:
+def _upload(server: Any, n_images: int, per_shard: int) -> tuple[str, list[str], list[bytes]]:
     from benchmarks.common import tar_bytes
     from benchmarks.photos import jpeg_photos
 
     photos = jpeg_photos(n_images, seed=0)
     client = server.boto3_client()
     n_shards = math.ceil(n_images / per_shard)
+    bodies = []
     for s in range(n_shards):
-        body = tar_bytes({"__key__": f"{i:08d}", "jpg": photos[i], "cls": str(i % 10).encode()}
-                         for i in range(s * per_shard, min(n_images, (s + 1) * per_shard)))
-        client.put_object(Bucket="bench", Key=f"img/train-{s:06d}.tar", Body=body)
+        bodies.append(tar_bytes({"__key__": f"{i:08d}", "jpg": photos[i], "cls": str(i % 10).encode()}
+                                for i in range(s * per_shard, min(n_images, (s + 1) * per_shard))))
+        client.put_object(Bucket="bench", Key=f"img/train-{s:06d}.tar", Body=bodies[-1])
     urls = [f"s3://bench/img/train-{s:06d}.tar" for s in range(n_shards)]
-    return f"s3://bench/img/train-{{000000..{n_shards - 1:06d}}}.tar", urls
+    return f"s3://bench/img/train-{{000000..{n_shards - 1:06d}}}.tar", urls, bodies
+
+
+def _prepare_peers(server: Any, args: argparse.Namespace, methods: list[str], bodies: list[bytes]) -> dict:
+    """LitData's and Mosaic's copies of the same shards, each by its own writer, uploaded beside
+    them (``lit/``, ``mds/``); ``{method: why}`` for each one that cannot be measured."""
+    missing: dict[str, str] = {}
+    client = server.boto3_client()
+    for method in [m for m in methods if m in EXTERNAL]:
+        if not args.peers_python:
+            missing[method] = "no --peers-python given"
+            continue
+        if not Path(args.peers_python).exists():
+            missing[method] = f"--peers-python {args.peers_python} does not exist"
+            continue
+        probe = _peer_call(args.peers_python, {"do": "probe", "method": method}, timeout=120)
+        if "error" in probe:
+            why = probe["error"]
+            missing[method] = f"{EXTERNAL[method]} does not import under {args.peers_python}: {why}"
+            continue
+        print(f"{method}: {EXTERNAL[method]} {probe['version']} under {args.peers_python}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="sd-images-peer-") as tmp:
+            tars = []
+            for i, body in enumerate(bodies):
+                tars.append(f"{tmp}/train-{i:06d}.tar")
+                Path(tars[-1]).write_bytes(body)
+            out = Path(tmp, "out")
+            done = _peer_call(args.peers_python, {"do": "convert", "method": method, "tars": tars,
+                                                  "out": str(out), "per_shard": args.per_shard,
+                                                  "size_limit": max(len(b) for b in bodies) + (1 << 16)})
+            if "error" in done:
+                missing[method] = f"its conversion failed: {done['error']}"
+                continue
+            prefix = "lit" if method == "litdata" else "mds"
+            for path in sorted(p for p in out.rglob("*") if p.is_file()):
+                key = f"{prefix}/{path.relative_to(out)}"
+                client.put_object(Bucket="bench", Key=key, Body=path.read_bytes())
+    return missing
+
+
+def _peer_cfg(method: str, options: dict) -> tuple[dict, dict]:
+    """The peer's URL and client options (LitData) or its process's environment (Mosaic's boto3
+    reads ``S3_ENDPOINT_URL``), pointed at the endpoint ``options`` name (the proxy's)."""
+    env = {"AWS_ACCESS_KEY_ID": options["key"], "AWS_SECRET_ACCESS_KEY": options["secret"],
+           "AWS_DEFAULT_REGION": options["client_kwargs"]["region_name"]}
+    if method == "litdata":
+        lit = {"endpoint_url": options["endpoint_url"], "region_name": env["AWS_DEFAULT_REGION"],
+               "aws_access_key_id": options["key"], "aws_secret_access_key": options["secret"]}
+        return {"peer_url": "s3://bench/lit", "peer_options": lit}, env
+    return {"peer_url": "s3://bench/mds"}, {**env, "S3_ENDPOINT_URL": options["endpoint_url"]}
 
 
 def micro(count: int = 200, rounds: int = 5) -> None:
@@ -250,6 +432,9 @@ def micro(count: int = 200, rounds: int = 5) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run-one", nargs=2, metavar=("CFG", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--peer-child", help=argparse.SUPPRESS)
+    parser.add_argument("--peers-python", default=None,
+                        help="a Python with litdata and mosaicml-streaming: measure them too")
     parser.add_argument("--images", type=int, default=2560)
     parser.add_argument("--per-shard", type=int, default=256)
     parser.add_argument("--delays", default="0,100", help="one-way delays in ms")
@@ -263,6 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.micro:
         micro()
+        return
+    if args.peer_child:
+        print(json.dumps(_peer_child(json.loads(args.peer_child))))
         return
     if args.run_one:
         cfg = json.loads(Path(args.run_one[0]).read_text())
@@ -281,7 +469,11 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, float], list[dict]] = {}
     with S3Server() as server:
         server.create_bucket("bench")
-        spec, urls = _upload(server, args.images, args.per_shard)
+        spec, urls, bodies = _upload(server, args.images, args.per_shard)
+        missing = _prepare_peers(server, args, methods, bodies)
+        for m, why in missing.items():
+            print(f"{m}: not measured: {why}", flush=True)
+        run_methods = [m for m in methods if m not in missing]
         proxies = {d: LatencyProxy(*upstream(server.endpoint_url), delay_s=d / 1000).__enter__()
                    for d in delays}
         try:
@@ -289,22 +481,27 @@ def main(argv: list[str] | None = None) -> None:
                 for d in delays:
                     options = replace_in_options(server.storage_options, server.endpoint_url,
                                                  proxies[d].url_for(server.endpoint_url))
-                    order = methods if r % 2 == 0 else methods[::-1]  # interleaved, alternating order
+                    order = run_methods if r % 2 == 0 else run_methods[::-1]  # interleaved, alternating
                     for m in order:
                         cfg = {"method": m, "spec": spec, "shard_urls": urls, "storage_options": options,
                                "workers": args.workers, "batch": args.batch}
-                        out = _child(cfg, timeout=600)
+                        python, env = None, None
+                        if m in EXTERNAL:
+                            peer, env = _peer_cfg(m, options)
+                            cfg, python = {**cfg, **peer}, args.peers_python
+                        out = _child(cfg, timeout=600, python=python, env_extra=env)
                         results.setdefault((m, d), []).append(out)
                         print(f"round {r} delay {d:g} ms {m}: {out}", flush=True)
         finally:
             for proxy in proxies.values():
                 proxy.__exit__(None, None, None)
-    _report(results, methods, delays, args.rounds)
+    _report(results, methods, delays, args.rounds, missing)
     if args.json:
         Path(args.json).write_text(json.dumps({f"{m}@{d:g}": v for (m, d), v in results.items()}, indent=1))
 
 
-def _report(results: dict, methods: list[str], delays: list[float], rounds: int) -> None:
+def _report(results: dict, methods: list[str], delays: list[float], rounds: int,
+            missing: dict[str, str]) -> None:
     def med(values: list[float]) -> float:
         values = [v for v in values if v == v]
         return statistics.median(values) if values else float("nan")
@@ -314,6 +511,9 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int)
     for d in delays:
         peer = [p for p in PEERS if (p, d) in results]
         for m in methods:
+            if m in missing:
+                print(f"{d:6g} {m:16} not measured: {missing[m]}")
+                continue
             runs = results.get((m, d), [])
             ok = [r for r in runs if "error" not in r]
             if not ok:
@@ -322,6 +522,7 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int)
             rate, cpu = med([r["images_per_s"] for r in ok]), med([r["cpu_ms_per_image"] for r in ok])
             ratios = ""
             if peer and m not in PEERS:  # per-round ratios against the best peer of that round
+                # (the fastest one for images/s, the cheapest one for CPU per image)
                 rr, cr = [], []
                 for i in range(rounds):
                     mine = runs[i] if i < len(runs) else {"error": 1}
@@ -331,7 +532,8 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int)
                         continue
                     rr.append(mine["images_per_s"] / max(t["images_per_s"] for t in theirs))
                     cr.append(mine["cpu_ms_per_image"] / min(t["cpu_ms_per_image"] for t in theirs))
-                ratios = f"{med(rr):13.2f} {med(cr):11.2f}"
+                rounds_ = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rr, cr, strict=True))
+                ratios = f"{med(rr):13.2f} {med(cr):11.2f}  rounds (img/s/CPU): {rounds_}"
             print(f"{d:6g} {m:16} {rate:9.0f} {cpu:11.2f} {ratios}")
 
 

@@ -118,7 +118,7 @@ def test_gpu_feed_benchmark_without_cuda_says_so_and_exits_0():
 def test_images_benchmark_reads_every_image(tmp_path):
     out = tmp_path / "images.json"
     cmd = [sys.executable, "-m", "benchmarks.images", "--quick", "--images", "192", "--per-shard", "64",
-           "--methods", "streamdata,streamdata-1x2,webdataset", "--json", str(out)]
+           "--methods", "streamdata,streamdata-1x2,webdataset,litdata,mosaic", "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = json.loads(out.read_text())
@@ -127,6 +127,8 @@ def test_images_benchmark_reads_every_image(tmp_path):
         assert "error" not in run, (method, run)
         assert run["images"] == 192 and run["batch_shape"][1:] == [3, 224, 224]
     assert "x peer img/s" in done.stdout
+    for peer in ("litdata", "mosaic"):  # without --peers-python: reported, not run
+        assert f"{peer}: not measured: no --peers-python given" in done.stdout
 
 
 def test_autotune_benchmark_finds_when_a_run_reached_a_rate():
