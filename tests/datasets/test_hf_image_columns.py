@@ -22,7 +22,7 @@ import streamdata as sd
 from streamdata.batch.tables import DROPPED, TensorOptions, to_rows, to_tensors
 from streamdata.formats.image_columns import RowKeys, image_columns, with_row_keys
 from streamdata.formats.images import sample_key
-from tests.helpers import s3_environment, tar_bytes
+from tests.helpers import rank_batches, s3_environment, tar_bytes
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,6 +257,32 @@ def test_a_corrupt_cell_names_its_row_or_costs_only_its_row(bucket, batch_size):
         labels = [v for x in out for v in x["label"].tolist()]
     assert labels == [0, 1, 2, 3, 4, 5, 7]
     assert ds.skipped["decode"] == 1 and sum(ds.skipped.values()) == 1
+    # the dropped row counts as read where it was: a state taken before it resumes with the rest
+    ds = dataset("skip")
+    it = iter(ds)
+    head = [next(it) for _ in range(1 if batch_size else 5)]
+    state = ds.state_dict()
+    it.close()
+    again = dataset("skip")
+    again.load_state_dict(state)
+    rest = list(again)
+    if batch_size is None:
+        assert [int(r["label"]) for r in head] == [0, 1, 2, 3, 4] and [int(r["label"]) for r in rest] == [5, 7]
+    else:
+        assert [x["label"].tolist() for x in head + rest] == [[0, 1, 2, 3], [4, 5, 7]]
+
+
+def test_a_dropped_row_keeps_equal_steps(bucket):
+    """Two simulated ranks of an exact epoch, a bad cell skipped: both ranks the same number of
+    batches (EQUAL-STEPS), every other row once."""
+    server, b, fs = bucket
+    _with_bad_cells(fs, f"{b}/bad/b-0.parquet")
+    ds = sd.ParquetDataset(f"s3://{b}/bad/b-0.parquet", storage_options=server.storage_options, batch_size=2,
+                           shuffle=True, decode=sd.images.RandomResizedCrop(16), on_error="skip")
+    per_rank = [rank_batches(ds, r, 2, 0, field="label") for r in range(2)]
+    assert [len(batches) for batches in per_rank] == [2, 2]
+    assert sorted(v for batches in per_rank for batch in batches for v in batch) == [0, 1, 2, 3, 4, 5, 7]
+    assert ds.skipped["decode"] == 1
 
 
 def test_a_cell_without_bytes_and_a_failing_decoder(bucket):
