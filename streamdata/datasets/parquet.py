@@ -16,6 +16,7 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from streamdata.epoch.rewind import dropped, placeholder_tables, record_size
 from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
-from streamdata.formats.image_columns import ROW_COLUMNS, with_row_keys
+from streamdata.formats.image_columns import ROW_COLUMNS, image_columns, with_row_keys
 from streamdata.formats.images import ImageTransform, for_pass
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
@@ -48,6 +49,7 @@ __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 
 KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
+log = logging.getLogger("streamdata")
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,25 @@ class _ArrowTables(ShardedDataset):
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._footers: dict[str, bytes] = {}
         self._units: list[Any] = []
+        # the Hugging Face image columns of the first schema read (None: not known before reading)
+        self.image_columns: list[str] | None = None
 
     def units(self) -> Sequence[Any]:
         return self._units
+
+    def _found_schema(self, schema: pa.Schema, url: str) -> None:
+        """Note the image columns of the first schema read; say how to decode them (once, at
+        info level) where neither ``decode=`` nor ``decoders=`` does: by default they stay bytes."""
+        if self.image_columns is not None:
+            return
+        wanted = None if self.columns is None else {c.split(".")[0] for c in self.columns}
+        self.image_columns = [c for c in image_columns(schema) if wanted is None or c in wanted]
+        raw = [c for c in self.image_columns if c not in self.tensor_options.decoders]
+        if raw and self.decode is None:
+            log.info("streamdata: %s of %s hold%s Hugging Face images, read as bytes (%s.bytes); "
+                     "decode=sd.images.RandomResizedCrop(224) (or another sd.images transform) decodes "
+                     "them into uint8 tensors (docs/images.md)", ", ".join(map(repr, raw)), redact_url(url),
+                     "s" if len(raw) == 1 else "", raw[0])
 
     def start_pass(self, epoch: int) -> None:
         """``map``, the column decoders and ``decode`` bound to the pass (IMAGE-SEED: an image
@@ -256,6 +274,8 @@ class ParquetDataset(_ArrowTables):
                 if rows:
                     self._units.append(RowGroup(shard.url, _size(shard), index, rows))
         self.num_rows = sum(u.rows for u in self._units)
+        if self._units:
+            self._found_schema(self._meta(self._units[0].url).schema.to_arrow_schema(), self._units[0].url)
         if self.filter is not None and self._units:
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
                                           self.filter, self.columns)
@@ -389,6 +409,7 @@ class ArrowDataset(_ArrowTables):
         if missing:
             raise SpecError(f"column {missing[0]!r} is not in {shard.url}; columns: "
                             f"{', '.join(schema.names)}")
+        self._found_schema(schema, shard.url)
         if self.filter is not None:
             _filter_columns(schema, self.filter, None)
 
