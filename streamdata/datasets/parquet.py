@@ -125,7 +125,11 @@ class _ArrowTables(ShardedDataset):
         if self.image_columns is not None:
             return
         wanted = None if self.columns is None else {c.split(".")[0] for c in self.columns}
-        self.image_columns = [c for c in image_columns(schema) if wanted is None or c in wanted]
+        try:
+            found = image_columns(schema)
+        except (ValueError, pa.ArrowException):  # names that are not UTF-8: the read says so (FormatError)
+            return
+        self.image_columns = [c for c in found if wanted is None or c in wanted]
         raw = [c for c in self.image_columns if c not in self.tensor_options.decoders]
         if raw and self.decode is None:
             log.info("streamdata: %s of %s hold%s Hugging Face images, read as bytes (%s.bytes); "
