@@ -119,15 +119,15 @@ class _ArrowTables(ShardedDataset):
     def units(self) -> Sequence[Any]:
         return self._units
 
-    def _found_schema(self, schema: pa.Schema, url: str) -> None:
+    def _found_schema(self, schema: Callable[[], pa.Schema], url: str) -> None:
         """Note the image columns of the first schema read; say how to decode them (once, at
         info level) where neither ``decode=`` nor ``decoders=`` does: by default they stay bytes."""
         if self.image_columns is not None:
             return
         wanted = None if self.columns is None else {c.split(".")[0] for c in self.columns}
         try:
-            found = image_columns(schema)
-        except (ValueError, pa.ArrowException):  # names that are not UTF-8: the read says so (FormatError)
+            found = image_columns(schema())
+        except (ValueError, pa.ArrowException):  # e.g. names that are not UTF-8: the read says so
             return
         self.image_columns = [c for c in found if wanted is None or c in wanted]
         raw = [c for c in self.image_columns if c not in self.tensor_options.decoders]
@@ -279,7 +279,8 @@ class ParquetDataset(_ArrowTables):
                     self._units.append(RowGroup(shard.url, _size(shard), index, rows))
         self.num_rows = sum(u.rows for u in self._units)
         if self._units:
-            self._found_schema(self._meta(self._units[0].url).schema.to_arrow_schema(), self._units[0].url)
+            first = self._units[0].url
+            self._found_schema(lambda: self._meta(first).schema.to_arrow_schema(), first)
         if self.filter is not None and self._units:
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
                                           self.filter, self.columns)
@@ -413,7 +414,7 @@ class ArrowDataset(_ArrowTables):
         if missing:
             raise SpecError(f"column {missing[0]!r} is not in {shard.url}; columns: "
                             f"{', '.join(schema.names)}")
-        self._found_schema(schema, shard.url)
+        self._found_schema(lambda: schema, shard.url)
         if self.filter is not None:
             _filter_columns(schema, self.filter, None)
 
