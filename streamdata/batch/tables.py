@@ -243,9 +243,10 @@ def _row_error(exc: Exception, name: str, i: int, keys: RowKeys | None, url: str
 
 
 def _decode_values(arr: pa.Array, name: str, fn: Callable, by_type: bool, keys: RowKeys | None,
-                   url: str | None) -> tuple[list, list[tuple[int, DecodeError]]]:
+                   url: str | None, raise_first: bool) -> tuple[list, list[tuple[int, DecodeError]]]:
     """``fn`` on each value of ``arr`` (an image column's encoded bytes, ``by_type``; else the
-    Python values); the rows that failed, with their errors."""
+    Python values); the rows that failed, with their errors (the first raised at once, with
+    ``raise_first``)."""
     if by_type:
         values, paths = cell_values(arr)
     else:
@@ -264,7 +265,11 @@ def _decode_values(arr: pa.Array, name: str, fn: Callable, by_type: bool, keys: 
             else:
                 out.append(fn(value))
         except Exception as exc:  # a user decoder's error too: named, then skipped or raised
-            bad.append((i, _row_error(exc, name, i, keys, url)))
+            err = _row_error(exc, name, i, keys, url)
+            if raise_first:
+                raise err from exc
+            err.__cause__ = exc  # raised later (``skip`` declined it), with its cause
+            bad.append((i, err))
             out.append(None)
     return out, bad
 
@@ -278,7 +283,7 @@ def _convert(table: pa.Table | pa.RecordBatch, opts: TensorOptions,
     decoded: dict[str, list] = {}
     dropped: set[int] = set()
     for name, (fn, by_type) in per_row.items():
-        values, bad = _decode_values(_whole(table.column(name)), name, fn, by_type, keys, url)
+        values, bad = _decode_values(_whole(table.column(name)), name, fn, by_type, keys, url, skip is None)
         for i, err in bad:
             if i in dropped:
                 continue
