@@ -1,10 +1,14 @@
 """Arrow tables -> what a reader yields: a row-level shuffle, batches of exactly N rows by
 slicing, and dicts of tensors (numeric columns zero-copy; the mapping is in docs/arrow.md).
-No per-row Python anywhere but ``to_rows`` (``batch_size=None``) and user ``decoders``.
+No per-row Python anywhere but ``to_rows`` (``batch_size=None``), user ``decoders`` and image
+columns (``images``: Hugging Face image cells through an ``sd.images`` transform, seeded by
+their rows' keys, IMAGE-SEED in ``formats.images``). A value that cannot be decoded costs
+its row, where the caller's ``skip`` says so (counted there), not its batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,8 +21,13 @@ import torch
 
 from streamdata.errors import DecodeError, SpecError
 from streamdata.formats.arrow import table_url, tag_url
+from streamdata.formats.image_columns import RowKeys, cell_values, image_columns, take_row_keys
+from streamdata.formats.images import ImageTransform
 
-__all__ = ["TensorOptions", "rebatch", "shuffle_rows", "to_rows", "to_tensors"]
+__all__ = ["DROPPED", "TensorOptions", "rebatch", "shuffle_rows", "to_rows", "to_tensors"]
+
+DROPPED: Any = object()  # ``to_rows``' stand-in for a row dropped under the caller's ``skip``
+Skip = Callable[[BaseException], bool]
 
 
 # ---- table stages (Arrow slicing) ---------------------------------------------------------
@@ -92,13 +101,17 @@ class TensorOptions:
     fill_null: a value (or ``{column: value}``) for nulls in integer/bool columns, which have no
                NaN; without one such nulls raise ``DecodeError``.  Float nulls become NaN.
     decoders:  ``{column: f}``; ``f(value)`` is applied to each value of the column (e.g. image
-               bytes -> tensor); equal-shaped tensor results are stacked.
+               bytes -> tensor); equal-shaped tensor results are stacked. An ``sd.images``
+               transform is given the row's key too (IMAGE-SEED).
+    images:    a transform (``sd.images``, or ``f(encoded bytes)``) for every column holding
+               Hugging Face images (``formats.image_columns``) that ``decoders`` does not name.
     """
 
     lists: str = "padded"
     pad_value: float = 0
     fill_null: Any = None
     decoders: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    images: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.lists not in ("padded", "offsets"):
@@ -207,36 +220,133 @@ def _column(arr: pa.Array, name: str, opts: TensorOptions, out: dict[str, Any]) 
     out[name] = arr.to_pylist()  # strings, binary, decimals, nested ragged lists: Python values
 
 
-def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> dict[str, Any]:
-    """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md."""
-    opts = options or TensorOptions()
-    out: dict[str, Any] = {}
-    url = table_url(table)
-    for name, col in zip(table.column_names, table.columns, strict=True):
+def _per_row(table: pa.Table | pa.RecordBatch, opts: TensorOptions) -> dict[str, tuple[Callable, bool]]:
+    """The top-level columns decoded value by value: ``{name: (f, by_type)}``; a ``decoders``
+    entry wins over ``images`` for an image column."""
+    fns: dict[str, tuple[Callable, bool]] = {}
+    if opts.images is not None:
+        fns.update((name, (opts.images, True)) for name in image_columns(table.schema))
+    fns.update((name, (opts.decoders[name], False)) for name in table.column_names if name in opts.decoders)
+    return fns
+
+
+def _row_error(exc: Exception, name: str, i: int, keys: RowKeys | None, url: str | None) -> DecodeError:
+    """A value of column ``name`` that failed, naming its column, row, unit and object."""
+    if keys is not None:
+        key, url = keys.place(i), keys.urls[i]
+        where = f"{key} of {url}"
+    else:
+        key = f"row {i} of the batch"
+        where = key + (f" from {url}" if url else "")
+    cause = exc.message if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
+    return DecodeError(f"cannot decode column {name!r} at {where}: {cause}", url=url, key=key)
+
+
+def _decode_values(arr: pa.Array, name: str, fn: Callable, by_type: bool, keys: RowKeys | None,
+                   url: str | None, raise_first: bool) -> tuple[list, list[tuple[int, DecodeError]]]:
+    """``fn`` on each value of ``arr`` (an image column's encoded bytes, ``by_type``; else the
+    Python values); the rows that failed, with their errors (the first raised at once, with
+    ``raise_first``)."""
+    if by_type:
+        values, paths = cell_values(arr)
+    else:
+        values, paths = arr.to_pylist(), []
+    transform = fn if isinstance(fn, ImageTransform) else None
+    out: list = []
+    bad: list[tuple[int, DecodeError]] = []
+    for i, value in enumerate(values):
         try:
-            if isinstance(col, pa.ChunkedArray):
-                col = col.chunk(0) if col.num_chunks == 1 else (
-                    col.combine_chunks() if col.num_chunks else pa.array([], col.type))
-            _column(col, name, opts, out)
+            if by_type and value is None:
+                raise DecodeError(f"the image cell has no bytes (path {paths[i]!r}): only images "
+                                  "embedded in the table can be decoded (Hugging Face datasets embed "
+                                  "them in Parquet exports, e.g. push_to_hub; decode=None reads the paths)")
+            if transform is not None:
+                out.append(transform.image(value, key=None if keys is None else keys.key(i)))
+            else:
+                out.append(fn(value))
+        except Exception as exc:  # a user decoder's error too: named, then skipped or raised
+            err = _row_error(exc, name, i, keys, url)
+            if raise_first:
+                raise err from exc
+            err.__cause__ = exc  # raised later (``skip`` declined it), with its cause
+            bad.append((i, err))
+            out.append(None)
+    return out, bad
+
+
+def _convert(table: pa.Table | pa.RecordBatch, opts: TensorOptions,
+             skip: Skip | None) -> tuple[dict[str, Any], list[int]]:
+    """``to_tensors``' work: the dict, and the rows ``skip`` dropped from it (ascending)."""
+    url = table_url(table)
+    table, keys = take_row_keys(table)
+    per_row = _per_row(table, opts)
+    decoded: dict[str, list] = {}
+    dropped: set[int] = set()
+    for name, (fn, by_type) in per_row.items():
+        values, bad = _decode_values(_whole(table.column(name)), name, fn, by_type, keys, url, skip is None)
+        for i, err in bad:
+            if i in dropped:
+                continue
+            if skip is None or not skip(err):
+                raise err
+            dropped.add(i)
+        decoded[name] = values
+    if dropped:  # the rows whose values failed, gone from every column
+        keep = np.ones(table.num_rows, dtype=bool)
+        keep[list(dropped)] = False
+        table = table.filter(pa.array(keep))
+        decoded = {name: [v for v, k in zip(values, keep, strict=True) if k]
+                   for name, values in decoded.items()}
+    out: dict[str, Any] = {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        if name in decoded:
+            out[name] = _decoded(decoded[name], name)
+            continue
+        try:
+            _column(_whole(col), name, opts, out)
         except DecodeError as exc:
             exc.url = exc.url or url
             raise
         except (ValueError, OverflowError, pa.ArrowException) as exc:  # UnicodeDecodeError too
             raise DecodeError(f"column {name!r} ({col.type}) of {url or 'a table'} cannot be "
                               f"converted: {type(exc).__name__}: {exc}", url=url, key=name) from exc
-    return out
+    return out, sorted(dropped)
 
 
-def to_rows(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None) -> Iterator[dict]:
-    """One dict per row (list columns as unpadded 1-D tensors); the slow, per-row path."""
-    opts = options or TensorOptions()
-    cols = to_tensors(table, TensorOptions("offsets", opts.pad_value, opts.fill_null, opts.decoders))
+def _whole(col: Any) -> pa.Array:
+    """One array from a column (a chunked one combined)."""
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else (
+            col.combine_chunks() if col.num_chunks else pa.array([], col.type))
+    return col
+
+
+def to_tensors(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None,
+               skip: Skip | None = None) -> dict[str, Any]:
+    """A table -> ``{column: tensor or list}``; see ``TensorOptions`` and docs/arrow.md. A value
+    that a decoder (or the image transform) fails on is a ``DecodeError`` naming its column,
+    row and object; where ``skip(error)`` is true (it counts it), its row is dropped instead."""
+    return _convert(table, options or TensorOptions(), skip)[0]
+
+
+def to_rows(table: pa.Table | pa.RecordBatch, options: TensorOptions | None = None,
+            skip: Skip | None = None, dropped: bool = False) -> Iterator[dict]:
+    """One dict per row (list columns as unpadded 1-D tensors); the slow, per-row path. With
+    ``dropped``, a row dropped under ``skip`` is yielded as ``DROPPED`` (a reader counts it)."""
+    opts = dataclasses.replace(options or TensorOptions(), lists="offsets")
+    cols, gone = _convert(table, opts, skip)
     ragged = {k[:-len("_offsets")]: v.tolist() for k, v in cols.items()
               if k.endswith("_offsets") and k[:-len("_offsets")] in cols}
     plain = [(k, v) for k, v in cols.items() if k not in ragged and not
              (k.endswith("_offsets") and k[:-len("_offsets")] in ragged)]
-    for i in range(table.num_rows):
+    gone_at, i = set(gone), 0
+    for at in range(table.num_rows):  # DROPPED in a dropped row's place: a reader counts it there
+        if at in gone_at:
+            if dropped:
+                yield DROPPED
+            continue
         row = {k: v[i] for k, v in plain}
         for k, offsets in ragged.items():
             row[k] = cols[k][offsets[i]:offsets[i + 1]]
         yield row
+        i += 1

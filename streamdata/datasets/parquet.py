@@ -16,6 +16,7 @@ decodes them with pyarrow, and turns rows into batches with Arrow slicing, never
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import get_worker_info
 
-from streamdata.batch.tables import TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
+from streamdata.batch.tables import DROPPED, TensorOptions, rebatch, shuffle_rows, to_rows, to_tensors
 from streamdata.catalog.footers import read_batch_rows, read_footers, with_sizes
 from streamdata.catalog.specs import Spec
 from streamdata.config import UNIT_WINDOW
@@ -36,7 +37,8 @@ from streamdata.epoch.rewind import dropped, placeholder_tables, record_size
 from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
-from streamdata.formats.images import for_pass
+from streamdata.formats.image_columns import ROW_COLUMNS, image_columns, with_row_keys
+from streamdata.formats.images import ImageTransform, for_pass
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
@@ -47,6 +49,7 @@ __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 
 KiB = 1024
 DEFAULT_SHUFFLE_ROWS = 16384
+log = logging.getLogger("streamdata")
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,8 @@ class _ArrowTables(ShardedDataset):
 
     def __init__(self, urls: Spec, columns: Sequence[str] | None = None, *,
                  lists: str = "padded", pad_value: float = 0, fill_null: Any = None,
-                 decoders: Mapping[str, Callable[[Any], Any]] | None = None, filter: Any = None,
-                 footer_bytes: int = 64 * KiB, **options: Any) -> None:
+                 decoders: Mapping[str, Callable[[Any], Any]] | None = None, decode: Any = None,
+                 filter: Any = None, footer_bytes: int = 64 * KiB, **options: Any) -> None:
         if options.get("collate_fn") is not None:
             raise SpecError(f"{type(self).__name__} builds batches from Arrow tables; "
                             "use map= to transform each batch instead of collate_fn")
@@ -93,28 +96,59 @@ class _ArrowTables(ShardedDataset):
         if filter is not None and not isinstance(filter, pc.Expression):
             raise SpecError(f"filter must be a pyarrow.compute.Expression (e.g. pc.field('x') > 0), "
                             f"got {type(filter).__name__}")
+        _check_decode(decode)
         if footer_bytes < 16:
             raise SpecError(f"footer_bytes must be >= 16, got {footer_bytes}")
         super().__init__(urls, **options)
         self.columns = None if columns is None else list(columns)
         self.filter = filter
-        self.tensor_options = TensorOptions(lists, pad_value, fill_null, dict(decoders or {}))
+        self.decode = decode or None
+        self.tensor_options = TensorOptions(lists, pad_value, fill_null, dict(decoders or {}), self.decode)
         self._pass_options = self.tensor_options  # its decoders bound to the current pass (``start_pass``)
+        # IMAGE-SEED: an image transform seeds each row's crop by the row's key, which the units'
+        # tables carry in hidden columns (``formats.image_columns``) when one is in use
+        self._keyed = isinstance(self.decode, ImageTransform) or any(
+            isinstance(fn, ImageTransform) for fn in self.tensor_options.decoders.values())
         self.footer_bytes = footer_bytes
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         self._footers: dict[str, bytes] = {}
         self._units: list[Any] = []
+        # the Hugging Face image columns of the first schema read (None: not known before reading)
+        self.image_columns: list[str] | None = None
 
     def units(self) -> Sequence[Any]:
         return self._units
 
+    def _found_schema(self, schema: Callable[[], pa.Schema], url: str) -> None:
+        """Note the image columns of the first schema read; say how to decode them (once, at
+        info level) where neither ``decode=`` nor ``decoders=`` does: by default they stay bytes."""
+        if self.image_columns is not None:
+            return
+        wanted = None if self.columns is None else {c.split(".")[0] for c in self.columns}
+        try:
+            found = image_columns(schema())
+        except (ValueError, pa.ArrowException):  # e.g. names that are not UTF-8: the read says so
+            return
+        self.image_columns = [c for c in found if wanted is None or c in wanted]
+        raw = [c for c in self.image_columns if c not in self.tensor_options.decoders]
+        if raw and self.decode is None:
+            log.info("streamdata: %s of %s hold%s Hugging Face images, read as bytes (%s.bytes); "
+                     "decode=sd.images.RandomResizedCrop(224) (or another sd.images transform) decodes "
+                     "them into uint8 tensors (docs/images.md)", ", ".join(map(repr, raw)), redact_url(url),
+                     "s" if len(raw) == 1 else "", raw[0])
+
     def start_pass(self, epoch: int) -> None:
-        """``map`` and the column decoders bound to the pass (IMAGE-SEED: an image transform as
-        the decoder of a Hugging Face image column)."""
+        """``map``, the column decoders and ``decode`` bound to the pass (IMAGE-SEED: an image
+        transform for the Hugging Face image columns, or as a column's decoder)."""
         super().start_pass(epoch)
         opts = self.tensor_options
         self._pass_options = dataclasses.replace(opts, decoders={
-            name: for_pass(fn, self.seed, epoch) for name, fn in opts.decoders.items()})
+            name: for_pass(fn, self.seed, epoch) for name, fn in opts.decoders.items()},
+            images=for_pass(opts.images, self.seed, epoch))
+
+    def keyed(self, table: pa.Table, url: str, unit: str, first: int = 0) -> pa.Table:
+        """``table`` (rows ``first``... of ``unit``) with its rows' keys, when a crop needs them."""
+        return with_row_keys(table, url, unit, first) if self._keyed else table
 
     def _policy(self) -> ErrorPolicy:
         """The error policy of the constructor's footer reads."""
@@ -153,8 +187,10 @@ class _ArrowTables(ShardedDataset):
                batching: Batching) -> Iterator[Any]:
         """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
         (one per batch, or one per row without ``batch_size``) -> ``map``. A batch that cannot be
-        converted (nulls without ``fill_null``, a failing decoder) is skipped or raised per
-        ``on_error``; so is one that ``map`` fails on."""
+        converted (nulls without ``fill_null``) is skipped or raised per ``on_error``; so is one
+        that ``map`` fails on. A value a decoder or ``decode`` fails on costs only its row: the
+        batch comes that much shorter (the number of batches, EQUAL-STEPS, is kept) and the
+        row counts as delivered for ``state_dict``."""
         tables = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
@@ -168,16 +204,28 @@ class _ArrowTables(ShardedDataset):
             tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
             if self._live is not None:  # counted as delivered (state_dict)
                 tables = self._live.count(tables, record_size)
-            items = policy.each(tables, lambda t: to_tensors(t, opts), run=StageClock.DECODE)
+            items = policy.each(tables, lambda t: to_tensors(t, opts, policy.skip), run=StageClock.DECODE)
         else:
-            rows = policy.each(tables, lambda t: list(to_rows(t, opts)), run=StageClock.DECODE)
+            rows = policy.each(tables, lambda t: list(to_rows(t, opts, policy.skip, dropped=True)),
+                               run=StageClock.DECODE)
             items = (row for batch in rows for row in batch)
-            items = items if self._live is None else self._live.count(items)
+            items = items if self._live is None else self._live.count(items)  # a dropped row too
+            items = (row for row in items if row is not DROPPED)
         return items if self._map is None else policy.each(items, self._map, run=StageClock.MAP)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} objects, {len(self._units)} units, "
                 f"columns={self.columns}, batch_size={self.batch_size}, shuffle={self.shuffle})")
+
+
+def _check_decode(decode: Any) -> None:
+    """``decode=``: None/False, an ``sd.images`` transform, or a function of an image's bytes."""
+    if decode is None or decode is False or (callable(decode) and decode is not True):
+        return
+    raise SpecError(f"decode= takes an image transform for the Hugging Face image columns "
+                    f"(e.g. sd.images.RandomResizedCrop(224)) or a function of an image's encoded "
+                    f"bytes, or None to keep them as bytes; got {decode!r} (for other columns use "
+                    f"decoders={{column: f}})")
 
 
 def _size(shard: Shard) -> int:
@@ -230,6 +278,9 @@ class ParquetDataset(_ArrowTables):
                 if rows:
                     self._units.append(RowGroup(shard.url, _size(shard), index, rows))
         self.num_rows = sum(u.rows for u in self._units)
+        if self._units:
+            first = self._units[0].url
+            self._found_schema(lambda: self._meta(first).schema.to_arrow_schema(), first)
         if self.filter is not None and self._units:
             self._extra = _filter_columns(self._meta(self._units[0].url).schema.to_arrow_schema(),
                                           self.filter, self.columns)
@@ -265,8 +316,9 @@ class ParquetDataset(_ArrowTables):
 
     def read_unit(self, unit: RowGroup, reader: ItemReader) -> Iterator[pa.Table]:
         parts = zip([start for start, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
-        yield fmt.read_row_group(self._meta(unit.url), parts, unit.size, unit.index,
-                                 self._read_columns, unit.url, _use_threads())
+        yield self.keyed(fmt.read_row_group(self._meta(unit.url), parts, unit.size, unit.index,
+                                            self._read_columns, unit.url, _use_threads()),
+                         unit.url, f"row group {unit.index}")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -362,6 +414,7 @@ class ArrowDataset(_ArrowTables):
         if missing:
             raise SpecError(f"column {missing[0]!r} is not in {shard.url}; columns: "
                             f"{', '.join(schema.names)}")
+        self._found_schema(lambda: schema, shard.url)
         if self.filter is not None:
             _filter_columns(schema, self.filter, None)
 
@@ -381,6 +434,7 @@ class ArrowDataset(_ArrowTables):
             starts = [start for start, _ in reader.item.ranges or ()]
             parts = [*zip(starts, reader.read_ranges(), strict=True), (unit.size - len(footer), footer)]
             batches = [fmt.read_ipc_batch(parts, unit.size, unit.index, unit.url)]
+        first = 0  # a stream's rows are counted from its start
         for batch in batches:
             table = pa.Table.from_batches([batch])
             missing = [c for c in self.columns or () if c not in table.column_names]
@@ -388,8 +442,12 @@ class ArrowDataset(_ArrowTables):
                 raise FormatError(f"column {missing[0]!r} is not in {unit.url}; columns: "
                                   f"{', '.join(table.column_names)}", url=unit.url,
                                   key=f"record batch {max(unit.index, 0)}")
-            yield table
+            yield self.keyed(table, unit.url, "stream" if unit.index < 0 else f"record batch {unit.index}",
+                             first)
+            first += table.num_rows
 
     def prepare(self, table: pa.Table) -> pa.Table:
         table = super().prepare(table)
-        return table if self.columns is None else table.select(self.columns)
+        if self.columns is None:
+            return table
+        return table.select(self.columns + [c for c in ROW_COLUMNS if c in table.column_names])

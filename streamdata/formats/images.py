@@ -13,15 +13,18 @@ same crop and resize. The pixels differ from a full decode then resize only by r
 Seeded (IMAGE-SEED): a sample's crop and flip are a function of ``(seed, epoch, key)`` alone:
 the seed is the transform's own or the dataset's, the epoch the pass's (``for_pass``, which
 the datasets call at the start of each pass), the key the sample's ``__key__`` and
-``__url__`` (or, for a bare value such as a Parquet image cell, the digest of its bytes), so
-the same sample gets the same crop in every run, on every world size and after a resume.
+``__url__``, or a Parquet / Arrow row's object, unit and row (``formats.image_columns``; a bare
+value with no key, such as an image cell outside a dataset, is keyed by the digest of its
+bytes), so the same sample gets the same crop in every run, on every world size and after a
+resume.
 
 Use one as ``decode=`` of a tar or object dataset (the image fields take the fast path, the
 others are decoded as ``decode=True`` decodes them), as ``map=`` over samples whose image
-fields are still bytes (or already decoded arrays: cropped the slow way), as a Parquet
-``decoders=`` entry for a Hugging Face image column (``struct<bytes, path>``), or call it on
-bytes. A corrupt or truncated image is a :class:`~streamdata.errors.DecodeError` naming the
-sample's key and URL (skipped and counted under ``on_error="skip"``).
+fields are still bytes (or already decoded arrays: cropped the slow way), as ``decode=`` of a
+Parquet or Arrow dataset (its Hugging Face image columns, ``struct<bytes, path>``, found by
+type) or a ``decoders=`` entry for one column, or call it on bytes. A corrupt or truncated
+image is a :class:`~streamdata.errors.DecodeError` naming the sample's key and URL (skipped and
+counted under ``on_error="skip"``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fast image path (streamdata/formats/images.py): shape and dtype, the crop distribution,
 the PSNR bound against a full decode then resize, IMAGE-SEED (crops reproduce across runs, worlds
-and resumes), PNG / WebP / grayscale / CMYK, Hugging Face image columns in Parquet, decode
+and resumes), PNG / WebP / grayscale / CMYK, a Hugging Face image column in Parquet by ``decoders=``, decode
 threads, and corrupt images as DecodeErrors naming key and URL (or counted skips)."""
 
 from __future__ import annotations
@@ -290,7 +290,8 @@ def test_a_corrupt_image_in_a_shard(image_bucket, policy, threads):
 
 def test_hugging_face_image_column_in_parquet(image_bucket):
     """A ``struct<bytes: binary, path: string>`` column as Hugging Face datasets write it, decoded
-    through the same path by a ``decoders=`` entry: a uint8 batch, seeded by the image's bytes."""
+    through the same path by a ``decoders=`` entry: a uint8 batch, seeded by the row's key (the
+    object's name, row group and row; tests/datasets/test_hf_image_columns.py has ``decode=``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -309,7 +310,8 @@ def test_hugging_face_image_column_in_parquet(image_bucket):
     assert got.shape == (10, 3, 24, 24) and got.dtype == torch.uint8
     assert torch.cat([b["label"] for b in batches]).tolist() == list(range(10))
     bound = t.for_pass(0, 0)
-    assert all(torch.equal(got[i], bound.image(images[i])) for i in range(10))
+    keys = [f"train-0.parquet\x00row group {i // 5}\x00{i % 5}" for i in range(10)]
+    assert all(torch.equal(got[i], bound.image(images[i], key=keys[i])) for i in range(10))
     with pytest.raises(sd.SpecError):
         sd.ParquetDataset(f"s3://{bucket}/hf/train-0.parquet", storage_options=server.storage_options,
                           decode_threads=2)
