@@ -1,6 +1,7 @@
 """The fast image path under DDP (torchrun, 2 ranks): every image exactly once in an epoch, and
 after a mid-epoch stop and resume every image exactly once over both runs, each with the crop
-the uninterrupted epoch gave it (IMAGE-SEED in ``formats/images.py``)."""
+the uninterrupted epoch gave it (IMAGE-SEED in ``formats/images.py``); for tar shards and for a
+Hugging Face-style Parquet export decoded by its image column's type, with a corrupt cell skipped."""
 
 from __future__ import annotations
 
@@ -54,6 +55,48 @@ def test_torchrun_every_image_once_and_the_same_crops_after_a_resume(s3_server, 
 
     first = torchrun(JOB, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
     rest = torchrun(JOB, tmp_path, 2, {**base, "tag": "rest", "load": state, "workers": 2, "threads": 1})
+    got = collections.Counter(k for r in first + rest for k in r["images"])
+    assert sorted(got) == keys and max(got.values()) == 1
+    assert all(crops[k] == v for r in first + rest for k, v in r["images"].items())
+
+
+@pytest.mark.slow
+def test_torchrun_hugging_face_parquet_images_once_equal_steps_and_a_counted_bad_row(s3_server, tmp_path):
+    """A Hub-style Parquet export (``struct<bytes, path>`` image column) decoded by type on 2 ranks:
+    every good image once, one corrupt cell skipped and counted on the rank that read it, every
+    rank the same number of steps; a resume from a mid-epoch stop gives the rest with the same crops."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
+    cell = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    bad, n = 13, 0
+    for f, count in enumerate(COUNTS):
+        ids = list(range(n, n + count))
+        cells = [{"bytes": b"\xff\xd8\xff\xe0 not a jpeg" if i == bad else _jpeg(i), "path": f"{i}.jpg"}
+                 for i in ids]
+        table = pa.table({"image": pa.array(cells, cell),
+                          "id": pa.array(ids, pa.int64())})
+        with fs.open(f"{bucket}/hub/train-{f:05d}.parquet", "wb") as out:
+            pq.write_table(table, out, row_group_size=4)
+        n += count
+    keys = [f"img{i:04d}" for i in range(n) if i != bad]
+    spec = f"s3://{bucket}/hub/train-{{00000..{len(COUNTS) - 1:05d}}}.parquet"
+    base = {"spec": spec, "storage_options": s3_server.storage_options, "workers": 1, "threads": 1,
+            "parquet": True, "on_error": "skip"}
+    state = str(tmp_path / "state.json")
+
+    whole = torchrun(JOB, tmp_path, 2, {**base, "tag": "whole"})
+    crops = {k: v for r in whole for k, v in r["images"].items()}
+    assert sorted(crops) == keys and sum(len(r["images"]) for r in whole) == len(keys)
+    assert whole[0]["steps"] == whole[1]["steps"]
+    assert sum(r["skipped"].get("decode", 0) for r in whole) == 1
+
+    first = torchrun(JOB, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
+    rest = torchrun(JOB, tmp_path, 2, {**base, "tag": "rest", "load": state, "workers": 2})
     got = collections.Counter(k for r in first + rest for k in r["images"])
     assert sorted(got) == keys and max(got.values()) == 1
     assert all(crops[k] == v for r in first + rest for k, v in r["images"].items())
