@@ -67,7 +67,8 @@ def test_a_batch_finished_on_the_cpu_is_the_cpu_paths(how):
     records = [dev(s) for s in samples]
     batch = collate(records) if how == "collate" else next(batches(records, 7))
     enc = batch["jpg"]
-    assert isinstance(enc, EncodedBatch) and len(enc) == 7 and batch["__key__"] == [s["__key__"] for s in samples]
+    assert isinstance(enc, EncodedBatch) and len(enc) == 7
+    assert batch["__key__"] == [s["__key__"] for s in samples]
     assert enc.kinds.tolist() == [JPEG, JPEG, JPEG, PIXELS, JPEG, JPEG, JPEG]
     offsets = enc.offsets.tolist()
     for i in (0, 6):
@@ -208,7 +209,8 @@ def test_sd_loader_finishes_device_batches_every_image_once_and_resumes(device_b
         state = first.state_dict()
     with warnings.catch_warnings():  # "cuda" on a machine without it: the CPU finishes (said once)
         warnings.simplefilter("ignore", RuntimeWarning)
-        with _loader(server, spec, "device", device="cuda" if not torch.cuda.is_available() else "cpu") as second:
+        no_cuda = "cuda" if not torch.cuda.is_available() else "cpu"
+        with _loader(server, spec, "device", device=no_cuda) as second:
             second.load_state_dict(state)
             rest = _by_key(second)
     assert sorted([*seen, *rest]) == keys and not set(seen) & set(rest)
