@@ -240,3 +240,33 @@ def test_pillow_reads_the_header_without_simplejpeg(monkeypatch):
     monkeypatch.setattr(I, "_simplejpeg", lambda: None)
     assert I.jpeg_layout(data)[:2] == (120, 90) == Image.open(io.BytesIO(data)).size
     assert I.jpeg_layout(b"not a jpeg") is None
+
+
+def test_the_docs_gpu_recipe_runs(s3_bucket, monkeypatch):
+    """docs/images.md's decode_on="device" recipe as written (its bucket pointed at the test
+    server's): on this machine device="cuda" finishes on the CPU; two epochs, every image each,
+    uint8 [n, 3, 224, 224] batches with int64 labels."""
+    import re
+    from pathlib import Path
+
+    import s3fs
+
+    from tests.helpers import s3_environment
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    keys = _image_shards(fs, f"{bucket}/imagenet", [3, 3, 3, 3])
+    for i in range(4):
+        fs.mv(f"{bucket}/imagenet/shard-{i:03d}.tar", f"{bucket}/imagenet/train-{i:06d}.tar")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "images.md").read_text()
+    section = text[text.index('\n## Decoding on the GPU: `decode_on="device"`\n'):]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("s3://bkt/", f"s3://{bucket}/")
+    s3_environment(monkeypatch, server.storage_options)
+    seen: list[tuple] = []
+    namespace = {"train_step": lambda images, labels: seen.append((images.clone(), labels.clone()))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no CUDA here: said once
+        exec(compile(code, "docs/images.md", "exec"), namespace)  # noqa: S102 - the page's recipe, run
+    assert sum(len(labels) for _, labels in seen) == 2 * len(keys)
+    assert all(images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, 224, 224) for images, _ in seen)
+    assert all(labels.dtype == torch.int64 for _, labels in seen)
