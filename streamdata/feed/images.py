@@ -112,7 +112,8 @@ class _NvImageCodec:
     """nvImageCodec's batched decoder (HWC on the device, viewed as CHW). Not yet run on a device."""
 
     def __init__(self, nvimgcodec: Any) -> None:
-        self._module, self._decoders = nvimgcodec, {}  # one decoder per device index
+        self._module = nvimgcodec
+        self._decoders: dict[int, Any] = {}  # one decoder per device index
 
     def __call__(self, datas: list[torch.Tensor], device: torch.device) -> list[Any]:
         index = device.index if device.index is not None else torch.cuda.current_device()
