@@ -17,6 +17,7 @@ is missing) is decoded alone, then, if the device refuses it alone too, on the C
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 from collections.abc import Callable
@@ -87,6 +88,7 @@ def _pillow(raw: bytes) -> Any:
         return np.asarray(image.convert("RGB"))
 
 
+@functools.cache  # found once per process (a decoder missing raises every time, uncached)
 def _cuda_decoder() -> Decoder:
     try:
         from torchvision.io import ImageReadMode, decode_jpeg  # nvJPEG

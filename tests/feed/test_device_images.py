@@ -270,3 +270,38 @@ def test_the_docs_gpu_recipe_runs(s3_bucket, monkeypatch):
     assert sum(len(labels) for _, labels in seen) == 2 * len(keys)
     assert all(images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, 224, 224) for images, _ in seen)
     assert all(labels.dtype == torch.int64 for _, labels in seen)
+
+
+def test_a_hugging_face_image_column_decoded_on_the_device(s3_bucket):
+    """A Parquet ``struct<bytes, path>`` column with ``decoders={"image": ...(decode_on="device")}``:
+    one EncodedBatch per batch, finished by sd.loader's device step as the CPU path crops it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    images = [_encode(_picture(i, (80, 60)), "PNG" if i % 3 == 0 else "JPEG") for i in range(10)]
+    column = pa.array([{"bytes": b, "path": f"{i}.jpg"} for i, b in enumerate(images)],
+                      type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    with fs.open(f"{bucket}/hf/train-0.parquet", "wb") as f:
+        pq.write_table(pa.table({"image": column, "label": pa.array(range(10), pa.int64())}), f,
+                       row_group_size=5)
+    url = f"s3://{bucket}/hf/train-0.parquet"
+
+    def crops(decode_on: str) -> dict:
+        return {"image": sd.images.RandomResizedCrop(24, decode_on=decode_on)}
+
+    def run(decode_on: str) -> torch.Tensor:
+        ds = sd.ParquetDataset(url, storage_options=server.storage_options, batch_size=5,
+                               decoders=crops(decode_on))
+        with sd.loader(ds, num_workers=1, device="cpu") as loader:
+            got = list(loader)
+        assert torch.cat([b["label"] for b in got]).tolist() == list(range(10))
+        return torch.cat([b["image"] for b in got])
+
+    assert torch.equal(run("device"), run("worker"))
+    raw = sd.ParquetDataset(url, storage_options=server.storage_options, batch_size=5,
+                            decoders=crops("device"))
+    first = next(iter(raw))["image"]
+    assert isinstance(first, EncodedBatch) and first.keys == [f"image[{i}]" for i in range(5)]
