@@ -60,3 +60,13 @@ def test_sd_loader_on_cuda_decodes_on_the_gpu(device_bucket):  # noqa: F811 - th
     gpu, cpu = run("device"), run("worker")
     assert sorted(gpu) == keys == sorted(cpu)
     assert all(_psnr(gpu[k], cpu[k].numpy()) >= 30 for k in keys)
+
+
+def test_an_encoded_batch_pins_as_a_batch_does():
+    """DataLoader's pin thread calls ``pin_memory()``; sd.pin_batch walks the dataclass: every
+    tensor page-locked, the keys kept."""
+    batch = collate([I.RandomResizedCrop(32, decode_on="device")(s) for s in _samples(3)])
+    for pinned in (batch["jpg"].pin_memory(), sd.pin_batch(batch)["jpg"]):
+        assert all(t.is_pinned() for t in (pinned.data, pinned.offsets, pinned.boxes, pinned.flips,
+                                           pinned.sizes, pinned.kinds))
+        assert pinned.keys == ["k0", "k1", "k2"]
