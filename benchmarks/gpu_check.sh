@@ -5,12 +5,15 @@
 #
 # Installs nothing: streamdata's dependencies must import (torch, numpy, aiohttp, fsspec,
 # pyarrow, pillow, webdataset, braceexpand; pytest, pytest-timeout, psutil; torchdata for
-# tests/test_resume_loaders.py).  Runs, each step bounded by `timeout` (about 7 minutes in
+# tests/test_resume_loaders.py; torchvision built for the installed torch, or nvImageCodec, for the
+# GPU decode).  Runs, each step bounded by `timeout` (about 9 minutes in
 # all, even if something hangs), each step whatever the one before did:
 #   1. the tests marked `cuda`                              -> pytest_cuda.log
 #   2. the whole test files that touch the CUDA code, without the S3 / GCS servers and slow
 #      tests (so the `cuda` tests run a second time)          -> pytest_files.log
 #   3. python benchmarks/gpu_feed.py                           -> gpu_feed.log, gpu_feed.json
+#   4. python -m benchmarks.images --gpu (nvJPEG decode against the CPU path, 768 images, 2
+#      rounds)                                                  -> images_gpu.log
 # plus env.log (device, versions, /dev/shm) and summary.txt, the one line printed at the end.
 # The exit status is 0 only if every step passed.
 set -u -o pipefail
@@ -41,7 +44,8 @@ last_line() {  # pytest's closing line, e.g. "12 passed, 2 skipped in 30.1s"
 "| cuda", torch.version.cuda, "| available", torch.cuda.is_available(),
 "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "-")' 2>&1
     timeout 60 "$py" -c 'import importlib.metadata as m
-for name in ("numpy", "webdataset", "braceexpand", "torchdata", "aiohttp", "fsspec", "pyarrow", "pytest"):
+for name in ("numpy", "webdataset", "braceexpand", "torchdata", "aiohttp", "fsspec", "pyarrow", "pytest",
+             "torchvision", "nvidia-nvimgcodec-cu12", "simplejpeg"):
     try: print(name, m.version(name))
     except m.PackageNotFoundError: print(name, "MISSING")' 2>&1
     echo "cpus: $(nproc)"
@@ -57,7 +61,8 @@ run 100 "$out/pytest_cuda.log" "${pytest[@]}" -rfEsP -m cuda $cuda_files
 cuda_rc=$?
 
 files=(tests/feed/test_cuda.py tests/feed/test_loader.py tests/batch/test_recycle.py tests/batch/test_collate.py
-       tests/batch/test_incremental.py tests/feed/test_resume_loaders.py tests/test_imports.py tests/test_layers.py)
+       tests/batch/test_incremental.py tests/feed/test_resume_loaders.py tests/feed/test_device_images.py
+       tests/test_imports.py tests/test_layers.py)
 run 110 "$out/pytest_files.log" "${pytest[@]}" -rfEs -m 'not slow and not s3 and not gcs' "${files[@]}"
 files_rc=$?
 
@@ -66,8 +71,12 @@ run 160 "$out/gpu_feed.log" "$py" benchmarks/gpu_feed.py
 feed_rc=$?
 [ -f benchmarks/results/gpu_feed.json ] && cp benchmarks/results/gpu_feed.json "$out/gpu_feed.json"
 
+run 120 "$out/images_gpu.log" "$py" -m benchmarks.images --gpu --images 768 --per-shard 128 --rounds 2
+images_rc=$?
+
 summary="gpu_check: cuda tests rc=$cuda_rc ($(last_line "$out/pytest_cuda.log")); \
 test files rc=$files_rc ($(last_line "$out/pytest_files.log")); \
-gpu_feed rc=$feed_rc ($(grep -E '^prefetcher / blocking' "$out/gpu_feed.log" | tail -n 1 || true))"
+gpu_feed rc=$feed_rc ($(grep -E '^prefetcher / blocking' "$out/gpu_feed.log" | tail -n 1 || true)); \
+images --gpu rc=$images_rc ($(grep -E 'gpu / cpu path' "$out/images_gpu.log" | tail -n 1 || true))"
 echo "$summary" | tee "$out/summary.txt"
-[ "$cuda_rc" -eq 0 ] && [ "$files_rc" -eq 0 ] && [ "$feed_rc" -eq 0 ]
+[ "$cuda_rc" -eq 0 ] && [ "$files_rc" -eq 0 ] && [ "$feed_rc" -eq 0 ] && [ "$images_rc" -eq 0 ]

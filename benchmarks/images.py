@@ -13,7 +13,11 @@ rounds, at each one-way delay. Methods:
 - ``litdata``: LitData's ``StreamingDataset`` (``transform=``) + ``StreamingDataLoader`` over the same
   JPEG bytes converted by ``litdata.optimize``, PIL decode and the same PIL transform in its workers;
 - ``mosaic``: MosaicML Streaming's ``StreamingDataset`` (``__getitem__`` overridden) +
-  ``StreamingDataLoader`` over the same JPEG bytes written by ``streaming.MDSWriter``, likewise.
+  ``StreamingDataLoader`` over the same JPEG bytes written by ``streaming.MDSWriter``, likewise;
+- ``--gpu`` (a CUDA device): ``streamdata-cuda``, the fast path fed to the GPU
+  (``sd.loader(device="cuda")``), against ``streamdata-gpu``, the same crops decoded on the GPU
+  (``RandomResizedCrop(224, decode_on="device")``: the workers read headers, nvJPEG decodes),
+  each round's ratios printed, and the device's name.
 
 The PIL transform is torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` on a PIL image
 (Pillow's antialiased bilinear resize of the crop box), then a ``uint8 [3, H, W]`` tensor.
@@ -32,6 +36,7 @@ endpoint behind the same proxy: LitData by ``storage_options``, MosaicML Streami
     python -m benchmarks.images --quick          # smoke run
     python -m benchmarks.images --peers-python /tmp/peers-venv/bin/python   # with LitData, Mosaic
     python -m benchmarks.images --micro          # per-image CPU of each path, one thread, no loader
+    python -m benchmarks.images --gpu            # GPU decode against the CPU path (needs CUDA)
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("streamdata", "streamdata-pil", "streamdata-1x2", "streamdata-2x2", "webdataset", "litdata",
            "mosaic")
+GPU_METHODS = ("streamdata-cuda", "streamdata-gpu")  # --gpu: the CPU path and the GPU decode, both to CUDA
 PEERS = ("webdataset", "litdata", "mosaic")
 EXTERNAL = {"litdata": "litdata", "mosaic": "streaming"}  # run by --peers-python: method -> module
 SIZE = 224
@@ -236,6 +242,11 @@ def _loader(cfg: dict) -> Any:
     import streamdata as sd
 
     threads = 1
+    if method in GPU_METHODS:
+        decode_on = "device" if method == "streamdata-gpu" else "worker"
+        ds = sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"], batch_size=cfg["batch"],
+                           decode=sd.images.RandomResizedCrop(SIZE, decode_on=decode_on))
+        return sd.loader(ds, num_workers=workers, device="cuda")
     if method == "streamdata-pil":
         options: dict = {"decode": True, "map": _TensorMap()}
     else:
@@ -272,6 +283,10 @@ def run_one(cfg: dict) -> dict:
         assert images.dtype == torch.uint8, images.dtype
         shape = list(images.shape)
         n += images.shape[0]
+    device = None
+    if cfg["method"] in GPU_METHODS:
+        torch.cuda.synchronize()  # the last batch's decode and copy are done
+        device = torch.cuda.get_device_name()
     end = time.perf_counter()
     shutdown = getattr(it, "_shutdown_workers", None) or getattr(loader, "close", None)
     if shutdown is not None:
@@ -284,7 +299,7 @@ def run_one(cfg: dict) -> dict:
     main = cpu1.user + cpu1.system - cpu0.user - cpu0.system
     return {"images": n, "seconds": end - start, "images_per_s": n / (end - start),
             "cpu_ms_per_image": 1e3 * cpu / max(n, 1), "main_cpu_ms_per_image": 1e3 * main / max(n, 1),
-            "batch_shape": shape}
+            "batch_shape": shape, **({"device": device} if device else {})}
 
 
 def _child(cfg: dict, timeout: float, python: str | None = None, env_extra: dict | None = None) -> dict:
@@ -374,8 +389,10 @@ def _peer_cfg(method: str, options: dict) -> tuple[dict, dict]:
 def micro(count: int = 200, rounds: int = 5) -> None:
     """Per-image CPU (best of ``rounds``, one thread, no loader) of: the fast path (libjpeg-turbo,
     and Pillow's draft), the PIL transform on a full decode (the peers'), today's ``decode=True``
-    then the PIL transform; and the copy of one result into a shared-memory batch row (the copy
-    the fast path leaves: each sample is copied into its batch as it arrives)."""
+    then the PIL transform; ``decode_on="device"``'s two halves (the worker's header read and box,
+    and the device step run on the CPU: a full decode, crop, resize); and the copy of one result
+    into a shared-memory batch row (the copy the fast path leaves: each sample is copied into its
+    batch as it arrives)."""
     import PIL.Image
     import torch
 
@@ -407,8 +424,21 @@ def micro(count: int = 200, rounds: int = 5) -> None:
         full = D.fast_image(".jpg", data)
         return pil_random_resized_crop(PIL.Image.fromarray(full.permute(1, 2, 0).numpy()), rng)
 
+    on_device = I.RandomResizedCrop(SIZE, decode_on="device").for_pass(0, 0)
+
+    def device_worker(i: int, data: bytes) -> Any:
+        return on_device.image(data, key=str(i))
+
+    def device_step_on_cpu(i: int, data: bytes) -> Any:
+        from streamdata.batch.collate import collate
+        from streamdata.feed.images import finish
+
+        return finish(collate([device_worker(i, data)]), "cpu")
+
     paths = {"fast (libjpeg-turbo)": fast_sj, "fast (Pillow draft)": fast_pillow,
-             "PIL transform (peers)": peer, "decode=True + PIL map (today)": today}
+             "PIL transform (peers)": peer, "decode=True + PIL map (today)": today,
+             "decode_on=device: the worker's part": device_worker,
+             "decode_on=device: its device step on the CPU": device_step_on_cpu}
     best = {name: math.inf for name in paths}
     for _ in range(rounds):
         for name, fn in paths.items():
@@ -425,8 +455,8 @@ def micro(count: int = 200, rounds: int = 5) -> None:
     copy_us = (time.process_time() - start) / 5000 * 1e6
     base = best["PIL transform (peers)"]
     for name, ms in best.items():
-        print(f"{name:32s} {ms:6.2f} ms/image  {ms / base:5.2f}x the peers' transform")
-    print(f"{'copy into a batch row':32s} {copy_us / 1e3:6.3f} ms/image  ({one.numel()} bytes)")
+        print(f"{name:46s} {ms:6.2f} ms/image  {ms / base:5.2f}x the peers' transform")
+    print(f"{'copy into a batch row':46s} {copy_us / 1e3:6.3f} ms/image  ({one.numel()} bytes)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -445,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 0 ms, 512 images")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--micro", action="store_true", help="per-image CPU of each path, no loader")
+    parser.add_argument("--gpu", action="store_true",
+                        help="GPU decode against the CPU path, both fed to CUDA (0 ms unless --delays)")
     args = parser.parse_args(argv)
     if args.micro:
         micro()
@@ -460,6 +492,15 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.delays = 1, "0"
         if args.images == parser.get_default("images"):
             args.images, args.per_shard = 512, 128
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--gpu: not measured: no CUDA device here (torch.cuda.is_available() is False)")
+            return
+        args.methods = ",".join(GPU_METHODS)
+        if args.delays == parser.get_default("delays"):
+            args.delays = "0"
     from benchmarks.common import replace_in_options, upstream
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
@@ -496,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
             for proxy in proxies.values():
                 proxy.__exit__(None, None, None)
     _report(results, methods, delays, args.rounds, missing)
+    if args.gpu:
+        _report_gpu(results, delays, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({f"{m}@{d:g}": v for (m, d), v in results.items()}, indent=1))
 
@@ -535,6 +578,24 @@ def _report(results: dict, methods: list[str], delays: list[float], rounds: int,
                 rounds_ = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rr, cr, strict=True))
                 ratios = f"{med(rr):13.2f} {med(cr):11.2f}  rounds (img/s/CPU): {rounds_}"
             print(f"{d:6g} {m:16} {rate:9.0f} {cpu:11.2f} {ratios}")
+
+
+def _report_gpu(results: dict, delays: list[float], rounds: int) -> None:
+    """``--gpu``: the GPU decode over the CPU path, per round (interleaved), and the device."""
+    for d in delays:
+        gpu, cpu = results.get(("streamdata-gpu", d), []), results.get(("streamdata-cuda", d), [])
+        pairs = [(g, c) for g, c in zip(gpu, cpu, strict=False) if "error" not in g and "error" not in c]
+        if not pairs:
+            print(f"{d:6g} ms gpu / cpu path: no round where both ran")
+            continue
+        rate = [g["images_per_s"] / c["images_per_s"] for g, c in pairs]
+        cpu_ratio = [g["cpu_ms_per_image"] / c["cpu_ms_per_image"] for g, c in pairs]
+        main_ratio = [g["main_cpu_ms_per_image"] / c["main_cpu_ms_per_image"] for g, c in pairs]
+        med = statistics.median
+        per_round = ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(rate, cpu_ratio, strict=True))
+        print(f"{d:6g} ms gpu / cpu path on {pairs[0][0].get('device', '?')}: images/s x{med(rate):.2f}, "
+              f"CPU per image x{med(cpu_ratio):.2f} (main process x{med(main_ratio):.2f}); "
+              f"{len(pairs)} of {rounds} rounds (img/s/CPU): {per_round}")
 
 
 if __name__ == "__main__":

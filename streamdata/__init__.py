@@ -23,6 +23,7 @@ from streamdata.errors import (
     StreamDataError,
 )
 from streamdata.feed.cuda import CudaPrefetcher, PinAhead, pin_batch
+from streamdata.feed.images import finished as finish_images  # decode_on="device" without sd.loader's device
 from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
 from streamdata.feed.prometheus import serve_prometheus
@@ -82,6 +83,7 @@ __all__ = [
     "World",
     "build_index",
     "expand_spec",
+    "finish_images",
     "loader",
     "merge_states",
     "pin_batch",

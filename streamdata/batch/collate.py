@@ -25,8 +25,10 @@ import torch
 
 from streamdata._compat import new_shared_storage
 from streamdata.batch import recycle
+from streamdata.batch.encoded import gather
 from streamdata.batch.tree import map_leaves
 from streamdata.errors import DecodeError, SharedMemoryError
+from streamdata.formats.images import EncodedImage
 
 __all__ = [
     "DEFAULT_PREFETCH_FACTOR",
@@ -210,6 +212,8 @@ def collate_column(samples: list[Any], path: str, shared: bool) -> Any:
         return torch.tensor(samples, dtype=torch.float64)
     if isinstance(elem, (str, bytes, bytearray)) or elem is None:
         return samples
+    if isinstance(elem, EncodedImage):  # decode_on="device": one EncodedBatch (batch/encoded.py)
+        return gather(samples, path, lambda shape, dtype: empty_tensor(shape, dtype, shared))
     if isinstance(elem, Mapping):
         return _collate_mapping(samples, path, shared)
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):

@@ -19,10 +19,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from streamdata.batch.encoded import gather
 from streamdata.errors import DecodeError, SpecError
 from streamdata.formats.arrow import table_url, tag_url
 from streamdata.formats.image_columns import RowKeys, cell_values, image_columns, take_row_keys
-from streamdata.formats.images import ImageTransform
+from streamdata.formats.images import EncodedImage, ImageTransform
 
 __all__ = ["DROPPED", "TensorOptions", "rebatch", "shuffle_rows", "to_rows", "to_tensors"]
 
@@ -183,6 +184,11 @@ def _ragged(arr: pa.Array, name: str, opts: TensorOptions) -> dict[str, torch.Te
 
 
 def _decoded(values: list, name: str) -> Any:
+    if values and isinstance(values[0], EncodedImage):  # decode_on="device": one EncodedBatch
+        for row, value in enumerate(values):
+            if isinstance(value, EncodedImage) and value.key is None:
+                value.key = f"{name}[{row}]"  # a cell has no sample key: its column and row name it
+        return gather(values, name, lambda shape, dtype: torch.empty(shape, dtype=dtype))
     if values and all(isinstance(v, torch.Tensor) for v in values) \
             and len({tuple(v.shape) for v in values}) == 1:
         return torch.stack(values)

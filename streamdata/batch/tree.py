@@ -19,33 +19,34 @@ __all__ = ["iter_tensors", "map_leaves", "map_tensors", "pin_batch"]
 T = TypeVar("T")
 
 
-def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
+def map_leaves(fn: Callable[[Any], Any], obj: Any, *, whole: tuple[type, ...] = ()) -> Any:
     """Rebuild ``obj`` (dict, list, tuple, namedtuple, dataclass, nested) with ``fn`` on each leaf.
 
-    Strings, bytes, tensors and arrays are leaves; containers keep their own type.
+    Strings, bytes, tensors and arrays are leaves; containers keep their own type. Instances of
+    ``whole`` are leaves too (``fn`` gets them whole, even a dataclass).
     """
-    if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)):
+    if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)) or isinstance(obj, whole):
         return fn(obj)
     if isinstance(obj, dict):
         out: Any = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
         for key, value in obj.items():
-            out[key] = map_leaves(fn, value)
+            out[key] = map_leaves(fn, value, whole=whole)
         return out
     if isinstance(obj, Mapping):
-        return {key: map_leaves(fn, value) for key, value in obj.items()}
+        return {key: map_leaves(fn, value, whole=whole) for key, value in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_leaves(fn, value) for value in obj))
+        return type(obj)(*(map_leaves(fn, value, whole=whole) for value in obj))
     if isinstance(obj, tuple):
-        items = [map_leaves(fn, value) for value in obj]
+        items = [map_leaves(fn, value, whole=whole) for value in obj]
         return tuple(items) if type(obj) is tuple else type(obj)(items)
     if isinstance(obj, list):
         out = copy.copy(obj)
-        out[:] = [map_leaves(fn, value) for value in obj]
+        out[:] = [map_leaves(fn, value, whole=whole) for value in obj]
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)
         for field in dataclasses.fields(obj):
-            object.__setattr__(out, field.name, map_leaves(fn, getattr(obj, field.name)))
+            object.__setattr__(out, field.name, map_leaves(fn, getattr(obj, field.name), whole=whole))
         return out
     return fn(obj)
 

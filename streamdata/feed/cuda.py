@@ -60,8 +60,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from streamdata.batch.tree import iter_tensors, map_tensors, pin_batch
+from streamdata.batch.tree import iter_tensors, pin_batch
 from streamdata.errors import SpecError
+from streamdata.feed.images import finished, has_encoded
 
 __all__ = ["CudaPrefetcher", "PinAhead", "pin_batch"]
 
@@ -294,12 +295,16 @@ class _StreamOps:
             # asynchronous only from pinned memory: from pageable (or recycled shared) memory
             # nothing guarantees the source was read when the call returns, and the worker
             # may overwrite a released slot
-            out = map_tensors(lambda t: t.to(self.device, non_blocking=t.is_cuda or t.is_pinned()), batch)
+            # images still encoded (decode_on="device") are decoded here, on this stream (feed/images.py)
+            out = finished(batch, self.device, self._to_device)
             if transform is not None:
                 out = transform(out)
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=tensor.is_cuda or tensor.is_pinned())
 
     def hand_over(self, batch: Any, done: Any) -> None:
         consumer = torch.cuda.current_stream(self.device)
@@ -414,9 +419,7 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
             return self._passes.track(self._on_side_stream())
         if kind == "cuda":
             _warn_no_cuda()
-        if kind in ("cuda", "cpu"):
-            if self.transform is None:
-                return iter(self.iterable)
+        if kind in ("cuda", "cpu"):  # images still encoded are decoded on the CPU (feed/images.py)
             return self._passes.track(self._transformed())
         return self._passes.track(self._synchronous())
 
@@ -437,12 +440,15 @@ class CudaPrefetcher(_PassOwner, Generic[T]):
             host.close()  # type: ignore[attr-defined]  # a generator: stops the thread
 
     def _transformed(self) -> Iterator[Any]:
+        cpu = torch.device("cpu")
         for batch in self.iterable:
-            yield self.transform(batch)  # type: ignore[misc]
+            if has_encoded(batch):
+                batch = finished(batch, cpu)
+            yield batch if self.transform is None else self.transform(batch)
 
     def _synchronous(self) -> Iterator[Any]:
         for batch in self.iterable:
-            out = map_tensors(lambda t: t.to(self.device), batch)
+            out = finished(batch, self.device, lambda t: t.to(self.device))
             yield out if self.transform is None else self.transform(out)
 
 

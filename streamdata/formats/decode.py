@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamdata.errors import DecodeError
-from streamdata.formats.images import ImageTransform, sample_key
+from streamdata.formats.images import ImageTransform
 
 __all__ = ["IMAGE_EXTENSIONS", "DecodeSpec", "fast_basic", "fast_image", "fast_json", "fast_npy",
            "make_decoder"]
@@ -144,7 +144,7 @@ class _Default:
                 continue
             try:
                 if self._images is not None and self._images.takes(field) and isinstance(value, bytes):
-                    out[field] = self._images.image(value, key=sample_key(sample))
+                    out[field] = self._images.sample_image(value, sample)
                 else:
                     out[field] = self._field(field, value)
             except Exception as exc:

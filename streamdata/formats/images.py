@@ -25,6 +25,13 @@ Parquet or Arrow dataset (its Hugging Face image columns, ``struct<bytes, path>`
 type) or a ``decoders=`` entry for one column, or call it on bytes. A corrupt or truncated
 image is a :class:`~streamdata.errors.DecodeError` naming the sample's key and URL (skipped and
 counted under ``on_error="skip"``).
+
+``decode_on="device"``: the worker reads only a JPEG's header, draws the same box and flip
+(IMAGE-SEED: the same crops as the CPU path), and gives an :class:`EncodedImage` (the bytes,
+the box, the flip, the output size); collation gathers those into one ``EncodedBatch`` in the
+batch's shared memory (``batch/encoded.py``), and the loader's device step decodes, crops,
+resizes and flips them there (``feed/images.py``: nvJPEG on a GPU). An image the device does
+not take (PNG, WebP, CMYK JPEG...) is finished here on the CPU and travels as pixels.
 """
 
 from __future__ import annotations
@@ -40,13 +47,19 @@ from typing import Any
 
 from streamdata.errors import DecodeError, SpecError
 
-__all__ = ["IMAGE_FIELDS", "CenterCrop", "ImageTransform", "RandomResizedCrop", "Resize", "for_pass",
-           "sample_key", "sample_rng"]
+__all__ = ["DECODE_ON", "IMAGE_FIELDS", "CenterCrop", "EncodedImage", "ImageTransform", "RandomResizedCrop",
+           "Resize", "finish_decoded", "for_pass", "jpeg_layout", "sample_key", "sample_rng"]
 
 # a sample's fields taken as images (by extension; the rest are left to the other decoders)
 IMAGE_FIELDS = frozenset({"bmp", "gif", "jpeg", "jpg", "pbm", "pgm", "png", "pnm", "ppm", "tif", "tiff",
                           "webp"})
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_JPEG_END = b"\xff\xd9"
+_END_WITHIN = 1024  # a JPEG's end marker is looked for in its last bytes (trailing padding allowed)
+# JPEG colour spaces and subsamplings the device decoders take (simplejpeg's header names)
+_DEVICE_COLOURS = frozenset({"YCbCr", "Gray"})
+_DEVICE_SUBSAMPLINGS = frozenset({"Gray", "420", "422", "444", "440", "411", "441"})
+DECODE_ON = ("worker", "device")  # where an image transform decodes: the CPU path, or the loader's device
 SCALE_MARGIN = 1.5  # a JPEG is decoded at 1/2, 1/4, 1/8 only where its crop stays this much larger
 Box = tuple[int, int, int, int]  # x, y, width, height in the image's full-size pixels
 
@@ -82,8 +95,11 @@ class ImageTransform:
     image format); ``seed``: the crop's seed (default: the dataset's); ``flip``: a horizontal
     flip with probability 1/2."""
 
-    def __init__(self, *, flip: bool = False, field: str | None = None, seed: int | None = None) -> None:
-        self.flip, self.field, self.seed = bool(flip), field, seed
+    def __init__(self, *, flip: bool = False, field: str | None = None, seed: int | None = None,
+                 decode_on: str = "worker") -> None:
+        if decode_on not in DECODE_ON:
+            raise SpecError(f"decode_on must be one of {DECODE_ON}, got {decode_on!r}")
+        self.flip, self.field, self.seed, self.decode_on = bool(flip), field, seed, decode_on
         self._seed = 0 if seed is None else seed
         self._epoch = 0
 
@@ -112,11 +128,19 @@ class ImageTransform:
             for name, field_value in value.items():
                 if self._is_image_field(name):
                     try:
-                        out[name] = self.image(field_value, key=sample_key(value))
+                        out[name] = self.sample_image(field_value, value)
                     except DecodeError as exc:
                         raise _named(exc, value, name) from exc.__cause__
             return out
         return self.image(value)
+
+    def sample_image(self, value: Any, sample: dict) -> Any:
+        """:meth:`image` of one field of ``sample``, keyed by the sample (IMAGE-SEED); an
+        :class:`EncodedImage` carries the sample's ``__key__`` and ``__url__`` to the device."""
+        out = self.image(value, key=sample_key(sample))
+        if isinstance(out, EncodedImage):
+            out.key, out.url = (_text(sample.get(name)) for name in ("__key__", "__url__"))
+        return out
 
     def takes(self, name: str) -> bool:
         """Whether the sample field ``name`` is one this transform decodes."""
@@ -147,6 +171,12 @@ class ImageTransform:
         return self._from_array(value, rng)
 
     def _decoded(self, data: bytes, rng: random.Random) -> Any:
+        if self.decode_on == "device":
+            return _encoded(data, self, rng)
+        return self._decoded_here(data, rng)
+
+    def _decoded_here(self, data: bytes, rng: random.Random) -> Any:
+        """The CPU path: decoded (as far as the crop needs), cropped, resized, flipped."""
         if data[:3] == _JPEG_MAGIC:
             decoded = _decode_jpeg(data, self, rng)
             if decoded is not None:
@@ -186,8 +216,8 @@ class RandomResizedCrop(ImageTransform):
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), *, flip: bool = True, field: str | None = None,
-                 seed: int | None = None) -> None:
-        super().__init__(flip=flip, field=field, seed=seed)
+                 seed: int | None = None, decode_on: str = "worker") -> None:
+        super().__init__(flip=flip, field=field, seed=seed, decode_on=decode_on)
         self.size = _pair(size, "size")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
@@ -231,8 +261,8 @@ class CenterCrop(ImageTransform):
     crop of the full image and one resize."""
 
     def __init__(self, size: int | Sequence[int], *, resize: int | None = None, flip: bool = False,
-                 field: str | None = None, seed: int | None = None) -> None:
-        super().__init__(flip=flip, field=field, seed=seed)
+                 field: str | None = None, seed: int | None = None, decode_on: str = "worker") -> None:
+        super().__init__(flip=flip, field=field, seed=seed, decode_on=decode_on)
         self.size = _pair(size, "size")
         if resize is not None and (not isinstance(resize, int) or resize <= 0):
             raise SpecError(f"resize must be a positive int (the shorter side), got {resize!r}")
@@ -255,8 +285,8 @@ class Resize(ImageTransform):
     ``(height, width)`` sets both."""
 
     def __init__(self, size: int | Sequence[int], *, flip: bool = False, field: str | None = None,
-                 seed: int | None = None) -> None:
-        super().__init__(flip=flip, field=field, seed=seed)
+                 seed: int | None = None, decode_on: str = "worker") -> None:
+        super().__init__(flip=flip, field=field, seed=seed, decode_on=decode_on)
         if isinstance(size, int):
             if size <= 0:
                 raise SpecError(f"size must be positive, got {size!r}")
@@ -368,6 +398,99 @@ def _tensor(array: Any) -> Any:
         return torch.from_numpy(array)
 
 
+# ---- decoded on the device ---------------------------------------------------------------------
+
+class EncodedImage:
+    """One image on its way to the device (``decode_on="device"``): the JPEG's bytes with the
+    crop ``box`` (full-size pixels), the ``flip`` and the output ``size`` (height, width) the
+    CPU path would have drawn for it (IMAGE-SEED); or, for an image the device does not take,
+    the CPU path's finished ``uint8 [3, H, W]`` ``pixels``. ``key`` and ``url`` name its sample
+    in errors."""
+
+    __slots__ = ("box", "data", "flip", "key", "pixels", "size", "url")
+
+    def __init__(self, data: bytes | None, box: Box, flip: bool, size: tuple[int, int],
+                 pixels: Any = None, key: str | None = None, url: str | None = None) -> None:
+        self.data, self.box, self.flip, self.size, self.pixels = data, box, flip, size, pixels
+        self.key, self.url = key, url
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        what = "pixels" if self.data is None else f"{len(self.data)} JPEG bytes"
+        return f"EncodedImage({what}, box={self.box}, flip={self.flip}, size={self.size}, key={self.key!r})"
+
+
+def jpeg_layout(data: bytes) -> tuple[int, int, str, str] | None:
+    """``(width, height, colour space, subsampling)`` from a JPEG's header, nothing decoded
+    (simplejpeg's names; Pillow's modes mapped to them, its subsampling unknown: ``"?"``);
+    ``None`` for bytes that are not a JPEG. A header that does not parse is a :class:`DecodeError`."""
+    if data[:3] != _JPEG_MAGIC:
+        return None
+    sj = _simplejpeg()
+    if sj is not None:
+        try:
+            height, width, colour, subsampling = sj.decode_jpeg_header(data)
+        except ValueError as exc:
+            raise DecodeError(f"cannot read the JPEG header: {exc}") from exc
+        return width, height, colour, subsampling
+    import PIL.Image
+
+    try:
+        with io.BytesIO(data) as stream, PIL.Image.open(stream) as image:  # reads the header only
+            width, height = image.size
+            colour = {"L": "Gray", "RGB": "YCbCr"}.get(image.mode, image.mode)
+    except Exception as exc:
+        raise DecodeError(f"cannot read the JPEG header: {type(exc).__name__}: {exc}") from exc
+    return width, height, colour, "Gray" if colour == "Gray" else "?"
+
+
+def _encoded(data: bytes, t: ImageTransform, rng: random.Random) -> EncodedImage:
+    """``decode_on="device"`` in the worker: a JPEG the device takes leaves encoded, with the box
+    and flip drawn as the CPU path draws them (box, then flip); any other image is finished here
+    by the CPU path and travels as pixels. A JPEG cut short (no end marker) is refused here, where
+    ``on_error="skip"`` can count it, rather than on the device."""
+    layout = jpeg_layout(data)
+    if (layout is None or layout[2] not in _DEVICE_COLOURS
+            or layout[3] not in _DEVICE_SUBSAMPLINGS | {"?"}):
+        pixels = t._decoded_here(data, rng)  # the CPU path, its own box and flip
+        size = (int(pixels.shape[1]), int(pixels.shape[2]))
+        return EncodedImage(None, (0, 0, size[1], size[0]), False, size, pixels)
+    if _JPEG_END not in data[-_END_WITHIN:]:
+        raise DecodeError(f"the JPEG is truncated: {len(data)} bytes and no end marker")
+    width, height = layout[:2]
+    box = t.box(width, height, rng)
+    size = t.out_size(box)
+    flip = t.flip and rng.random() < 0.5  # drawn after the box, as in _finish
+    return EncodedImage(data, box, bool(flip), size)
+
+
+def finish_decoded(hwc: Any, box: Box, flip: bool, size: tuple[int, int]) -> Any:
+    """The device step's crop, resize and flip of one fully decoded image: ``hwc`` a
+    ``uint8 [3, H, W]`` tensor on any device (the box in its pixels), the result
+    ``uint8 [3, *size]`` there. On the CPU torch's ``uint8`` antialiased kernel (the CPU
+    path's); elsewhere the same filter in ``float32``, rounded."""
+    import torch
+
+    x, y, w, h = box
+    region = hwc[:, y:y + h, x:x + w]
+    oh, ow = size
+    if tuple(region.shape[1:]) != (oh, ow):
+        if region.device.type == "cpu":
+            region = torch.nn.functional.interpolate(region[None], size=(oh, ow), mode="bilinear",
+                                                     antialias=True, align_corners=False)[0]
+        else:
+            scaled = torch.nn.functional.interpolate(region[None].float(), size=(oh, ow), mode="bilinear",
+                                                     antialias=True, align_corners=False)[0]
+            region = scaled.round_().clamp_(0, 255).to(torch.uint8)
+    return region.flip(-1) if flip else region
+
+
 # ---- naming -----------------------------------------------------------------------------------
 
 def _is_image_cell(value: dict) -> bool:
@@ -384,6 +507,10 @@ def sample_key(sample: dict) -> str | None:
     key, url = (v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in (key, url))
     shard = str(url).rstrip("/").rsplit("/", 1)[-1] if url is not None else ""
     return f"{shard}\x00{key}"
+
+
+def _text(value: Any) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _named(exc: DecodeError, sample: dict, field: str) -> DecodeError:
