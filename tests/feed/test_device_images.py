@@ -273,7 +273,8 @@ def test_the_docs_gpu_recipe_runs(s3_bucket, monkeypatch):
 
 
 def test_a_hugging_face_image_column_decoded_on_the_device(s3_bucket):
-    """A Parquet ``struct<bytes, path>`` column with ``decoders={"image": ...(decode_on="device")}``:
+    """A Parquet ``struct<bytes, path>`` column with ``decoders={"image": ...(decode_on="device")}``
+    or the same transform as ``decode=`` (found by type):
     one EncodedBatch per batch, finished by sd.loader's device step as the CPU path crops it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -292,15 +293,16 @@ def test_a_hugging_face_image_column_decoded_on_the_device(s3_bucket):
     def crops(decode_on: str) -> dict:
         return {"image": sd.images.RandomResizedCrop(24, decode_on=decode_on)}
 
-    def run(decode_on: str) -> torch.Tensor:
-        ds = sd.ParquetDataset(url, storage_options=server.storage_options, batch_size=5,
-                               decoders=crops(decode_on))
+    def run(decode_on: str, by_type: bool = False) -> torch.Tensor:
+        how = {"decode": crops(decode_on)["image"]} if by_type else {"decoders": crops(decode_on)}
+        ds = sd.ParquetDataset(url, storage_options=server.storage_options, batch_size=5, **how)
         with sd.loader(ds, num_workers=1, device="cpu") as loader:
             got = list(loader)
         assert torch.cat([b["label"] for b in got]).tolist() == list(range(10))
         return torch.cat([b["image"] for b in got])
 
     assert torch.equal(run("device"), run("worker"))
+    assert torch.equal(run("device", by_type=True), run("worker"))  # decode=: the column found by type
     raw = sd.ParquetDataset(url, storage_options=server.storage_options, batch_size=5,
                             decoders=crops("device"))
     first = next(iter(raw))["image"]
