@@ -179,6 +179,7 @@ def test_stage_times_can_be_switched_off(tmp_path, monkeypatch):
     assert all(row["busy_ns"] == 0 and row["samples"] == 0 for row in ds.reader_stats())
 
 
+@pytest.mark.slow  # a torchrun job (~15 s)
 def test_all_ranks_under_torchrun_names_the_straggler(tmp_path):
     spec = _local(tmp_path, [24] * 4)
     ranks = torchrun(JOB, tmp_path, 2, {"tag": "metrics", "spec": spec}, 240)

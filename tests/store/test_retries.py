@@ -376,6 +376,7 @@ def test_retries_are_counted_per_reason_over_dataloader_workers(proxied):
     assert ds.retried == {**dict.fromkeys(RETRY_REASONS, 0), "connection": 4, "server": 2}
 
 
+@pytest.mark.slow  # twelve throttled answers, each waited out (~20 s)
 def test_the_scheduler_keeps_no_more_parts_in_flight_than_the_throttle_allows(proxied):
     bucket, fs, proxy, options = proxied
     blobs = [os.urandom(MiB // 4) for _ in range(16)]
