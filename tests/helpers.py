@@ -1,16 +1,32 @@
-"""Shared test helpers: build WebDataset shards and read datasets through a DataLoader."""
+"""Shared test helpers: build WebDataset shards, read datasets through a DataLoader, and take
+the code blocks a docs page gives."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import torch
 import webdataset as wds
 
 UNEVEN = [5, 1, 9, 3, 0, 7, 2]  # samples per shard: uneven on purpose, one empty shard
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_blocks(page: str | Path, heading: str | None = None) -> list[str]:
+    """The ```python blocks of ``page`` (a path, or one relative to the repository: "README.md",
+    "docs/images.md"), under ``heading`` (a whole line, e.g. "## Recipe") up to the next heading
+    of level 2 or 3; the whole page's without one."""
+    text = (ROOT / page).read_text()
+    if heading is not None:
+        start = text.index(f"\n{heading}\n") + len(heading) + 2
+        stop = re.search(r"\n#{2,3} ", text[start:])
+        text = text[start:start + stop.start()] if stop else text[start:]
+    return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 def tar_bytes(samples: list[dict]) -> bytes:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import collections
 import random
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun, write_shards
+from tests.helpers import doc_blocks, torchrun, write_shards
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "frameworks.md"
 JOBS = Path(__file__).parent / "jobs"
@@ -28,11 +27,7 @@ def _recipe(job: str) -> str:
 
 
 def _doc_block(heading: str) -> str:
-    text = DOC.read_text()
-    start = text.index(f"\n## {heading}\n")
-    stop = text.find("\n## ", start + 1)
-    section = text[start:stop if stop >= 0 else len(text)]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[0].strip()
+    return doc_blocks(DOC, f"## {heading}")[0].strip()
 
 
 @pytest.mark.parametrize("heading,job", [("Lightning", "lightning_job.py"), ("Ray Train", "ray_train_job.py"),

@@ -12,13 +12,12 @@ the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_samples, s3_environment, tar_bytes, torchrun
+from tests.helpers import doc_blocks, make_samples, s3_environment, tar_bytes, torchrun
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MINIO = "http://127.0.0.1:9000"  # the endpoint the README names
@@ -27,12 +26,8 @@ TABLE_ROWS = 1000
 
 
 def _blocks(heading: str) -> list[str]:
-    """The ```python blocks under ``heading`` (a whole line), up to the next heading."""
-    text = README.read_text()
-    start = text.index(f"\n{heading}\n") + len(heading) + 2
-    stop = re.search(r"\n#{2,3} ", text[start:])
-    section = text[start:start + stop.start()] if stop else text[start:]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    """The README's ```python blocks under ``heading`` (a whole line), up to the next heading."""
+    return doc_blocks(README, heading)
 
 
 def _keyed(counts: list[int], prefix: str) -> list[list[dict]]:

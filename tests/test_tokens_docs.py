@@ -6,26 +6,19 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import s3_environment, tar_bytes
+from tests.helpers import doc_blocks, s3_environment, tar_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES, TOKENS = 4, 2_600  # tokens per flat .bin: 160 sequences of 65, 20 steps of 8
 
 
-def _blocks(path: Path, heading: str | None = None) -> list[str]:
-    text = path.read_text()
-    if heading is not None:
-        start = text.index(f"\n{heading}\n") + len(heading) + 2
-        stop = re.search(r"\n#{2,3} ", text[start:])
-        text = text[start:start + stop.start()] if stop else text[start:]
-    return re.findall(r"```python\n(.*?)```", text, re.S)
+_blocks = doc_blocks
 
 
 @pytest.fixture(scope="module")

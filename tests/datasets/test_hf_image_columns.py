@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import streamdata as sd
 from streamdata.batch.tables import DROPPED, TensorOptions, to_rows, to_tensors
 from streamdata.formats.image_columns import RowKeys, image_columns, with_row_keys
 from streamdata.formats.images import sample_key
-from tests.helpers import rank_batches, s3_environment, tar_bytes
+from tests.helpers import doc_blocks, rank_batches, s3_environment, tar_bytes
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROOT = Path(__file__).resolve().parents[2]
@@ -343,9 +342,8 @@ def test_the_docs_recipe_runs(bucket, monkeypatch):
     server, b, fs = bucket
     for i in range(2):
         fs.put_file(str(DATA / "hf_images.parquet"), f"{b}/hub/train-{i:05d}.parquet")
-    text = (ROOT / "docs" / "images.md").read_text()
-    section = text[text.index("\n## Image columns in Parquet and Arrow (Hugging Face)\n"):]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("s3://bkt/", f"s3://{b}/")
+    code = doc_blocks("docs/images.md", "## Image columns in Parquet and Arrow (Hugging Face)")[0].replace(
+        "s3://bkt/", f"s3://{b}/")
     s3_environment(monkeypatch, server.storage_options)
     seen: list[tuple] = []
     namespace = {"train_step": lambda images, labels: seen.append((images.clone(), labels.clone()))}

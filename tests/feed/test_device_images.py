@@ -22,6 +22,7 @@ from streamdata.batch.encoded import JPEG, PIXELS, EncodedBatch
 from streamdata.feed import images as F
 from streamdata.formats import images as I
 from tests.formats.test_images import _encode, _image_shards, _picture, _psnr
+from tests.helpers import doc_blocks
 
 
 def _samples(n: int = 6, size: tuple[int, int] = (320, 240)) -> list[dict]:
@@ -246,8 +247,6 @@ def test_the_docs_gpu_recipe_runs(s3_bucket, monkeypatch):
     """docs/images.md's decode_on="device" recipe as written (its bucket pointed at the test
     server's): on this machine device="cuda" finishes on the CPU; two epochs, every image each,
     uint8 [n, 3, 224, 224] batches with int64 labels."""
-    import re
-    from pathlib import Path
 
     import s3fs
 
@@ -258,9 +257,8 @@ def test_the_docs_gpu_recipe_runs(s3_bucket, monkeypatch):
     keys = _image_shards(fs, f"{bucket}/imagenet", [3, 3, 3, 3])
     for i in range(4):
         fs.mv(f"{bucket}/imagenet/shard-{i:03d}.tar", f"{bucket}/imagenet/train-{i:06d}.tar")
-    text = (Path(__file__).resolve().parents[2] / "docs" / "images.md").read_text()
-    section = text[text.index('\n## Decoding on the GPU: `decode_on="device"`\n'):]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("s3://bkt/", f"s3://{bucket}/")
+    code = doc_blocks("docs/images.md", '## Decoding on the GPU: `decode_on="device"`')[0].replace(
+        "s3://bkt/", f"s3://{bucket}/")
     s3_environment(monkeypatch, server.storage_options)
     seen: list[tuple] = []
     namespace = {"train_step": lambda images, labels: seen.append((images.clone(), labels.clone()))}

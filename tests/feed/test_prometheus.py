@@ -11,7 +11,7 @@ import pytest
 
 import streamdata as sd
 from streamdata.feed.prometheus import metric_name
-from tests.helpers import write_shards
+from tests.helpers import doc_blocks, write_shards
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -56,11 +56,8 @@ def test_only_loaders_are_served():
 
 def test_the_docs_recipe_serves_while_it_trains(tmp_path: Path):
     """docs/metrics.md's Prometheus block, for real (a free port, no workers): scraped mid-run."""
-    import re
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
-    section = text[text.index("\n### Prometheus\n"):]
-    (code,) = re.findall(r"```python\n(.*?)```", section[:section.index("\n## ")], re.S)
+    (code,) = doc_blocks("docs/metrics.md", "### Prometheus")
     code = code.replace("port=9400", "port=0").replace("num_workers=4", "num_workers=0")
     (tmp_path / "shards").mkdir()
     write_shards(fsspec.filesystem("file"), str(tmp_path / "shards"), counts=[40] * 4, floats=8)

@@ -16,7 +16,7 @@ from PIL import Image
 
 import streamdata as sd
 from streamdata.formats import images as I
-from tests.helpers import s3_environment, tar_bytes
+from tests.helpers import doc_blocks, s3_environment, tar_bytes
 
 
 def _picture(seed: int, size: tuple[int, int] = (160, 120)) -> np.ndarray:
@@ -320,16 +320,12 @@ def test_hugging_face_image_column_in_parquet(image_bucket):
 def test_the_docs_recipe_runs(image_bucket, monkeypatch):
     """docs/images.md's recipe as written (its bucket pointed at the test server's): two epochs,
     as many images as the shards hold in each, uint8 [n, 3, 224, 224] batches with int64 labels."""
-    import re
-    from pathlib import Path
 
     server, bucket, fs = image_bucket
     keys = _image_shards(fs, f"{bucket}/imagenet", [5, 5, 5, 5])
     for i in range(4):
         fs.mv(f"{bucket}/imagenet/shard-{i:03d}.tar", f"{bucket}/imagenet/train-{i:06d}.tar")
-    text = (Path(__file__).resolve().parents[2] / "docs" / "images.md").read_text()
-    section = text[text.index("\n## Recipe\n"):]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("s3://bkt/", f"s3://{bucket}/")
+    code = doc_blocks("docs/images.md", "## Recipe")[0].replace("s3://bkt/", f"s3://{bucket}/")
     opts = server.storage_options
     s3_environment(monkeypatch, opts)
     seen: list[tuple] = []

@@ -8,13 +8,13 @@ shards. Slow suite: Ray starts a cluster of processes."""
 from __future__ import annotations
 
 import collections
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import streamdata as sd
+from tests.helpers import doc_blocks
 
 pytestmark = pytest.mark.slow
 DOC = Path(__file__).resolve().parent.parent.parent / "docs" / "frameworks.md"
@@ -36,9 +36,7 @@ def ray_local():  # started and shut down per test: its worker processes go with
 
 
 def _doc_block() -> str:
-    text = DOC.read_text()
-    start = text.index("\n## Ray Data")
-    return re.findall(r"```python\n(.*?)```", text[start:], re.S)[0]
+    return doc_blocks(DOC, "## Ray Data: preparing shards on a cluster, reading them back")[0]
 
 
 def test_a_dataset_written_as_shards_reads_back_the_same_through_streamdata_and_ray(ray_local, s3_bucket):
