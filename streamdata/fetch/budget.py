@@ -7,7 +7,19 @@ reader waited for a part (a *stall*) whose request the budget had held back, and
 reader consumes during that part's latency (from its request to its first byte: its rate times
 that time, the bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that
 latency, not bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a
-quarter more and one part, if that is more), capped.
+quarter more and one part, if that is more), capped. Or (the supply rule) the reader still
+waits for parts the budget held back and the budget's last growth raised its throughput
+(``climb.Mark``: the rate over a window of consumed bytes after it, against the rate before):
+then it grows by ``SUPPLY_STEP``, capped, and that growth is judged the same way.
+
+The supply rule is there because the product undercounts where the budget itself limits the
+rate: a reader held to a few parts in flight consumes little per round trip, so its rate times
+the latency stays a small share of the budget however far the endpoint is (from an 8 MiB start
+at 250 ms one-way the product rule stopped at 32-64 MiB of a 128 MiB cap while the reader kept
+waiting). Rates over windows of consumed bytes, not over wall time: a window spans a budget's
+worth (a burst and the wait after it), not the noise of one part. A growth that did not raise
+the rate ends the supply rule's run (the product rule still applies); a growth with no rate
+before it (the far step, or too few bytes consumed before it) counts as risen once.
 
 The product alone would not do as the rule: a budget-bound reader's rate is set by its budget,
 and the bytes it holds are not only in flight (fetched parts wait to be parsed, budget comes
@@ -41,6 +53,7 @@ import time
 __all__ = ["Budget"]
 
 STEP = 2.0  # each growth multiplies the budget by at least this much
+SUPPLY_STEP = 4  # ... and each growth by the supply rule by this much
 MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
 FAR_S = 0.1  # the pass's first part's first byte took this long or more: a far endpoint
 LATENCY_SHARE = 0.25  # the product must be at least this share of the budget: latency-bound
@@ -90,13 +103,17 @@ class Budget:
         _learned[self.key] = self.limit
         return True
 
-    def stalled(self, latency: float, now: float | None = None) -> bool:
+    def stalled(self, latency: float, now: float | None = None, rose: bool | None = None) -> bool:
         """The reader waited for a part the budget had held back, whose first byte took
-        ``latency`` seconds from its request: grow if latency made it wait. True if it grew."""
+        ``latency`` seconds from its request: grow if latency made it wait, or (``rose``: the
+        last growth raised the reader's throughput, the supply rule) if the budget limits the
+        supply. True if it grew."""
         rate = self.rate(now)
         if rate is None or self.limit >= self.most:
             return False
         product = rate * latency
-        if product < LATENCY_SHARE * self.limit:
-            return False  # bandwidth, not latency, kept it: more in flight would not help
-        return self._grow(max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))
+        if product >= LATENCY_SHARE * self.limit:
+            return self._grow(max(int(product * MARGIN) + self.part_size, int(self.limit * STEP)))
+        if rose:  # the product undercounts: the budget itself holds the rate down
+            return self._grow(self.limit * SUPPLY_STEP)
+        return False  # bandwidth, not latency, kept it: more in flight would not help

@@ -266,12 +266,13 @@ class Prefetcher:
 
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
-        self.budget.released(nbytes)
+        self._tuned(self.tuner.released, nbytes)  # the rate (BUDGET-GROWTH), trials' verdicts (STEP-BACK)
         self._wake.set()
 
     def _tuned(self, decide: Callable[..., bool], *args: Any) -> None:
-        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), or the first part in
-        (``Tuner.far``); each decision counted, the reader's knobs shown."""
+        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), the first part in
+        (``Tuner.far``), bytes consumed (``Tuner.released``: STEP-BACK); each decision counted,
+        the reader's knobs shown."""
         before = dict(self.tuner.decisions)
         if decide(*args):
             if self._counters is not None:
@@ -408,8 +409,8 @@ class Prefetcher:
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
                 fut.held = held  # type: ignore[attr-defined]
                 fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
-            elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
-                self._tuned(self.tuner.far, latency[0])
+            if latency:  # the pass's first first bytes: how far the endpoint is (the far step)
+                self._tuned(self.tuner.first_byte, latency[0])
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
                 self._stats.add_many({"requests": 1, "bytes": size} if not latency else {
@@ -438,7 +439,7 @@ class Prefetcher:
 _NOT_HELD = Held()
 # the counter each of the tuner's decisions adds to (``metrics.COUNTERS``)
 _DECISION = {"window": "tuned.window", "max_requests": "tuned.max_requests", "byte_budget": "budget.grown",
-             "part_size": "tuned.part_size"}
+             "part_size": "tuned.part_size", "back": "tuned.back"}
 
 
 def _part_future(part: Range, part_size: int) -> concurrent.futures.Future:

@@ -41,14 +41,17 @@ its event loop (one thread): no lock.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from streamdata.config import FetchConfig
 from streamdata.fetch.budget import FAR_S, Budget
+from streamdata.fetch.climb import Climb, Mark
 from streamdata.metrics import KNOBS
 
-__all__ = ["MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
+__all__ = ["FAR_PARTS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
 
 STEP = 4  # a window or request limit that held a part the reader waited for grows this much
+FAR_PARTS = 2  # the far step reads the shortest of the pass's first this many first bytes
 PARTS_IN_BUDGET = 4  # the part size is at most this share of the budget ...
 MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if smaller)
 
@@ -80,8 +83,12 @@ class Tuner:
                                                         learned[1]))
         cap = config.budget_max() if self.on else config.byte_budget
         self.budget = Budget(config.byte_budget, cap, config.part_size, key=key)  # BUDGET-GROWTH
-        self.decisions = dict.fromkeys(KNOBS, 0)
+        # each knob's changes, and ``back``: trials whose growth did not raise the throughput (STEP-BACK)
+        self.decisions = dict.fromkeys((*KNOBS, "back"), 0)
         self.part_size = self._part_for(self.budget.limit)
+        self.climb = Climb(self.budget.most)  # STEP-BACK
+        self._budget_mark: Mark | None = None  # the budget's last growth (BUDGET-GROWTH's supply rule)
+        self._first: list[float] = []  # the pass's first first-byte latencies (the far step)
 
     def knobs(self) -> dict[str, int]:
         """The knobs now, by ``KNOBS`` name."""
@@ -93,34 +100,48 @@ class Tuner:
             return self.most_part
         return max(self.least_part, min(self.most_part, budget // PARTS_IN_BUDGET))
 
-    def _budget_moved(self) -> None:
+    def _budget_moved(self, was: int, now: float) -> None:
+        self._budget_mark = self.climb.mark(was, now)
         self.decisions["byte_budget"] += 1
         part = self._part_for(self.budget.limit)
         if part != self.part_size:
             self.part_size = part
             self.decisions["part_size"] += 1
 
-    def far(self, latency: float) -> bool:
+    def first_byte(self, latency: float, now: float | None = None) -> bool:
+        """A part's first byte took ``latency`` s. The shortest of the pass's first
+        ``FAR_PARTS`` decides the far step (``far``): a server's cold first answer alone is not
+        a far endpoint. True if a knob moved."""
+        if len(self._first) >= FAR_PARTS:
+            return False
+        self._first.append(latency)
+        return len(self._first) == FAR_PARTS and self.far(min(self._first), now)
+
+    def far(self, latency: float, now: float | None = None) -> bool:
         """The pass's first part's first byte took ``latency`` s: at a far endpoint
         (``budget.FAR_S`` or more) the budget takes its one step at once (``Budget.far``), and a
         window or request limit started below its bound a ``STEP``, before the first stall
         (a round trip after the reader's first release). True if a knob moved."""
         if not self.on:
             return False
-        moved = False
+        now = time.monotonic() if now is None else now
+        moved, was = False, self.budget.limit
         if self.budget.far(latency):
-            self._budget_moved()
+            self._budget_moved(was, now)
             moved = True
-        if latency >= FAR_S:
-            moved = self._step("window", Held(window=self.window)) | moved
-            moved = self._step("max_requests", Held(max_requests=self.max_requests)) | moved
+        if latency >= FAR_S:  # before any rate is known: no trial (STEP-BACK)
+            moved = self._step("window", Held(window=self.window), judged=False) | moved
+            moved = self._step("max_requests", Held(max_requests=self.max_requests), judged=False) | moved
         return moved
 
-    def _step(self, knob: str, held: Held) -> bool:
-        """Grow ``knob`` by ``STEP`` if ``held`` saw its value now and it is below its bound."""
+    def _step(self, knob: str, held: Held, judged: bool = True) -> bool:
+        """Grow ``knob`` by ``STEP`` if ``held`` saw its value now, it is below its bound and
+        (``judged``) STEP-BACK lets it: a baseline known, no trial open, no hold."""
         now = getattr(self, knob)
         most = self.most_window if knob == "window" else self.most_requests
         if getattr(held, knob) != now or now >= most:
+            return False
+        if judged and not self.climb.allows(knob, now, self.budget.limit):
             return False
         setattr(self, knob, min(most, now * STEP))
         self.decisions[knob] += 1
@@ -132,12 +153,37 @@ class Tuner:
         ``latency`` s (None: the backend does not tell). True if a knob moved."""
         if not self.on:
             return False
-        moved = self._step("window", held)
-        moved = self._step("max_requests", held) | moved
-        if held.budget is not None and latency is not None and self.budget.stalled(latency, now):
-            self._budget_moved()
-            moved = True
+        now = time.monotonic() if now is None else now
+        before = {knob: getattr(self, knob) for knob in ("window", "max_requests")}
+        grown = {knob: value for knob, value in before.items() if self._step(knob, held)}
+        if grown:  # a trial (STEP-BACK): kept if the reader's throughput rose
+            self.climb.grew(grown, self.budget.limit, now)
+        moved = bool(grown)
+        if held.budget is not None and latency is not None:
+            was = self.budget.limit
+            rose = self._budget_mark.rose(self.climb.meter, now) if self._budget_mark is not None else None
+            if self.budget.stalled(latency, now, rose):
+                self._budget_moved(was, now)
+                moved = True
         return moved
+
+    def released(self, nbytes: int, now: float | None = None) -> bool:
+        """The reader consumed ``nbytes`` (BUDGET-GROWTH's rate, STEP-BACK's windows); True if
+        a trial's verdict stepped the window or the request limit back."""
+        now = time.monotonic() if now is None else now
+        self.budget.released(nbytes, now)
+        if not self.on:
+            return False
+        back = self.climb.released(nbytes, now)
+        if not back:
+            return False
+        for knob, value in back.items():
+            if getattr(self, knob) != value:
+                setattr(self, knob, value)
+                self.decisions[knob] += 1
+        self.decisions["back"] += 1
+        _learned[self.key] = (self.window, self.max_requests)
+        return True
 
     def requests_allowed(self, throttled: int) -> int:
         """Parts that may be in flight: the tuned limit, or fewer under READER-THROTTLE."""

@@ -1,6 +1,7 @@
 """AUTOTUNE (streamdata/fetch/tune.py): a reader's window, request limit, byte budget and part size
 grow where they held back a part the reader waited for, within their bounds and the memory cap;
-throttling wins; the data order is the same with and without; every decision is counted."""
+throttling wins; the data order is the same with and without; every decision is counted. The
+hill-climb that steps growths back (STEP-BACK) is tested as events in test_climb.py."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def _nothing_learned():
     tune_module._learned.clear()
 
 
-def _consume(t: Tuner, rate: float, seconds: float, step: float = 0.01) -> float:
-    """The reader consumes at ``rate`` for ``seconds`` (a fake clock from 0); the clock after."""
-    now = 0.0
-    while now < seconds:
-        t.budget.released(int(rate * step), now=now)
+def _consume(t: Tuner, rate: float, seconds: float, step: float = 0.01, start: float = 0.0) -> float:
+    """The reader consumes at ``rate`` for ``seconds`` (a fake clock from ``start``); the clock after."""
+    now = start
+    while now < start + seconds:
+        t.released(int(rate * step), now=now)
         now += step
     return now
 
@@ -50,12 +51,16 @@ def test_from_the_smallest_each_knob_grows_once_per_value_that_held_it_up_to_its
     t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, max_requests=8,
                           tune_from=SMALLEST), key="k")
     assert t.knobs() == {"window": 1, "max_requests": 1, "byte_budget": 8 * MiB, "part_size": 2 * MiB}
-    assert t.stalled(Held(window=1), None) and t.window == 4
-    assert not t.stalled(Held(window=1), None) and t.window == 4  # the same burst: once
-    assert t.stalled(Held(window=4, max_requests=1), None) and (t.window, t.max_requests) == (16, 4)
-    assert t.stalled(Held(window=16, max_requests=4), None) and (t.window, t.max_requests) == (32, 8)
-    assert not t.stalled(Held(window=32, max_requests=8), None)  # the configured bounds: 32 and 8
-    assert t.decisions == {"window": 3, "max_requests": 2, "byte_budget": 0, "part_size": 0}
+    now = _consume(t, 10e6, 1.0)  # a baseline (STEP-BACK): 10 MB at 10 MB/s
+    assert t.stalled(Held(window=1), None, now=now) and t.window == 4
+    assert not t.stalled(Held(window=1), None, now=now) and t.window == 4  # the same burst: once
+    now = _consume(t, 20e6, 1.0, start=now)  # each growth raised the rate: kept
+    assert t.stalled(Held(window=4, max_requests=1), None, now=now) and (t.window, t.max_requests) == (16, 4)
+    now = _consume(t, 40e6, 1.0, start=now)
+    assert t.stalled(Held(window=16, max_requests=4), None, now=now) and (t.window, t.max_requests) == (32, 8)
+    now = _consume(t, 80e6, 1.0, start=now)
+    assert not t.stalled(Held(window=32, max_requests=8), None, now=now)  # the configured bounds: 32 and 8
+    assert t.decisions == {"window": 3, "max_requests": 2, "byte_budget": 0, "part_size": 0, "back": 0}
     # the next pass of this process on the same endpoint starts where this one got to
     assert Tuner(FetchConfig(max_requests=8, tune_from=SMALLEST), key="k").knobs()["window"] == 32
     assert Tuner(FetchConfig(window=8, tune_from=SMALLEST), key="k").knobs()["window"] == 8  # its bound
@@ -70,7 +75,7 @@ def test_the_budget_grows_by_budget_growth_and_the_part_size_follows_it_within_t
     assert t.budget.limit == pytest.approx(100e6 * 0.1 * budget_module.MARGIN + 8 * MiB, rel=0.05)
     assert t.part_size == t.budget.limit // 4 and t.decisions["part_size"] == 1
     for _ in range(4):
-        now = _consume(t, 1e9, 1.0)
+        now = _consume(t, 1e9, 1.0, start=now)
         t.stalled(Held(budget=t.budget.limit), 0.5, now=now)
     assert t.budget.limit == 128 * MiB and t.part_size == 8 * MiB  # the cap; the configured part size
     assert t.decisions["byte_budget"] == t.budget.grown >= 2
@@ -83,9 +88,20 @@ def test_a_far_endpoint_takes_a_budget_step_at_once_and_the_parts_follow():
     low = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="low")
     assert not low.far(0.01) and low.knobs()["window"] == 1  # a near endpoint: nothing
     assert low.far(0.5) and (low.window, low.max_requests) == (4, 4)  # a far one: a step each
-    assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1}
+    assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1, "back": 0}
     small = Tuner(FetchConfig(part_size=512 * 1024, byte_budget=MiB))
     assert small.part_size == 512 * 1024 and MIN_PART > small.part_size  # never above the configured
+
+
+def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
+    """The far step reads the shortest of the pass's first FAR_PARTS first bytes: a server's
+    slow first answer followed by a quick one is a near endpoint."""
+    cold = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST))
+    assert not cold.first_byte(0.4) and not cold.first_byte(0.01) and not cold.first_byte(0.5)
+    assert cold.knobs()["byte_budget"] == 8 * MiB and (cold.window, cold.max_requests) == (1, 1)
+    far = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST))
+    assert not far.first_byte(0.3) and far.first_byte(0.25)
+    assert far.knobs()["byte_budget"] == 16 * MiB and (far.window, far.max_requests) == (4, 4)
 
 
 def test_autotune_off_keeps_every_knob_as_set():
@@ -150,7 +166,8 @@ def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_t
                 got[on] = [b"".join(reader.chunks()) for reader in fetcher]
             if on:
                 tuned = fetcher.tuner
-                assert (tuned.window, tuned.max_requests) == (8, 8)  # their bounds
+                # their bounds, unless a growth that did not raise the rate stepped back (STEP-BACK)
+                assert (tuned.window, tuned.max_requests) == (8, 8) or tuned.decisions["back"] >= 1
                 assert tuned.decisions["window"] >= 1 and tuned.decisions["max_requests"] >= 1
                 assert MiB <= tuned.budget.limit <= 4 * MiB
                 assert fetcher.peak_reserved <= 4 * MiB + config.part_size
