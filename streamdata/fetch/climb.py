@@ -12,8 +12,10 @@ baseline; if not, the knobs step back to their values before it, and each stays 
 failure of that knob: a knob can fail a trial again, but ever more rarely, and never flips back
 and forth at the rate of stalls. One trial at a time: while one is open the window and request
 limit do not grow (a second growth would blur the first's verdict), nor before the reader has
-consumed ``BASELINE`` of a window (no rate to judge by). The far step (``tune``: the pass's
-first byte came late) is the one growth taken without a trial.
+consumed ``BASELINE`` of a window (no rate to judge by), except where the part waited for took
+``budget.FAR_S`` or more to its first byte: at a far endpoint a reader from the smallest
+settings needs a round trip or more per growth, and concurrency rarely hurts there, so those
+first growths (and the far step, ``tune``) go untried.
 
 The byte budget's growths are judged the same way (``Mark``): BUDGET-GROWTH's supply rule
 (``budget``) grows the budget again only where its last growth raised the rate.
@@ -120,18 +122,24 @@ class Climb:
         return Mark(self.meter.total, budget,
                     self.meter.rate(measured, now) if measured >= BASELINE * budget else None)
 
-    def allows(self, knob: str, value: int, budget: int) -> bool:
-        """``knob`` may grow from ``value`` under a byte budget of ``budget``: a rate to judge it
-        by is known, no trial is open, and no hold after a failed one keeps it where it is."""
-        if self.trial is not None or self.meter.measured() < BASELINE * budget:
+    def allows(self, knob: str, value: int, budget: int, far: bool = False) -> bool:
+        """``knob`` may grow from ``value`` under a byte budget of ``budget``: no trial is open,
+        no hold after a failed one keeps it where it is, and a rate to judge it by is known
+        (or, ``far``, the part waited for took ``budget.FAR_S`` to its first byte: then a
+        growth before any rate is known goes untried)."""
+        if self.trial is not None:
             return False
+        if self.meter.measured() < BASELINE * budget:
+            return far
         held = self._ceiling.get(knob)
         return held is None or value < held[0] or self.meter.total >= held[1]
 
     def grew(self, before: dict[str, int], budget: int, now: float) -> None:
         """The knobs in ``before`` grew now from those values, under a byte budget of
-        ``budget``: a trial."""
-        self.trial = _Trial(self.mark(budget, now), before)
+        ``budget``: a trial, if the rate before is known."""
+        mark = self.mark(budget, now)
+        if mark.before is not None:
+            self.trial = _Trial(mark, before)
 
     def released(self, nbytes: int, now: float) -> dict[str, int] | None:
         """The reader consumed ``nbytes`` at ``now``; the knobs to step back to, when a trial's

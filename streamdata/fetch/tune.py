@@ -6,18 +6,30 @@ flight), the byte budget (``budget.Budget``) and ``part_size``. Each moves only 
 bounds: from its start (``FetchConfig.tune_from``, else the configured value; the budget from
 ``byte_budget``) up to the configured value (``window``, ``max_requests``, ``part_size``: a
 knob the user set is a bound tuning stays within) or, for the budget, the memory cap
-``byte_budget_max``. A knob grows only when it cost the reader time:
+``byte_budget_max``. A knob grows only when it cost the reader time, and stays grown only where
+that raised the reader's throughput:
 
 - the scheduler tags each part it had to hold back with the knob that held it and that knob's
   value then (``held``: the window, the request limit, the budget);
 - when the reader waits for such a part (a *stall*), the window or the request limit grows
   by ``STEP`` if it still has the value that held the part (so one burst of stalls on parts
-  held by one value grows it once); the budget grows by BUDGET-GROWTH's rule (``budget``:
-  only where first-byte latency, not bandwidth, made the reader wait: the rate it consumes
-  times that latency is a large share of the budget);
-- a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S``
-  (``budget``) or more, the budget takes its one step at once and the window and request
-  limit one ``STEP`` each (where they start below their bounds: ``tune_from``);
+  held by one value grows it once), once the reader's rate is known (or, before, if the part
+  took ``FAR_S`` to its first byte) and no trial is open;
+- each such growth is a trial (STEP-BACK, ``climb``): once the reader has consumed two byte
+  budgets' worth since, its rate over the second is compared with its rate before the growth;
+  a growth that did not raise it by ``climb.RISE`` steps back to the values before it, held
+  there for ``climb.HOLD`` windows, doubled at each failure of the same knob (a loopback
+  server that shares the client's cores can serve one request faster than 32: more is not
+  always better, and only the reader's own throughput tells);
+- the budget grows by BUDGET-GROWTH's rules (``budget``): where first-byte latency, not
+  bandwidth, made the reader wait (the rate it consumes times that latency is a large share of
+  the budget), or where the budget held the part back and its own last growth raised the
+  reader's rate (the supply rule: where the budget itself holds the rate down, the product
+  undercounts the latency);
+- a far endpoint is known sooner: where the shorter of the pass's first ``FAR_PARTS`` first
+  bytes took ``FAR_S`` (``budget``) or more (one slow answer may be a server's cold start), the
+  budget takes its one step at once and the window and request limit one ``STEP`` each (where
+  they start below their bounds: ``tune_from``), without a trial (no rate is known yet);
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -25,17 +37,20 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
 - a part held by READER-THROTTLE (``store.retry``: 503 / 429 lowered the limit below the
   tuned one) grows nothing: throttling wins, and the scheduler sends at most
   ``min(max_requests, throttle.allowed)``;
-- knobs never shrink within a pass: a reader that is slower than its link never stalls, so
-  nothing grows, and memory stays within the cap either way. The next pass of the same
-  process starts from what this one reached (per endpoint, as the budget does).
+- knobs shrink only by a trial's step back, never below where they started, and the budget
+  never shrinks: a reader that is slower than its link never stalls, so nothing grows, and
+  memory stays within the cap either way. The next pass of the same process starts from what
+  this one reached (per endpoint, as the budget does).
 
 Only timing changes: items and parts are requested and consumed in the same order whatever
 the knobs, so the data order is the same with or without tuning. Every decision is counted
 (``metrics.COUNTERS``: ``budget.grown``, ``tuned.window``, ``tuned.max_requests``,
-``tuned.part_size``) and each reader's current knobs are in ``metrics.READER_STATS``
+``tuned.part_size``, each a move either way, and ``tuned.back``, the trials stepped back) and
+each reader's current knobs are in ``metrics.READER_STATS``
 (``knob.*``), both in ``loader.metrics()``. ``autotune=False`` keeps every knob fixed (the
-budget too). The controller is pure (no clock of its own, no I/O); the prefetcher calls it on
-its event loop (one thread): no lock.
+budget too). The controller is pure (no I/O; each event's time is its caller's ``now``, the
+monotonic clock where none is given); the prefetcher calls it on its event loop (one thread):
+no lock.
 """
 
 from __future__ import annotations
@@ -134,14 +149,14 @@ class Tuner:
             moved = self._step("max_requests", Held(max_requests=self.max_requests), judged=False) | moved
         return moved
 
-    def _step(self, knob: str, held: Held, judged: bool = True) -> bool:
+    def _step(self, knob: str, held: Held, judged: bool = True, far: bool = False) -> bool:
         """Grow ``knob`` by ``STEP`` if ``held`` saw its value now, it is below its bound and
-        (``judged``) STEP-BACK lets it: a baseline known, no trial open, no hold."""
+        (``judged``) STEP-BACK lets it (``climb.Climb.allows``)."""
         now = getattr(self, knob)
         most = self.most_window if knob == "window" else self.most_requests
         if getattr(held, knob) != now or now >= most:
             return False
-        if judged and not self.climb.allows(knob, now, self.budget.limit):
+        if judged and not self.climb.allows(knob, now, self.budget.limit, far):
             return False
         setattr(self, knob, min(most, now * STEP))
         self.decisions[knob] += 1
@@ -155,7 +170,8 @@ class Tuner:
             return False
         now = time.monotonic() if now is None else now
         before = {knob: getattr(self, knob) for knob in ("window", "max_requests")}
-        grown = {knob: value for knob, value in before.items() if self._step(knob, held)}
+        far = latency is not None and latency >= FAR_S  # before a rate is known: untried (STEP-BACK)
+        grown = {knob: value for knob, value in before.items() if self._step(knob, held, far=far)}
         if grown:  # a trial (STEP-BACK): kept if the reader's throughput rose
             self.climb.grew(grown, self.budget.limit, now)
         moved = bool(grown)

@@ -123,9 +123,15 @@ def test_no_growth_before_a_baseline_and_the_bounds_hold():
     assert t.climb.trial is not None and t.climb.trial.mark.before == pytest.approx(1e6)
     r.consume(64 * MiB, 1e6)
     assert (t.window, t.max_requests) == (1, 1) and t.decisions["back"] == 1
-    far = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST))
+    far = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="far")
     assert far.far(0.25, now=0.0) and (far.window, far.max_requests) == (4, 4)  # no baseline needed
     assert far.climb.trial is None
+    # before a rate is known, a stall on a part whose first byte took FAR_S grows, untried
+    slow = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="slow")
+    assert not slow.stalled(Held(window=1, max_requests=1), 0.01, now=0.0)
+    assert slow.stalled(Held(window=1, max_requests=1), 0.3, now=0.0)
+    assert (slow.window, slow.max_requests) == (4, 4)
+    assert slow.climb.trial is None
 
 
 def test_autotune_off_measures_nothing_and_steps_nothing():

@@ -230,6 +230,6 @@ def test_the_docs_recipe_runs(s3_bucket, monkeypatch, capsys):
     ns: dict = {"__name__": "__docs__"}
     exec(compile(code, "docs/metrics.md", "exec"), ns)
     ns["loader"].close()
-    window, requests, budget = (int(v) for v in capsys.readouterr().out.split())
-    assert window >= 0 and requests >= 0 and 8 * MiB <= budget <= 128 * MiB
+    window, requests, back, budget = (int(v) for v in capsys.readouterr().out.split())
+    assert window >= 0 and requests >= 0 and back >= 0 and 8 * MiB <= budget <= 128 * MiB
     assert ns["ds"].fetch_config.tune_from == (("max_requests", 1), ("window", 1))
