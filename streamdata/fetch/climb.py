@@ -1,21 +1,23 @@
 """Did a knob's growth raise the reader's throughput? Rates over windows of consumed bytes.
 
-STEP-BACK (the rule, AUTOTUNE's hill-climb, ``tune``): a growth of the window or the request
-limit is a *trial*. Its window is the byte budget then: one round of what the budget keeps in
-flight, so that a rate spans a burst and the wait after it, not one part. Its baseline is the
-reader's rate over the last window of bytes it consumed before the growth (or over what it had
-consumed, if less). The verdict comes once the reader has consumed two windows since: the
-first were requested under the old knobs (they settle), the rate over the second is the
-trial's. The growth *raised* the throughput if that rate is at least ``1 + RISE`` times the
-baseline; if not, the knobs step back to their values before it, and each stays there
-(hysteresis) until the reader has consumed ``HOLD`` windows more, doubled at each consecutive
-failure of that knob: a knob can fail a trial again, but ever more rarely, and never flips back
-and forth at the rate of stalls. One trial at a time: while one is open the window and request
-limit do not grow (a second growth would blur the first's verdict), nor before the reader has
-consumed ``BASELINE`` of a window (no rate to judge by), except where the part waited for took
-``budget.FAR_S`` or more to its first byte: at a far endpoint a reader from the smallest
-settings needs a round trip or more per growth, and concurrency rarely hurts there, so those
-first growths (and the far step, ``tune``) go untried.
+STEP-BACK (the rule, AUTOTUNE's hill-climb, ``tune``): growths of the window or the request
+limit are judged after the fact, never delayed. A growth opens a *trial* (or joins the one
+open: a burst of growths is judged as one). Its window is the byte budget then: one round of
+what the budget keeps in flight, so that a rate spans a burst and the wait after it, not one
+part. Its baseline is the reader's rate over the last window of bytes it consumed before the
+trial's first growth (or over what it had consumed, if at least ``BASELINE`` of a window;
+with less, the growth goes unjudged: the first stalls of a pass grow the knobs at once, as a
+reader started low needs). The verdict comes once the reader has consumed two windows since
+the trial's last growth: the first were requested under the old knobs (they settle), the rate
+over the second is the trial's. The trial *raised* the throughput if that rate is at least
+``1 + RISE`` times the baseline; if not, its knobs step back to their values before it, and
+each stays there (hysteresis) until the reader has consumed ``HOLD`` windows more, doubled at
+each consecutive failure of that knob: a knob can fail a trial again, but ever more rarely,
+and never flips back and forth at the rate of stalls.
+
+Judging a growth before taking it (no growth while a trial is open, none before a baseline)
+was measured first and cost the climb from the smallest settings more than the steps back
+gained (benchmarks/README.md, "Autotune"): a trial takes two budgets' worth of bytes.
 
 The byte budget's growths are judged the same way (``Mark``): BUDGET-GROWTH's supply rule
 (``budget``) grows the budget again only where its last growth raised the rate.
@@ -122,24 +124,24 @@ class Climb:
         return Mark(self.meter.total, budget,
                     self.meter.rate(measured, now) if measured >= BASELINE * budget else None)
 
-    def allows(self, knob: str, value: int, budget: int, far: bool = False) -> bool:
-        """``knob`` may grow from ``value`` under a byte budget of ``budget``: no trial is open,
-        no hold after a failed one keeps it where it is, and a rate to judge it by is known
-        (or, ``far``, the part waited for took ``budget.FAR_S`` to its first byte: then a
-        growth before any rate is known goes untried)."""
-        if self.trial is not None:
-            return False
-        if self.meter.measured() < BASELINE * budget:
-            return far
+    def allows(self, knob: str, value: int) -> bool:
+        """``knob`` may grow from ``value``: no hold after a failed trial keeps it there."""
         held = self._ceiling.get(knob)
         return held is None or value < held[0] or self.meter.total >= held[1]
 
     def grew(self, before: dict[str, int], budget: int, now: float) -> None:
         """The knobs in ``before`` grew now from those values, under a byte budget of
-        ``budget``: a trial, if the rate before is known."""
+        ``budget``: a trial, if the rate before is known, or one more growth in the trial open
+        (judged against its baseline, settled from now, stepped back to its first values)."""
+        trial = self.trial
+        if trial is not None:
+            for knob, value in before.items():
+                trial.before.setdefault(knob, value)
+            trial.mark.at, trial.mark.window = self.meter.total, max(trial.mark.window, budget)
+            return
         mark = self.mark(budget, now)
         if mark.before is not None:
-            self.trial = _Trial(mark, before)
+            self.trial = _Trial(mark, dict(before))
 
     def released(self, nbytes: int, now: float) -> dict[str, int] | None:
         """The reader consumed ``nbytes`` at ``now``; the knobs to step back to, when a trial's

@@ -13,11 +13,11 @@ that raised the reader's throughput:
   value then (``held``: the window, the request limit, the budget);
 - when the reader waits for such a part (a *stall*), the window or the request limit grows
   by ``STEP`` if it still has the value that held the part (so one burst of stalls on parts
-  held by one value grows it once), once the reader's rate is known (or, before, if the part
-  took ``FAR_S`` to its first byte) and no trial is open;
-- each such growth is a trial (STEP-BACK, ``climb``): once the reader has consumed two byte
-  budgets' worth since, its rate over the second is compared with its rate before the growth;
-  a growth that did not raise it by ``climb.RISE`` steps back to the values before it, held
+  held by one value grows it once);
+- each such growth is judged after the fact (STEP-BACK, ``climb``): once the reader has
+  consumed two byte budgets' worth since, its rate over the second is compared with its rate
+  before the growth (growths in a burst judged as one; none before the reader's rate is
+  known); one that did not raise it by ``climb.RISE`` steps back to the values before it, held
   there for ``climb.HOLD`` windows, doubled at each failure of the same knob (a loopback
   server that shares the client's cores can serve one request faster than 32: more is not
   always better, and only the reader's own throughput tells);
@@ -144,19 +144,19 @@ class Tuner:
         if self.budget.far(latency):
             self._budget_moved(was, now)
             moved = True
-        if latency >= FAR_S:  # before any rate is known: no trial (STEP-BACK)
-            moved = self._step("window", Held(window=self.window), judged=False) | moved
-            moved = self._step("max_requests", Held(max_requests=self.max_requests), judged=False) | moved
+        if latency >= FAR_S:  # before any rate is known: unjudged (STEP-BACK)
+            moved = self._step("window", Held(window=self.window)) | moved
+            moved = self._step("max_requests", Held(max_requests=self.max_requests)) | moved
         return moved
 
-    def _step(self, knob: str, held: Held, judged: bool = True, far: bool = False) -> bool:
+    def _step(self, knob: str, held: Held) -> bool:
         """Grow ``knob`` by ``STEP`` if ``held`` saw its value now, it is below its bound and
-        (``judged``) STEP-BACK lets it (``climb.Climb.allows``)."""
+        no hold after a failed trial keeps it there (STEP-BACK)."""
         now = getattr(self, knob)
         most = self.most_window if knob == "window" else self.most_requests
         if getattr(held, knob) != now or now >= most:
             return False
-        if judged and not self.climb.allows(knob, now, self.budget.limit, far):
+        if not self.climb.allows(knob, now):
             return False
         setattr(self, knob, min(most, now * STEP))
         self.decisions[knob] += 1
@@ -170,8 +170,7 @@ class Tuner:
             return False
         now = time.monotonic() if now is None else now
         before = {knob: getattr(self, knob) for knob in ("window", "max_requests")}
-        far = latency is not None and latency >= FAR_S  # before a rate is known: untried (STEP-BACK)
-        grown = {knob: value for knob, value in before.items() if self._step(knob, held, far=far)}
+        grown = {knob: value for knob, value in before.items() if self._step(knob, held)}
         if grown:  # a trial (STEP-BACK): kept if the reader's throughput rose
             self.climb.grew(grown, self.budget.limit, now)
         moved = bool(grown)
