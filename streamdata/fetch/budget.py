@@ -14,12 +14,15 @@ then it grows by ``SUPPLY_STEP``, capped, and that growth is judged the same way
 
 The supply rule is there because the product undercounts where the budget itself limits the
 rate: a reader held to a few parts in flight consumes little per round trip, so its rate times
-the latency stays a small share of the budget however far the endpoint is (from an 8 MiB start
-at 250 ms one-way the product rule stopped at 32-64 MiB of a 128 MiB cap while the reader kept
-waiting). Rates over windows of consumed bytes, not over wall time: a window spans a budget's
-worth (a burst and the wait after it), not the noise of one part. A growth that did not raise
-the rate ends the supply rule's run (the product rule still applies); a growth with no rate
-before it (the far step, or too few bytes consumed before it) counts as risen once.
+the latency can stay a small share of the budget however far the endpoint is (from an 8 MiB
+start at 250 ms one-way, on epochs of 64 MiB per reader, the budget ended at 32-64 MiB of a
+128 MiB cap while the reader kept waiting). Measured, it changed nothing beyond noise: on those
+short epochs the epoch ends first either way, and with 256 MiB per reader the product rule also
+reached the cap (benchmarks/README.md, "Autotune"). Rates are over windows of consumed bytes,
+not over wall time: a window spans a budget's worth (a burst and the wait after it), not the
+noise of one part. A growth that did not raise the rate ends the supply rule's run (the
+product rule still applies); a growth with no rate before it (the far step, or too few bytes
+consumed before it) counts as risen once.
 
 The product alone would not do as the rule: a budget-bound reader's rate is set by its budget,
 and the bytes it holds are not only in flight (fetched parts wait to be parsed, budget comes
@@ -35,8 +38,9 @@ that stream the body to streamdata tell the first byte (S3's presigned and LITE-
 - at a long one (another region: benchmarks/README.md, "Latency", where a fixed budget held
   the pass below the grown one's rate) the budget grows within the first shards;
 - a reader that is slower than the network never stalls, so its budget never grows;
-- a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S`` or
-  more (a round trip of 100 ms or more: another region or continent), the budget takes one
+- a far endpoint is known sooner: where the pass's first first bytes took ``FAR_S`` or more
+  (the shorter of two: ``tune.FAR_PARTS``; a round trip of 100 ms or more: another region or
+  continent, not one cold answer of a server), the budget takes one
   ``STEP`` at once (``far``), instead of after the first stall, which comes a round trip after
   the reader's first release (0.5-0.8 s into the first pass at 100 ms one-way).
 
