@@ -202,3 +202,12 @@ def test_the_climb_alone_judges_and_holds():
         now += 0.1
         c.released(MiB, now)
     assert c.allows("window", 4)
+
+
+def test_every_decision_has_a_counter():
+    """Each of the tuner's decisions (a step back too) is added to a counter of ``COUNTERS``."""
+    from streamdata.fetch.prefetcher import _DECISION
+    from streamdata.metrics import COUNTERS
+
+    assert set(_DECISION) == set(Tuner(FetchConfig()).decisions)
+    assert set(_DECISION.values()) <= set(COUNTERS) and "tuned.back" in _DECISION.values()
