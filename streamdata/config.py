@@ -136,9 +136,7 @@ class FetchConfig:
                   hour that temporary credentials typically live, so a URL leaked into a log or
                   an error message is worth little.
     autotune:     AUTOTUNE (``fetch.tune``): each reader's window, request limit, byte budget
-                  and part size grow where they cost the reader time (and the window and
-                  request limit step back where growing did not raise the reader's
-                  throughput: STEP-BACK, ``fetch.climb``), within their bounds:
+                  and part size grow where they cost the reader time, within their bounds:
                   ``window``, ``max_requests`` and ``part_size`` as set are the most they reach,
                   ``byte_budget_max`` the memory cap; 503/429 throttling still wins. Only
                   timing changes, never the data order. ``False`` keeps every knob as set (the

@@ -41,13 +41,11 @@ RESIGN_REASONS = ("age", "expired", "refused")
 # resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tokens.*: an sd.TokenDataset epoch's
 # final partial sequence, its tokens dropped or the padding added (TOKENS-ONCE, streamdata.epoch.tokens);
-# tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune),
-# and tuned.back: growths of the window or request limit stepped back, the reader's throughput not
-# having risen (STEP-BACK, streamdata.fetch.climb)
+# tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
             "tokens.dropped", "tokens.padded", "tuned.window", "tuned.max_requests", "tuned.part_size",
-            "tuned.back", *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
+            *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 # where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk
 # reads of cached items), parsing (tar / Parquet bytes -> records, decompression included),

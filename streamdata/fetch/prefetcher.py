@@ -266,13 +266,12 @@ class Prefetcher:
 
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
-        self._tuned(self.tuner.released, nbytes)  # the rate (BUDGET-GROWTH), trials' verdicts (STEP-BACK)
+        self.budget.released(nbytes)
         self._wake.set()
 
     def _tuned(self, decide: Callable[..., bool], *args: Any) -> None:
-        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), the first part in
-        (``Tuner.far``), bytes consumed (``Tuner.released``: STEP-BACK); each decision counted,
-        the reader's knobs shown."""
+        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), or the pass's first parts
+        in (``Tuner.first_byte``); each decision counted, the reader's knobs shown."""
         before = dict(self.tuner.decisions)
         if decide(*args):
             if self._counters is not None:
@@ -439,7 +438,7 @@ class Prefetcher:
 _NOT_HELD = Held()
 # the counter each of the tuner's decisions adds to (``metrics.COUNTERS``)
 _DECISION = {"window": "tuned.window", "max_requests": "tuned.max_requests", "byte_budget": "budget.grown",
-             "part_size": "tuned.part_size", "back": "tuned.back"}
+             "part_size": "tuned.part_size"}
 
 
 def _part_future(part: Range, part_size: int) -> concurrent.futures.Future:

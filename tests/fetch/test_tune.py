@@ -1,7 +1,6 @@
 """AUTOTUNE (streamdata/fetch/tune.py): a reader's window, request limit, byte budget and part size
 grow where they held back a part the reader waited for, within their bounds and the memory cap;
-throttling wins; the data order is the same with and without; every decision is counted. The
-hill-climb that steps growths back (STEP-BACK) is tested as events in test_climb.py."""
+throttling wins; the data order is the same with and without; every decision is counted."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ def _consume(t: Tuner, rate: float, seconds: float, step: float = 0.01, start: f
     """The reader consumes at ``rate`` for ``seconds`` (a fake clock from ``start``); the clock after."""
     now = start
     while now < start + seconds:
-        t.released(int(rate * step), now=now)
+        t.budget.released(int(rate * step), now=now)
         now += step
     return now
 
@@ -51,16 +50,12 @@ def test_from_the_smallest_each_knob_grows_once_per_value_that_held_it_up_to_its
     t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, max_requests=8,
                           tune_from=SMALLEST), key="k")
     assert t.knobs() == {"window": 1, "max_requests": 1, "byte_budget": 8 * MiB, "part_size": 2 * MiB}
-    now = _consume(t, 10e6, 1.0)  # a baseline (STEP-BACK): 10 MB at 10 MB/s
-    assert t.stalled(Held(window=1), None, now=now) and t.window == 4
-    assert not t.stalled(Held(window=1), None, now=now) and t.window == 4  # the same burst: once
-    now = _consume(t, 20e6, 1.0, start=now)  # each growth raised the rate: kept
-    assert t.stalled(Held(window=4, max_requests=1), None, now=now) and (t.window, t.max_requests) == (16, 4)
-    now = _consume(t, 40e6, 1.0, start=now)
-    assert t.stalled(Held(window=16, max_requests=4), None, now=now) and (t.window, t.max_requests) == (32, 8)
-    now = _consume(t, 80e6, 1.0, start=now)
-    assert not t.stalled(Held(window=32, max_requests=8), None, now=now)  # the configured bounds: 32 and 8
-    assert t.decisions == {"window": 3, "max_requests": 2, "byte_budget": 0, "part_size": 0, "back": 0}
+    assert t.stalled(Held(window=1), None) and t.window == 4
+    assert not t.stalled(Held(window=1), None) and t.window == 4  # the same burst: once
+    assert t.stalled(Held(window=4, max_requests=1), None) and (t.window, t.max_requests) == (16, 4)
+    assert t.stalled(Held(window=16, max_requests=4), None) and (t.window, t.max_requests) == (32, 8)
+    assert not t.stalled(Held(window=32, max_requests=8), None)  # the configured bounds: 32 and 8
+    assert t.decisions == {"window": 3, "max_requests": 2, "byte_budget": 0, "part_size": 0}
     # the next pass of this process on the same endpoint starts where this one got to
     assert Tuner(FetchConfig(max_requests=8, tune_from=SMALLEST), key="k").knobs()["window"] == 32
     assert Tuner(FetchConfig(window=8, tune_from=SMALLEST), key="k").knobs()["window"] == 8  # its bound
@@ -88,7 +83,7 @@ def test_a_far_endpoint_takes_a_budget_step_at_once_and_the_parts_follow():
     low = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="low")
     assert not low.far(0.01) and low.knobs()["window"] == 1  # a near endpoint: nothing
     assert low.far(0.5) and (low.window, low.max_requests) == (4, 4)  # a far one: a step each
-    assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1, "back": 0}
+    assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1}
     small = Tuner(FetchConfig(part_size=512 * 1024, byte_budget=MiB))
     assert small.part_size == 512 * 1024 and MIN_PART > small.part_size  # never above the configured
 
@@ -104,12 +99,67 @@ def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
     assert far.knobs()["byte_budget"] == 16 * MiB and (far.window, far.max_requests) == (4, 4)
 
 
+def _budget_bound(t: Tuner, cycles: int, latency: float, rises: bool, now: float = 0.0) -> float:
+    """A reader the budget holds back at a far endpoint: every 8 one-way delays it gets the
+    budget's worth (``rises``: its rate follows the budget; else the link caps it at 8 MiB a
+    cycle), a MiB at a time, and it waits for a part the budget held after each. Its rate times
+    the latency is an eighth of the budget: under LATENCY_SHARE, the product rule alone never
+    grows it. The clock after."""
+    for _ in range(cycles):
+        rate = (t.budget.limit if rises else 8 * MiB) / (8 * latency)
+        for _ in range(4):
+            now += MiB / rate
+            t.budget.released(MiB, now=now)
+            t.stalled(Held(budget=t.budget.limit), latency, now=now)
+    return now
+
+
+def test_the_budget_grows_while_it_limits_the_supply_and_the_rate_follows():
+    """From 8 MiB at 250 ms one-way: the product (rate x first-byte latency) stays an eighth of
+    the budget, since the budget sets the rate; the far step, then the supply rule (the last
+    growth raised the rate) take it to the cap."""
+    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
+    assert t.far(0.25, now=0.0) and t.budget.limit == 16 * MiB
+    _budget_bound(t, 64, 0.25, rises=True)
+    assert t.budget.limit == 128 * MiB and t.part_size == 8 * MiB
+    assert t.decisions["byte_budget"] == t.budget.grown == 3  # far 16, supply 64, supply 128 (the cap)
+
+
+def test_the_supply_rule_stops_where_growth_did_not_raise_the_rate():
+    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
+    assert t.far(0.25, now=0.0)
+    _budget_bound(t, 64, 0.25, rises=False)  # the link, not the budget, sets the rate
+    assert t.budget.limit == 64 * MiB and t.budget.grown == 2  # the far step's one (unjudged), then no more
+
+
+def test_a_near_endpoint_never_grows_its_budget_by_the_supply_rule():
+    """No growth to judge (no far step, the product small): stalls alone grow no budget."""
+    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB))
+    assert not t.far(0.001, now=0.0)
+    now = 0.0
+    for _ in range(256):
+        now += MiB / (200e6 * (1 + now))  # ever faster: rising is not enough without a growth
+        t.budget.released(MiB, now=now)
+        assert not t.stalled(Held(budget=t.budget.limit), 0.002, now=now)
+    assert t.budget.limit == 8 * MiB and t.budget.grown == 0
+
+
 def test_autotune_off_keeps_every_knob_as_set():
     t = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False, tune_from=SMALLEST))
     assert t.knobs() == {"window": 32, "max_requests": 32, "byte_budget": 8 * MiB, "part_size": 8 * MiB}
     now = _consume(t, 1e9, 1.0)
     assert not t.far(1.0) and not t.stalled(Held(window=32, budget=8 * MiB), 1.0, now=now)
     assert t.knobs()["byte_budget"] == 8 * MiB and sum(t.decisions.values()) == 0
+    assert t.budget.meter.total == 0  # nothing can grow: no rates kept for the supply rule
+
+
+def test_every_decision_has_a_counter():
+    """Each of the tuner's decisions is added to a counter of ``COUNTERS``."""
+    from streamdata.fetch.prefetcher import _DECISION
+    from streamdata.metrics import COUNTERS
+
+    assert set(_DECISION) == set(Tuner(FetchConfig()).decisions)
+    assert set(_DECISION.values()) <= set(COUNTERS)
 
 
 def test_config_autotune_and_tune_from(monkeypatch):
@@ -166,8 +216,7 @@ def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_t
                 got[on] = [b"".join(reader.chunks()) for reader in fetcher]
             if on:
                 tuned = fetcher.tuner
-                # their bounds, unless a growth that did not raise the rate stepped back (STEP-BACK)
-                assert (tuned.window, tuned.max_requests) == (8, 8) or tuned.decisions["back"] >= 1
+                assert (tuned.window, tuned.max_requests) == (8, 8)  # their bounds
                 assert tuned.decisions["window"] >= 1 and tuned.decisions["max_requests"] >= 1
                 assert MiB <= tuned.budget.limit <= 4 * MiB
                 assert fetcher.peak_reserved <= 4 * MiB + config.part_size
@@ -230,6 +279,6 @@ def test_the_docs_recipe_runs(s3_bucket, monkeypatch, capsys):
     ns: dict = {"__name__": "__docs__"}
     exec(compile(code, "docs/metrics.md", "exec"), ns)
     ns["loader"].close()
-    window, requests, back, budget = (int(v) for v in capsys.readouterr().out.split())
-    assert window >= 0 and requests >= 0 and back >= 0 and 8 * MiB <= budget <= 128 * MiB
+    window, requests, budget = (int(v) for v in capsys.readouterr().out.split())
+    assert window >= 0 and requests >= 0 and 8 * MiB <= budget <= 128 * MiB
     assert ns["ds"].fetch_config.tune_from == (("max_requests", 1), ("window", 1))
