@@ -12,6 +12,10 @@ workers, ``decode=False``) in a fresh interpreter:
   request, an 8 MiB budget (``tune_from={"window": 1, "max_requests": 1}``,
   ``byte_budget=8 MiB``: a start, not a bound), cap ``--cap``.
 
+With ``--base NAME=PATH`` (a checkout of another tree, e.g. ``git archive <commit> | tar -x -C
+PATH``), ``NAME:auto`` and ``NAME:auto:smallest`` run the same two settings on that tree's
+``streamdata``: the tuner before a change, side by side with it.
+
 Rounds are interleaved (each round runs every delay, its methods in a rotated order); the
 ratios are per round: ``auto / best grid`` of that round and delay. For ``auto:smallest`` it
 also reports when it reached 90% of the round's best grid rate (the rate over the next
@@ -21,6 +25,7 @@ reached (``knob.byte_budget``, sampled from ``loader.metrics()``), against the c
 
     python -m benchmarks.autotune --quick     # 2 rounds, grid {1,32}x{1,32}, 128 MiB (~15 min loaded)
     python -m benchmarks.autotune --rounds 3 --grid 1,8,32 --samples 2048
+    python -m benchmarks.autotune --quick --base before=/tmp/sd-before
 """
 
 from __future__ import annotations
@@ -74,27 +79,33 @@ wall = time.perf_counter() - start
 m = loader.metrics()
 stop.set()
 loader.close()
-print(json.dumps({"samples": n, "wall_s": wall, "marks": marks, "peak_rss": peak["rss"],
+print(json.dumps({"samples": n, "wall_s": wall, "marks": marks, "peak_rss": peak["rss"], "sd": sd.__file__,
                   "peak_budget": peak["budget"], "tuned": {k: v for k, v in m.items()
                   if k.startswith(("tuned.", "budget.grown"))}}))
 """
 
 
-def _run(spec: str, options: dict, workers: int, fetch: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def _run(spec: str, options: dict, workers: int, fetch: dict, tree: Path = ROOT) -> dict:
+    # ``-c`` puts the working directory first on sys.path: the child runs in ``tree``
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", CHILD, spec, json.dumps(options), str(workers),
-                           json.dumps(fetch)], env=env, capture_output=True, text=True, timeout=900)
+                           json.dumps(fetch)], env=env, cwd=tree, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(out["sd"]).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the child imported {out['sd']}, not {tree}'s streamdata")
+    return out
 
 
-def _methods(grid: list[int], cap: int) -> dict[str, dict]:
-    out = {f"grid:{w}/{r}": {"autotune": False, "window": w, "max_requests": r, "byte_budget": cap}
+def _methods(grid: list[int], cap: int, bases: dict[str, Path]) -> dict[str, tuple[dict, Path]]:
+    out = {f"grid:{w}/{r}": ({"autotune": False, "window": w, "max_requests": r, "byte_budget": cap}, ROOT)
            for w in grid for r in grid}
-    out["auto"] = {"byte_budget_max": cap}
-    out["auto:smallest"] = {"tune_from": {"window": 1, "max_requests": 1}, "byte_budget": 8 * MiB,
-                            "byte_budget_max": cap}
+    auto = {"byte_budget_max": cap}
+    smallest = {"tune_from": {"window": 1, "max_requests": 1}, "byte_budget": 8 * MiB, "byte_budget_max": cap}
+    for prefix, tree in [("", ROOT), *((f"{name}:", path) for name, path in bases.items())]:
+        out[f"{prefix}auto"] = (auto, tree)
+        out[f"{prefix}auto:smallest"] = (smallest, tree)
     return out
 
 
@@ -126,13 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cap", type=int, default=128, help="memory cap, MiB (byte_budget_max)")
     ap.add_argument("--span", type=float, default=0.1, help="the share of the epoch a rate is taken over")
+    ap.add_argument("--base", action="append", default=[], metavar="NAME=PATH",
+                    help="also run auto and auto:smallest on the streamdata of the tree at PATH")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "autotune.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.grid, args.samples, args.shards = "1,32", 512, 16
     args.rounds = args.rounds or (2 if args.quick else 3)
     delays = [float(d) for d in args.delays.split(",")]
-    methods = _methods([int(g) for g in args.grid.split(",")], args.cap * MiB)
+    bases = {name: Path(path) for name, _, path in (b.partition("=") for b in args.base)}
+    methods = _methods([int(g) for g in args.grid.split(",")], args.cap * MiB, bases)
 
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  proxy.url_for(server.endpoint_url))
                     shift = (r + int(delay)) % len(names)
                     for name in names[shift:] + names[:shift]:
-                        got = _run(spec, options, args.workers, methods[name])
+                        fetch, tree = methods[name]
+                        got = _run(spec, options, args.workers, fetch, tree)
                         assert got["samples"] == args.samples, got["samples"]
                         row = {"round": r, "delay_ms": delay, "method": name,
                                "rate": got["samples"] / got["wall_s"], **got}
@@ -162,15 +177,17 @@ def main(argv: list[str] | None = None) -> None:
                               f" {got['tuned']}", flush=True)
     summary: dict = {"when": time.strftime("%Y-%m-%d"), "args": vars(args), "delays": {}}
     for delay in delays:
-        ratios: dict[str, list[float]] = {"auto": [], "auto:smallest": []}
-        reach: list[float | None] = []
+        autos = [k for k in methods if not k.startswith("grid:")]
+        ratios: dict[str, list[float]] = {k: [] for k in autos}
+        reach: dict[str, list[float | None]] = {k: [] for k in autos if k.endswith(":smallest")}
         for r in range(args.rounds):
             mine = {row["method"]: row for row in rows if row["round"] == r and row["delay_ms"] == delay}
             best = max(v["rate"] for k, v in mine.items() if k.startswith("grid:"))
             for k in ratios:
                 ratios[k].append(mine[k]["rate"] / best)
-            small = mine["auto:smallest"]
-            reach.append(reached(small["marks"], small["samples"], 0.9 * best, args.span))
+            for k in reach:
+                small = mine[k]
+                reach[k].append(reached(small["marks"], small["samples"], 0.9 * best, args.span))
         at = [row for row in rows if row["delay_ms"] == delay]
         summary["delays"][f"{delay:g}"] = {
             **{f"{k} / best grid": {"median": statistics.median(v), "min": min(v), "max": max(v)}
@@ -178,12 +195,14 @@ def main(argv: list[str] | None = None) -> None:
             "best grid (most often)": statistics.mode(
                 max((row for row in at if row["round"] == r and row["method"].startswith("grid:")),
                     key=lambda row: row["rate"])["method"] for r in range(args.rounds)),
-            "auto:smallest reached 90% of the best grid at (epoch fraction)": reach,
+            **{f"{k} reached 90% of the best grid at (epoch fraction)": v for k, v in reach.items()},
             "peak RSS MiB (max)": {k: max(row["peak_rss"] for row in at if row["method"] == k) / MiB
                                    for k in methods},
-            "peak budget MiB (auto, auto:smallest)": [
-                max(row["peak_budget"] for row in at if row["method"] == k) / MiB
-                for k in ("auto", "auto:smallest")],
+            "peak budget MiB": {k: max(row["peak_budget"] for row in at if row["method"] == k) / MiB
+                                for k in autos},
+            "tuned (summed over rounds)": {
+                k: {c: sum(row["tuned"].get(c, 0) for row in at if row["method"] == k)
+                    for c in sorted({c for row in at for c in row["tuned"]})} for k in autos},
         }
     print(json.dumps(summary, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -270,8 +270,8 @@ class Prefetcher:
         self._wake.set()
 
     def _tuned(self, decide: Callable[..., bool], *args: Any) -> None:
-        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), or the first part in
-        (``Tuner.far``); each decision counted, the reader's knobs shown."""
+        """AUTOTUNE: a held-back part waited for (``Tuner.stalled``), or the pass's first parts
+        in (``Tuner.first_byte``); each decision counted, the reader's knobs shown."""
         before = dict(self.tuner.decisions)
         if decide(*args):
             if self._counters is not None:
@@ -408,8 +408,8 @@ class Prefetcher:
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
                 fut.held = held  # type: ignore[attr-defined]
                 fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
-            elif index == 0 and offset == 0 and latency:  # the pass's first bytes: how far the endpoint is
-                self._tuned(self.tuner.far, latency[0])
+            if latency:  # the pass's first first bytes: how far the endpoint is (the far step)
+                self._tuned(self.tuner.first_byte, latency[0])
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
                 self._stats.add_many({"requests": 1, "bytes": size} if not latency else {

@@ -12,12 +12,16 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   value then (``held``: the window, the request limit, the budget);
 - when the reader waits for such a part (a *stall*), the window or the request limit grows
   by ``STEP`` if it still has the value that held the part (so one burst of stalls on parts
-  held by one value grows it once); the budget grows by BUDGET-GROWTH's rule (``budget``:
-  only where first-byte latency, not bandwidth, made the reader wait: the rate it consumes
-  times that latency is a large share of the budget);
-- a far endpoint is known sooner: where the pass's first part's first byte took ``FAR_S``
-  (``budget``) or more, the budget takes its one step at once and the window and request
-  limit one ``STEP`` each (where they start below their bounds: ``tune_from``);
+  held by one value grows it once);
+- the budget grows by BUDGET-GROWTH's rules (``budget``): where first-byte latency, not
+  bandwidth, made the reader wait (the rate it consumes times that latency is a large share of
+  the budget), or where the budget held the part back and its own last growth raised the
+  reader's rate (the supply rule: where the budget itself holds the rate down, the product
+  undercounts the latency);
+- a far endpoint is known sooner: where the shorter of the pass's first ``FAR_PARTS`` first
+  bytes took ``FAR_S`` (``budget``) or more (one slow answer may be a server's cold start), the
+  budget takes its one step at once and the window and request limit one ``STEP`` each (where
+  they start below their bounds: ``tune_from``), before any rate is known;
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -46,9 +50,10 @@ from streamdata.config import FetchConfig
 from streamdata.fetch.budget import FAR_S, Budget
 from streamdata.metrics import KNOBS
 
-__all__ = ["MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
+__all__ = ["FAR_PARTS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
 
 STEP = 4  # a window or request limit that held a part the reader waited for grows this much
+FAR_PARTS = 2  # the far step reads the shortest of the pass's first this many first bytes
 PARTS_IN_BUDGET = 4  # the part size is at most this share of the budget ...
 MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if smaller)
 
@@ -82,6 +87,7 @@ class Tuner:
         self.budget = Budget(config.byte_budget, cap, config.part_size, key=key)  # BUDGET-GROWTH
         self.decisions = dict.fromkeys(KNOBS, 0)
         self.part_size = self._part_for(self.budget.limit)
+        self._first: list[float] = []  # the pass's first first-byte latencies (the far step)
 
     def knobs(self) -> dict[str, int]:
         """The knobs now, by ``KNOBS`` name."""
@@ -100,15 +106,24 @@ class Tuner:
             self.part_size = part
             self.decisions["part_size"] += 1
 
-    def far(self, latency: float) -> bool:
-        """The pass's first part's first byte took ``latency`` s: at a far endpoint
+    def first_byte(self, latency: float, now: float | None = None) -> bool:
+        """A part's first byte took ``latency`` s. The shortest of the pass's first
+        ``FAR_PARTS`` decides the far step (``far``): a server's cold first answer alone is not
+        a far endpoint. True if a knob moved."""
+        if len(self._first) >= FAR_PARTS:
+            return False
+        self._first.append(latency)
+        return len(self._first) == FAR_PARTS and self.far(min(self._first), now)
+
+    def far(self, latency: float, now: float | None = None) -> bool:
+        """The pass's first first bytes took ``latency`` s (``first_byte``): at a far endpoint
         (``budget.FAR_S`` or more) the budget takes its one step at once (``Budget.far``), and a
         window or request limit started below its bound a ``STEP``, before the first stall
         (a round trip after the reader's first release). True if a knob moved."""
         if not self.on:
             return False
         moved = False
-        if self.budget.far(latency):
+        if self.budget.far(latency, now):
             self._budget_moved()
             moved = True
         if latency >= FAR_S:
