@@ -259,22 +259,14 @@ def test_decisions_and_knobs_are_in_the_loaders_metrics(s3_bucket):
 def test_the_docs_recipe_runs(s3_bucket, monkeypatch, capsys):
     """docs/metrics.md's "I/O that tunes itself" block, for real (the bucket and the workers
     swapped for the test server's and none): it starts at 8 MiB and reports its knobs."""
-    import re
-    from pathlib import Path
-
-    from tests.helpers import make_samples, tar_bytes
+    from tests.helpers import doc_blocks, make_samples, s3_environment, tar_bytes
 
     server, bucket = s3_bucket
     s3 = server.boto3_client()
     for i, shard in enumerate(make_samples([2] * 128)):
         s3.put_object(Bucket=bucket, Key=f"train-{i:06d}.tar", Body=tar_bytes(shard))
-    opts = server.storage_options
-    for name, value in (("AWS_ENDPOINT_URL", opts["endpoint_url"]), ("AWS_ACCESS_KEY_ID", opts["key"]),
-                        ("AWS_SECRET_ACCESS_KEY", opts["secret"]), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
-    section = text[text.index("\n## I/O that tunes itself\n"):]
-    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    s3_environment(monkeypatch, server.storage_options)
+    (code,) = doc_blocks("docs/metrics.md", "## I/O that tunes itself")
     code = code.replace("s3://bucket/", f"s3://{bucket}/").replace("num_workers=4", "num_workers=0")
     ns: dict = {"__name__": "__docs__"}
     exec(compile(code, "docs/metrics.md", "exec"), ns)
