@@ -108,8 +108,7 @@ class FetchConfig:
                   ``budget``; AUTOTUNE, ``tune``): only
                   where the pass's first two first bytes took 100 ms or more, or the
                   reader waited for a part the budget had held back and latency made it
-                  wait, or the budget's last growth raised the reader's rate (S3's presigned
-                  and LITE-S3 GETs, which tell a part's first byte). ``None``: twice
+                  wait (S3's presigned and LITE-S3 GETs, which tell a part's first byte). ``None``: twice
                   ``byte_budget`` (128 MiB); ``byte_budget`` itself: no growth.
     retry_deadline: seconds a failed part (or size lookup) is retried for, counted from its
                   first attempt (waits for a slot under READER-THROTTLE, ``client``, do not

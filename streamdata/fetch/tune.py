@@ -13,11 +13,9 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
 - when the reader waits for such a part (a *stall*), the window or the request limit grows
   by ``STEP`` if it still has the value that held the part (so one burst of stalls on parts
   held by one value grows it once);
-- the budget grows by BUDGET-GROWTH's rules (``budget``): where first-byte latency, not
+- the budget grows by BUDGET-GROWTH's rule (``budget``): only where first-byte latency, not
   bandwidth, made the reader wait (the rate it consumes times that latency is a large share of
-  the budget), or where the budget held the part back and its own last growth raised the
-  reader's rate (the supply rule: where the budget itself holds the rate down, the product
-  undercounts the latency);
+  the budget);
 - a far endpoint is known sooner: where the shorter of the pass's first ``FAR_PARTS`` first
   bytes took ``FAR_S`` (``budget``) or more (one slow answer may be a server's cold start), the
   budget takes its one step at once and the window and request limit one ``STEP`` each (where
@@ -106,16 +104,16 @@ class Tuner:
             self.part_size = part
             self.decisions["part_size"] += 1
 
-    def first_byte(self, latency: float, now: float | None = None) -> bool:
+    def first_byte(self, latency: float) -> bool:
         """A part's first byte took ``latency`` s. The shortest of the pass's first
         ``FAR_PARTS`` decides the far step (``far``): a server's cold first answer alone is not
         a far endpoint. True if a knob moved."""
         if len(self._first) >= FAR_PARTS:
             return False
         self._first.append(latency)
-        return len(self._first) == FAR_PARTS and self.far(min(self._first), now)
+        return len(self._first) == FAR_PARTS and self.far(min(self._first))
 
-    def far(self, latency: float, now: float | None = None) -> bool:
+    def far(self, latency: float) -> bool:
         """The pass's first first bytes took ``latency`` s (``first_byte``): at a far endpoint
         (``budget.FAR_S`` or more) the budget takes its one step at once (``Budget.far``), and a
         window or request limit started below its bound a ``STEP``, before the first stall
@@ -123,7 +121,7 @@ class Tuner:
         if not self.on:
             return False
         moved = False
-        if self.budget.far(latency, now):
+        if self.budget.far(latency):
             self._budget_moved()
             moved = True
         if latency >= FAR_S:

@@ -13,7 +13,7 @@ import streamdata as sd
 from streamdata.config import FetchConfig
 from streamdata.errors import SpecError
 from streamdata.fetch import budget as budget_module
-from streamdata.fetch.budget import Budget, Meter
+from streamdata.fetch.budget import Budget
 from streamdata.fetch.prefetcher import Prefetcher
 
 MiB = 1 << 20
@@ -33,24 +33,6 @@ def _consume(b: Budget, rate: float, seconds: float, step: float = 0.01) -> floa
         b.released(int(rate * step), now=now)
         now += step
     return now
-
-
-def test_the_meter_takes_rates_over_consumed_bytes():
-    """The supply rule's rates: over windows of consumed bytes, not over wall time."""
-    m = Meter()
-    assert m.rate(MiB, 0.0) is None
-    now = 0.0
-    for _ in range(8):  # 8 MiB at 10 MiB/s, then 8 MiB at 40 MiB/s
-        now += 0.1
-        m.released(MiB, now)
-    for _ in range(8):
-        now += 0.025
-        m.released(MiB, now)
-    assert m.rate(8 * MiB, now) == pytest.approx(40 * MiB)  # the last 8 MiB only
-    assert m.rate(16 * MiB, now) is None  # the first MiB's start is not known: 15 MiB are measured
-    assert m.rate(15 * MiB, now) == pytest.approx(15 * MiB / (now - 0.1))
-    assert m.rate(8 * MiB, now + 0.2) == pytest.approx(8 * MiB / 0.4)  # a wait since counts
-    assert m.rate(32 * MiB, now) is None  # not that much consumed yet
 
 
 def test_no_decision_before_any_history():

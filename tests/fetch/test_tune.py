@@ -99,58 +99,12 @@ def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
     assert far.knobs()["byte_budget"] == 16 * MiB and (far.window, far.max_requests) == (4, 4)
 
 
-def _budget_bound(t: Tuner, cycles: int, latency: float, rises: bool, now: float = 0.0) -> float:
-    """A reader the budget holds back at a far endpoint: every 8 one-way delays it gets the
-    budget's worth (``rises``: its rate follows the budget; else the link caps it at 8 MiB a
-    cycle), a MiB at a time, and it waits for a part the budget held after each. Its rate times
-    the latency is an eighth of the budget: under LATENCY_SHARE, the product rule alone never
-    grows it. The clock after."""
-    for _ in range(cycles):
-        rate = (t.budget.limit if rises else 8 * MiB) / (8 * latency)
-        for _ in range(4):
-            now += MiB / rate
-            t.budget.released(MiB, now=now)
-            t.stalled(Held(budget=t.budget.limit), latency, now=now)
-    return now
-
-
-def test_the_budget_grows_while_it_limits_the_supply_and_the_rate_follows():
-    """From 8 MiB at 250 ms one-way: the product (rate x first-byte latency) stays an eighth of
-    the budget, since the budget sets the rate; the far step, then the supply rule (the last
-    growth raised the rate) take it to the cap."""
-    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
-    assert t.far(0.25, now=0.0) and t.budget.limit == 16 * MiB
-    _budget_bound(t, 64, 0.25, rises=True)
-    assert t.budget.limit == 128 * MiB and t.part_size == 8 * MiB
-    assert t.decisions["byte_budget"] == t.budget.grown == 3  # far 16, supply 64, supply 128 (the cap)
-
-
-def test_the_supply_rule_stops_where_growth_did_not_raise_the_rate():
-    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
-    assert t.far(0.25, now=0.0)
-    _budget_bound(t, 64, 0.25, rises=False)  # the link, not the budget, sets the rate
-    assert t.budget.limit == 64 * MiB and t.budget.grown == 2  # the far step's one (unjudged), then no more
-
-
-def test_a_near_endpoint_never_grows_its_budget_by_the_supply_rule():
-    """No growth to judge (no far step, the product small): stalls alone grow no budget."""
-    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB))
-    assert not t.far(0.001, now=0.0)
-    now = 0.0
-    for _ in range(256):
-        now += MiB / (200e6 * (1 + now))  # ever faster: rising is not enough without a growth
-        t.budget.released(MiB, now=now)
-        assert not t.stalled(Held(budget=t.budget.limit), 0.002, now=now)
-    assert t.budget.limit == 8 * MiB and t.budget.grown == 0
-
-
 def test_autotune_off_keeps_every_knob_as_set():
     t = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False, tune_from=SMALLEST))
     assert t.knobs() == {"window": 32, "max_requests": 32, "byte_budget": 8 * MiB, "part_size": 8 * MiB}
     now = _consume(t, 1e9, 1.0)
     assert not t.far(1.0) and not t.stalled(Held(window=32, budget=8 * MiB), 1.0, now=now)
     assert t.knobs()["byte_budget"] == 8 * MiB and sum(t.decisions.values()) == 0
-    assert t.budget.meter.total == 0  # nothing can grow: no rates kept for the supply rule
 
 
 def test_every_decision_has_a_counter():
