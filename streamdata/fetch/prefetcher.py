@@ -408,7 +408,7 @@ class Prefetcher:
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
                 fut.held = held  # type: ignore[attr-defined]
                 fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
-            if latency:  # the pass's first first bytes: how far the endpoint is (the far step)
+            if latency and self.tuner.wants_first_byte:  # the pass's first first bytes: the far step
                 self._tuned(self.tuner.first_byte, latency[0])
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)

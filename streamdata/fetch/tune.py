@@ -104,11 +104,17 @@ class Tuner:
             self.part_size = part
             self.decisions["part_size"] += 1
 
+    @property
+    def wants_first_byte(self) -> bool:
+        """Whether the far step still waits for first bytes (``first_byte``): only the pass's
+        first ``FAR_PARTS``, with tuning on; after them a part costs the tuner nothing."""
+        return self.on and len(self._first) < FAR_PARTS
+
     def first_byte(self, latency: float) -> bool:
         """A part's first byte took ``latency`` s. The shortest of the pass's first
         ``FAR_PARTS`` decides the far step (``far``): a server's cold first answer alone is not
         a far endpoint. True if a knob moved."""
-        if len(self._first) >= FAR_PARTS:
+        if not self.wants_first_byte:
             return False
         self._first.append(latency)
         return len(self._first) == FAR_PARTS and self.far(min(self._first))

@@ -370,21 +370,13 @@ def _decode_pillow(data: bytes, t: ImageTransform, rng: random.Random) -> tuple[
 def _finish(hwc: Any, box: Box, fx: float, fy: float, t: ImageTransform, rng: random.Random) -> Any:
     """The crop ``box`` (full-size pixels; the decoded image is ``fx``, ``fy`` of full size)
     of ``hwc`` resized to the transform's output, flipped when drawn: ``uint8 [3, H, W]``."""
-    import torch
-
     flip = t.flip and rng.random() < 0.5  # drawn after the box (the same order on every path)
-    oh, ow = t.out_size(box)
     x, y, w, h = box
     x0, y0 = int(round(x * fx)), int(round(y * fy))
     x1 = max(x0 + 1, min(hwc.shape[1], int(round((x + w) * fx))))
     y1 = max(y0 + 1, min(hwc.shape[0], int(round((y + h) * fy))))
     region = _tensor(hwc[y0:y1, x0:x1]).permute(2, 0, 1)  # [3, h, w] view, channels last
-    if (y1 - y0, x1 - x0) == (oh, ow):
-        out = region.flip(-1) if flip else region.contiguous()
-        return out
-    out = torch.nn.functional.interpolate(region[None], size=(oh, ow), mode="bilinear", antialias=True,
-                                          align_corners=False)[0]
-    return out.flip(-1) if flip else out.contiguous()
+    return finish_decoded(region, (0, 0, x1 - x0, y1 - y0), flip, t.out_size(box)).contiguous()
 
 
 def _tensor(array: Any) -> Any:
@@ -470,15 +462,15 @@ def _encoded(data: bytes, t: ImageTransform, rng: random.Random) -> EncodedImage
     return EncodedImage(data, box, bool(flip), size)
 
 
-def finish_decoded(hwc: Any, box: Box, flip: bool, size: tuple[int, int]) -> Any:
-    """The device step's crop, resize and flip of one fully decoded image: ``hwc`` a
+def finish_decoded(chw: Any, box: Box, flip: bool, size: tuple[int, int]) -> Any:
+    """The crop, resize and flip of one decoded image, on both paths: ``chw`` a
     ``uint8 [3, H, W]`` tensor on any device (the box in its pixels), the result
-    ``uint8 [3, *size]`` there. On the CPU torch's ``uint8`` antialiased kernel (the CPU
-    path's); elsewhere the same filter in ``float32``, rounded."""
+    ``uint8 [3, *size]`` there (a view where neither resize nor flip applies). On the CPU
+    torch's ``uint8`` antialiased kernel; elsewhere the same filter in ``float32``, rounded."""
     import torch
 
     x, y, w, h = box
-    region = hwc[:, y:y + h, x:x + w]
+    region = chw[:, y:y + h, x:x + w]
     oh, ow = size
     if tuple(region.shape[1:]) != (oh, ow):
         if region.device.type == "cpu":
@@ -504,7 +496,7 @@ def sample_key(sample: dict) -> str | None:
     key, url = sample.get("__key__"), sample.get("__url__")
     if key is None:
         return None
-    key, url = (v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in (key, url))
+    key, url = _text(key), _text(url)
     shard = str(url).rstrip("/").rsplit("/", 1)[-1] if url is not None else ""
     return f"{shard}\x00{key}"
 
@@ -514,11 +506,7 @@ def _text(value: Any) -> str | None:
 
 
 def _named(exc: DecodeError, sample: dict, field: str) -> DecodeError:
-    url, key = sample.get("__url__"), sample.get("__key__")
-    if isinstance(url, bytes):
-        url = url.decode("utf-8", "replace")
-    if isinstance(key, bytes):
-        key = key.decode("utf-8", "replace")
+    url, key = _text(sample.get("__url__")), _text(sample.get("__key__"))
     return DecodeError(f"cannot decode image field {field!r} of sample {key!r} in {url}: {exc}",
                        url=url, key=key)
 
