@@ -17,7 +17,8 @@ rounds, at each one-way delay. Methods:
 - ``--gpu`` (a CUDA device): ``streamdata-cuda``, the fast path fed to the GPU
   (``sd.loader(device="cuda")``), against ``streamdata-gpu``, the same crops decoded on the GPU
   (``RandomResizedCrop(224, decode_on="device")``: the workers read headers, nvJPEG decodes),
-  each round's ratios printed, and the device's name.
+  each round's ratios printed, and the device's name. The shards are local files there (the
+  comparison is where the decode runs, not the network), or the S3 server's with ``--delays``.
 
 The PIL transform is torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` on a PIL image
 (Pillow's antialiased bilinear resize of the crop box), then a ``uint8 [3, H, W]`` tensor.
@@ -278,11 +279,16 @@ def run_one(cfg: dict) -> dict:
     it = iter(loader)
     n = 0
     shape = None
+    first: tuple[float, Any, int] | None = None  # after the first batch: time, this process's CPU, images
     for batch in it:
         images = batch["jpg"]
         assert images.dtype == torch.uint8, images.dtype
         shape = list(images.shape)
         n += images.shape[0]
+        if first is None:
+            if cfg["method"] in GPU_METHODS:
+                torch.cuda.synchronize()
+            first = (time.perf_counter(), os.times(), n)
     device = None
     if cfg["method"] in GPU_METHODS:
         torch.cuda.synchronize()  # the last batch's decode and copy are done
@@ -297,9 +303,15 @@ def run_one(cfg: dict) -> dict:
     cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
            - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)
     main = cpu1.user + cpu1.system - cpu0.user - cpu0.system
-    return {"images": n, "seconds": end - start, "images_per_s": n / (end - start),
-            "cpu_ms_per_image": 1e3 * cpu / max(n, 1), "main_cpu_ms_per_image": 1e3 * main / max(n, 1),
-            "batch_shape": shape, **({"device": device} if device else {})}
+    out = {"images": n, "seconds": end - start, "images_per_s": n / (end - start),
+           "cpu_ms_per_image": 1e3 * cpu / max(n, 1), "main_cpu_ms_per_image": 1e3 * main / max(n, 1),
+           "batch_shape": shape, **({"device": device} if device else {})}
+    if first is not None and n > first[2]:  # the rate once running: start-up (CUDA, nvJPEG) left out
+        t1, c1, n1 = first
+        main1 = cpu1.user + cpu1.system - c1.user - c1.system
+        out.update(first_batch_s=t1 - start, steady_images_per_s=(n - n1) / (end - t1),
+                   steady_main_cpu_ms_per_image=1e3 * main1 / (n - n1))
+    return out
 
 
 def _child(cfg: dict, timeout: float, python: str | None = None, env_extra: dict | None = None) -> dict:
@@ -321,20 +333,34 @@ def _child(cfg: dict, timeout: float, python: str | None = None, env_extra: dict
 
 # ---- the orchestrator ----------------------------------------------------------------------------
 
-def _upload(server: Any, n_images: int, per_shard: int) -> tuple[str, list[str], list[bytes]]:
+def _bodies(n_images: int, per_shard: int) -> list[bytes]:
+    """The benchmark's tar shards: ``n_images`` photographs, ``per_shard`` to a shard."""
     from benchmarks.common import tar_bytes
     from benchmarks.photos import jpeg_photos
 
     photos = jpeg_photos(n_images, seed=0)
+    return [tar_bytes({"__key__": f"{i:08d}", "jpg": photos[i], "cls": str(i % 10).encode()}
+                      for i in range(s * per_shard, min(n_images, (s + 1) * per_shard)))
+            for s in range(math.ceil(n_images / per_shard))]
+
+
+def _upload(server: Any, n_images: int, per_shard: int) -> tuple[str, list[str], list[bytes]]:
+    bodies = _bodies(n_images, per_shard)
     client = server.boto3_client()
-    n_shards = math.ceil(n_images / per_shard)
-    bodies = []
-    for s in range(n_shards):
-        bodies.append(tar_bytes({"__key__": f"{i:08d}", "jpg": photos[i], "cls": str(i % 10).encode()}
-                                for i in range(s * per_shard, min(n_images, (s + 1) * per_shard))))
-        client.put_object(Bucket="bench", Key=f"img/train-{s:06d}.tar", Body=bodies[-1])
-    urls = [f"s3://bench/img/train-{s:06d}.tar" for s in range(n_shards)]
-    return f"s3://bench/img/train-{{000000..{n_shards - 1:06d}}}.tar", urls, bodies
+    for s, body in enumerate(bodies):
+        client.put_object(Bucket="bench", Key=f"img/train-{s:06d}.tar", Body=body)
+    urls = [f"s3://bench/img/train-{s:06d}.tar" for s in range(len(bodies))]
+    return f"s3://bench/img/train-{{000000..{len(bodies) - 1:06d}}}.tar", urls, bodies
+
+
+def _write_local(root: Path, n_images: int, per_shard: int) -> tuple[str, list[str]]:
+    """The same shards as files under ``root`` (``--gpu``: where the decode runs, not the network)."""
+    bodies = _bodies(n_images, per_shard)
+    urls = []
+    for s, body in enumerate(bodies):
+        urls.append(str(root / f"train-{s:06d}.tar"))
+        Path(urls[-1]).write_bytes(body)
+    return str(root / f"train-{{000000..{len(bodies) - 1:06d}}}.tar"), urls
 
 
 def _prepare_peers(server: Any, args: argparse.Namespace, methods: list[str], bodies: list[bytes]) -> dict:
@@ -501,46 +527,67 @@ def main(argv: list[str] | None = None) -> None:
         args.methods = ",".join(GPU_METHODS)
         if args.delays == parser.get_default("delays"):
             args.delays = "0"
-    from benchmarks.common import replace_in_options, upstream
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.testing import S3Server
-
     methods = [m for m in args.methods.split(",") if m]
     delays = [float(d) for d in args.delays.split(",") if d]
     results: dict[tuple[str, float], list[dict]] = {}
-    with S3Server() as server:
-        server.create_bucket("bench")
-        spec, urls, bodies = _upload(server, args.images, args.per_shard)
-        missing = _prepare_peers(server, args, methods, bodies)
-        for m, why in missing.items():
-            print(f"{m}: not measured: {why}", flush=True)
-        run_methods = [m for m in methods if m not in missing]
-        proxies = {d: LatencyProxy(*upstream(server.endpoint_url), delay_s=d / 1000).__enter__()
-                   for d in delays}
-        try:
-            for r in range(args.rounds):
-                for d in delays:
-                    options = replace_in_options(server.storage_options, server.endpoint_url,
-                                                 proxies[d].url_for(server.endpoint_url))
-                    order = run_methods if r % 2 == 0 else run_methods[::-1]  # interleaved, alternating
-                    for m in order:
-                        cfg = {"method": m, "spec": spec, "shard_urls": urls, "storage_options": options,
-                               "workers": args.workers, "batch": args.batch}
-                        python, env = None, None
-                        if m in EXTERNAL:
-                            peer, env = _peer_cfg(m, options)
-                            cfg, python = {**cfg, **peer}, args.peers_python
-                        out = _child(cfg, timeout=600, python=python, env_extra=env)
-                        results.setdefault((m, d), []).append(out)
-                        print(f"round {r} delay {d:g} ms {m}: {out}", flush=True)
-        finally:
-            for proxy in proxies.values():
-                proxy.__exit__(None, None, None)
+    missing: dict[str, str] = {}
+    if args.gpu and delays == [0.0]:  # no network between: the shards are local files
+        with tempfile.TemporaryDirectory(prefix="sd-images-gpu-") as root:
+            spec, urls = _write_local(Path(root), args.images, args.per_shard)
+            _rounds(args, methods, [0.0], results, lambda d: ({}, spec, urls), missing)
+    else:
+        _remote(args, methods, delays, results, missing)
     _report(results, methods, delays, args.rounds, missing)
     if args.gpu:
         _report_gpu(results, delays, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({f"{m}@{d:g}": v for (m, d), v in results.items()}, indent=1))
+
+
+def _remote(args: argparse.Namespace, methods: list[str], delays: list[float], results: dict,
+            missing: dict[str, str]) -> None:
+    """Every method against the embedded S3 server, behind one latency proxy per delay."""
+    from benchmarks.common import replace_in_options, upstream
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.testing import S3Server
+
+    with S3Server() as server:
+        server.create_bucket("bench")
+        spec, urls, bodies = _upload(server, args.images, args.per_shard)
+        missing.update(_prepare_peers(server, args, methods, bodies))
+        for m, why in missing.items():
+            print(f"{m}: not measured: {why}", flush=True)
+        proxies = {d: LatencyProxy(*upstream(server.endpoint_url), delay_s=d / 1000).__enter__()
+                   for d in delays}
+        try:
+            _rounds(args, methods, delays, results,
+                    lambda d: (replace_in_options(server.storage_options, server.endpoint_url,
+                                                  proxies[d].url_for(server.endpoint_url)), spec, urls),
+                    missing)
+        finally:
+            for proxy in proxies.values():
+                proxy.__exit__(None, None, None)
+
+
+def _rounds(args: argparse.Namespace, methods: list[str], delays: list[float], results: dict,
+            source: Any, missing: dict[str, str]) -> None:
+    """Interleaved rounds: each method once per round and delay, in a fresh process, the order
+    reversed every other round; ``source(delay)`` gives the storage options, spec and shard URLs."""
+    run_methods = [m for m in methods if m not in missing]
+    for r in range(args.rounds):
+        for d in delays:
+            options, spec, urls = source(d)
+            order = run_methods if r % 2 == 0 else run_methods[::-1]  # interleaved, alternating
+            for m in order:
+                cfg = {"method": m, "spec": spec, "shard_urls": urls, "storage_options": options,
+                       "workers": args.workers, "batch": args.batch}
+                python, env = None, None
+                if m in EXTERNAL:
+                    peer, env = _peer_cfg(m, options)
+                    cfg, python = {**cfg, **peer}, args.peers_python
+                out = _child(cfg, timeout=600, python=python, env_extra=env)
+                results.setdefault((m, d), []).append(out)
+                print(f"round {r} delay {d:g} ms {m}: {out}", flush=True)
 
 
 def _report(results: dict, methods: list[str], delays: list[float], rounds: int,
@@ -596,6 +643,16 @@ def _report_gpu(results: dict, delays: list[float], rounds: int) -> None:
         print(f"{d:6g} ms gpu / cpu path on {pairs[0][0].get('device', '?')}: images/s x{med(rate):.2f}, "
               f"CPU per image x{med(cpu_ratio):.2f} (main process x{med(main_ratio):.2f}); "
               f"{len(pairs)} of {rounds} rounds (img/s/CPU): {per_round}")
+        steady = [(g, c) for g, c in pairs if "steady_images_per_s" in g and "steady_images_per_s" in c]
+        if steady:
+            for name, runs in (("gpu", [g for g, _ in steady]), ("cpu path", [c for _, c in steady])):
+                first_s = med([r["first_batch_s"] for r in runs])
+                print(f"{d:6g} ms {name:8}: first batch {first_s:.2f} s, then "
+                      f"{med([r['steady_images_per_s'] for r in runs]):.0f} images/s, main process "
+                      f"{med([r['steady_main_cpu_ms_per_image'] for r in runs]):.2f} ms CPU per image")
+            rate = [g["steady_images_per_s"] / c["steady_images_per_s"] for g, c in steady]
+            print(f"{d:6g} ms gpu / cpu path after the first batch: images/s x{med(rate):.2f}; rounds: "
+                  + ", ".join(f"{r:.2f}" for r in rate))
 
 
 if __name__ == "__main__":
