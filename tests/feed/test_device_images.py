@@ -9,6 +9,7 @@ and a CUDA device without a decoder. The nvJPEG run is tests/feed/test_device_im
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 
 import pytest
@@ -148,6 +149,27 @@ def test_a_cuda_device_without_a_decoder_says_what_to_install():
         pytest.skip(f"{name} imports here")
     with pytest.raises(sd.BackendMissingError, match="torchvision.*nvImageCodec"):
         F.decoder_for(torch.device("cuda"))
+
+
+def test_a_torchvision_whose_image_library_does_not_load_falls_back_to_importing_it(tmp_path, monkeypatch):
+    """The device step loads torchvision's image library alone (its import is seconds); a library
+    that does not load (another torch's build) is passed over, and the import's failure is what
+    the user is told."""
+    import importlib.machinery
+
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('built for another torch')\n")
+    (package / f"image{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"not a library")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    assert F._nvjpeg_op() is None
+    try:
+        import nvidia.nvimgcodec  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        F._cuda_decoder.cache_clear()
+        with pytest.raises(sd.BackendMissingError, match="built for another torch"):
+            F.decoder_for(torch.device("cuda"))
 
 
 def test_a_batch_of_several_output_sizes_is_a_decode_error():
