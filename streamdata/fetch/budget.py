@@ -25,9 +25,12 @@ that stream the body to streamdata tell the first byte (S3's presigned and LITE-
 - a reader that is slower than the network never stalls, so its budget never grows;
 - a far endpoint is known sooner: where the pass's first first bytes took ``FAR_S`` or more
   (the shorter of two: ``tune.FAR_PARTS``; a round trip of 100 ms or more: another region or
-  continent, not one cold answer of a server), the budget takes one
-  ``STEP`` at once (``far``), instead of after the first stall, which comes a round trip after
-  the reader's first release (0.5-0.8 s into the first pass at 100 ms one-way).
+  continent, not one cold answer of a server), the budget takes one step at once (``far``),
+  instead of after the first stall, which comes a round trip after the reader's first release
+  (0.5-0.8 s into the first pass at 100 ms one-way). The step is ``STEP`` times the distance
+  (``latency / FAR_S``): the bytes in flight that a link keeps busy grow with its round trip,
+  so at 250 ms one-way the budget takes in one step what one ``STEP`` a round trip would take
+  in four round trips.
 
 The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
 decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
@@ -80,10 +83,11 @@ class Budget:
 
     def far(self, latency: float) -> bool:
         """The pass's first part's first byte took ``latency`` seconds: one step at once if that
-        says the endpoint is far (and nothing grew the budget yet). True if it grew."""
+        says the endpoint is far (and nothing grew the budget yet), of ``STEP`` times the
+        distance (``latency / FAR_S``). True if it grew."""
         if latency < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
             return False
-        return self._grow(int(self.limit * STEP))
+        return self._grow(round(self.limit * STEP * latency / FAR_S))
 
     def _grow(self, limit: int) -> bool:
         self.limit = min(self.most, limit)

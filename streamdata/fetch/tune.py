@@ -18,8 +18,10 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   the budget);
 - a far endpoint is known sooner: where the shorter of the pass's first ``FAR_PARTS`` first
   bytes took ``FAR_S`` (``budget``) or more (one slow answer may be a server's cold start), the
-  budget takes its one step at once and the window and request limit one ``STEP`` each (where
-  they start below their bounds: ``tune_from``), before any rate is known;
+  budget takes its one step at once and the window and request limit one each (where they
+  start below their bounds: ``tune_from``), before any rate is known, each step scaled by the
+  distance (``STEP`` times ``latency / FAR_S``: the parts a link needs in flight grow with its
+  round trip);
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -122,8 +124,9 @@ class Tuner:
     def far(self, latency: float) -> bool:
         """The pass's first first bytes took ``latency`` s (``first_byte``): at a far endpoint
         (``budget.FAR_S`` or more) the budget takes its one step at once (``Budget.far``), and a
-        window or request limit started below its bound a ``STEP``, before the first stall
-        (a round trip after the reader's first release). True if a knob moved."""
+        window or request limit started below its bound one of ``STEP`` times the distance
+        (``latency / FAR_S``), before the first stall (a round trip after the reader's first
+        release). True if a knob moved."""
         if not self.on:
             return False
         moved = False
@@ -131,17 +134,18 @@ class Tuner:
             self._budget_moved()
             moved = True
         if latency >= FAR_S:
-            moved = self._step("window", Held(window=self.window)) | moved
-            moved = self._step("max_requests", Held(max_requests=self.max_requests)) | moved
+            factor = STEP * latency / FAR_S
+            moved = self._step("window", Held(window=self.window), factor) | moved
+            moved = self._step("max_requests", Held(max_requests=self.max_requests), factor) | moved
         return moved
 
-    def _step(self, knob: str, held: Held) -> bool:
-        """Grow ``knob`` by ``STEP`` if ``held`` saw its value now and it is below its bound."""
+    def _step(self, knob: str, held: Held, factor: float = STEP) -> bool:
+        """Grow ``knob`` by ``factor`` if ``held`` saw its value now and it is below its bound."""
         now = getattr(self, knob)
         most = self.most_window if knob == "window" else self.most_requests
         if getattr(held, knob) != now or now >= most:
             return False
-        setattr(self, knob, min(most, now * STEP))
+        setattr(self, knob, min(most, round(now * factor)))
         self.decisions[knob] += 1
         _learned[self.key] = (self.window, self.max_requests)
         return True

@@ -81,9 +81,11 @@ def test_a_budget_without_room_never_grows():
 def test_a_far_first_part_takes_one_step_at_once_and_only_once():
     b = Budget(64 * MiB, 256 * MiB, 8 * MiB, key="far")
     assert not b.far(0.05) and b.limit == 64 * MiB  # a near endpoint
-    assert b.far(0.25) and b.limit == 128 * MiB and b.grown == 1
+    assert b.far(0.1) and b.limit == 128 * MiB and b.grown == 1  # just far: one STEP
     assert not b.far(0.25) and b.limit == 128 * MiB  # once: later growth is the stalls' to decide
     assert not Budget(64 * MiB, 256 * MiB, 8 * MiB, key="far").far(0.25)  # started at the learned 128
+    farther = Budget(8 * MiB, 256 * MiB, 8 * MiB, key="farther")  # three times as far: three steps' worth
+    assert farther.far(0.3) and farther.limit == 48 * MiB
     assert not Budget(64 * MiB, 64 * MiB, 8 * MiB).far(1.0)  # no room
 
 

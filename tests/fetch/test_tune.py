@@ -78,12 +78,21 @@ def test_the_budget_grows_by_budget_growth_and_the_part_size_follows_it_within_t
 
 def test_a_far_endpoint_takes_a_budget_step_at_once_and_the_parts_follow():
     t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB))
-    assert t.far(0.5) and t.knobs()["byte_budget"] == 16 * MiB and t.part_size == 4 * MiB
+    assert t.far(0.1) and t.knobs()["byte_budget"] == 16 * MiB and t.part_size == 4 * MiB
     assert (t.window, t.max_requests) == (32, 32)  # at their bounds already
     low = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="low")
     assert not low.far(0.01) and low.knobs()["window"] == 1  # a near endpoint: nothing
-    assert low.far(0.5) and (low.window, low.max_requests) == (4, 4)  # a far one: a step each
+    assert low.far(0.1) and (low.window, low.max_requests) == (4, 4)  # just far: a STEP each
     assert low.decisions == {"window": 1, "max_requests": 1, "byte_budget": 1, "part_size": 1}
+    farther = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
+                    key="farther")
+    assert farther.far(0.5)  # five times as far: five times the step, within the bounds
+    assert (farther.window, farther.max_requests) == (20, 20) and farther.knobs()["byte_budget"] == 80 * MiB
+    assert farther.part_size == 8 * MiB and farther.decisions["byte_budget"] == 1
+    farthest = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
+                     key="farthest")
+    assert farthest.far(2.0) and farthest.knobs()["byte_budget"] == 128 * MiB  # the cap
+    assert (farthest.window, farthest.max_requests) == (32, 32)  # the configured bounds
     small = Tuner(FetchConfig(part_size=512 * 1024, byte_budget=MiB))
     assert small.part_size == 512 * 1024 and MIN_PART > small.part_size  # never above the configured
 
@@ -94,9 +103,9 @@ def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
     cold = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST))
     assert not cold.first_byte(0.4) and not cold.first_byte(0.01) and not cold.first_byte(0.5)
     assert cold.knobs()["byte_budget"] == 8 * MiB and (cold.window, cold.max_requests) == (1, 1)
-    far = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST))
-    assert not far.first_byte(0.3) and far.first_byte(0.25)
-    assert far.knobs()["byte_budget"] == 16 * MiB and (far.window, far.max_requests) == (4, 4)
+    far = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
+    assert not far.first_byte(0.3) and far.first_byte(0.25)  # the shorter: 2.5 times FAR_S
+    assert far.knobs()["byte_budget"] == 40 * MiB and (far.window, far.max_requests) == (10, 10)
 
 
 def test_autotune_off_keeps_every_knob_as_set():
