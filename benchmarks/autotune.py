@@ -17,7 +17,10 @@ PATH``), ``NAME:auto`` and ``NAME:auto:smallest`` run the same two settings on t
 ``streamdata``: the tuner before a change, side by side with it.
 
 Rounds are interleaved (each round runs every delay, its methods in a rotated order); the
-ratios are per round: ``auto / best grid`` of that round and delay. For ``auto:smallest`` it
+ratios are per round: ``auto / best grid``, against the fastest grid point of that round and
+delay (the best of several noisy points: a few percent above any one setting), and ``auto /
+best grid setting``, against the grid point with the highest median over the rounds (the one a
+hand-tuner would keep) in the same round. For ``auto:smallest`` it
 also reports when it reached 90% of the round's best grid rate (the rate over the next
 ``--span`` of the epoch's samples from that batch on), as a fraction of the epoch, and each
 method's peak RSS (the child's and its workers', summed) and the largest byte budget a reader
@@ -189,9 +192,16 @@ def main(argv: list[str] | None = None) -> None:
                 small = mine[k]
                 reach[k].append(reached(small["marks"], small["samples"], 0.9 * best, args.span))
         at = [row for row in rows if row["delay_ms"] == delay]
+        rate = {(row["method"], row["round"]): row["rate"] for row in at}
+        setting = max((k for k in methods if k.startswith("grid:")),  # what a hand-tuner would keep
+                      key=lambda k: statistics.median(rate[k, r] for r in range(args.rounds)))
+        by_setting = {k: [rate[k, r] / rate[setting, r] for r in range(args.rounds)] for k in autos}
         summary["delays"][f"{delay:g}"] = {
             **{f"{k} / best grid": {"median": statistics.median(v), "min": min(v), "max": max(v)}
                for k, v in ratios.items()},
+            "best grid setting (highest median)": setting,
+            **{f"{k} / best grid setting": {"median": statistics.median(v), "min": min(v), "max": max(v)}
+               for k, v in by_setting.items()},
             "best grid (most often)": statistics.mode(
                 max((row for row in at if row["round"] == r and row["method"].startswith("grid:")),
                     key=lambda row: row["rate"])["method"] for r in range(args.rounds)),
