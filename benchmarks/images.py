@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -570,7 +570,7 @@ def _remote(args: argparse.Namespace, methods: list[str], delays: list[float], r
 
 
 def _rounds(args: argparse.Namespace, methods: list[str], delays: list[float], results: dict,
-            source: Any, missing: dict[str, str]) -> None:
+            source: Callable[[float], tuple[dict, str, list[str]]], missing: dict[str, str]) -> None:
     """Interleaved rounds: each method once per round and delay, in a fresh process, the order
     reversed every other round; ``source(delay)`` gives the storage options, spec and shard URLs."""
     run_methods = [m for m in methods if m not in missing]

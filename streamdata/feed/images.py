@@ -125,17 +125,16 @@ def _nvjpeg_op() -> Callable[..., Any] | None:
     importing ``torchvision`` itself took 5.3 s of CPU on an H200 machine, the whole of the GPU
     path's first batch, and the decode needs none of it. ``None`` where that library is not
     found or lacks the operator (then :func:`_cuda_decoder` imports ``torchvision.io``)."""
-    import glob
     import importlib.machinery
     import importlib.util
     import os
 
     try:
         spec = importlib.util.find_spec("torchvision")
-        folders = list(spec.submodule_search_locations or []) if spec is not None else []
-        for folder in folders:
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
             for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-                for path in glob.glob(os.path.join(glob.escape(folder), "image" + suffix)):
+                path = os.path.join(folder, "image" + suffix)
+                if os.path.isfile(path):
                     torch.ops.load_library(path)
                     return torch.ops.image.decode_jpegs_cuda
     except Exception:  # a torchvision built against another torch, or without this operator
