@@ -22,7 +22,10 @@ the position alone restores it:
 - RESUME-ELASTIC: :func:`block_runs` says which runs of an old reader's span its first ``d``
   samples left out (window arithmetic, O(span)); ``resume`` re-divides them.
 
-Memory: one window of samples held (plus the prefetcher's byte budget). A state saved under the
+READ-SPREAD: the next window is read while one is put out, a share before each sample, so a
+reader's work comes evenly, not in a burst at each window's start. Memory: about one window of
+samples held (the rest of the one put out and the read share of the next; plus the
+prefetcher's byte budget). A state saved under the
 block shuffle carries ``"shuffle": "block:<window>"``; a pass that shuffles otherwise refuses it.
 """
 
@@ -239,28 +242,51 @@ def block_reads(full: Span, d: int, window: int, split: bool, material: Sequence
 
 def block_shuffled(items: Iterable[Any], plan: Windows) -> Iterator[Any]:
     """``items`` (read window after window, as ``plan`` says) put out in each window's seeded
-    permutation, the first ``plan.skip`` dropped. Samples are held one window at a time; a window
-    of Arrow tables (``plan.tables``) is put out as one table taken in that permutation. A window
-    that comes short (a record skipped under ``on_error``) is permuted as it is."""
+    permutation, the first ``plan.skip`` dropped. Samples: about one window held, the next read
+    while one is put out (READ-SPREAD, ``_spread``); a window of Arrow tables (``plan.tables``)
+    is put out as one table taken in that permutation. A window that comes short (a record
+    skipped under ``on_error``) is permuted as it is."""
     it = iter(items)
+    if not plan.tables:
+        yield from _spread(it, plan)
+        return
     skip = plan.skip
-    rest: list[Any] = []  # tables: the rows past a window's end, first in the next one
+    rest: list[Any] = []  # the rows past a window's end, first in the next one
     for size, key in zip(plan.sizes, plan.keys, strict=True):
-        if plan.tables:
-            window = _take_rows(itertools.chain(rest, it), size, rest)
-            if window is None:
-                return
-            window = window.take(_within(plan.material, key, window.num_rows))
-            if skip:
-                window, skip = window.slice(skip), 0
-            if window.num_rows:
-                yield window
-            continue
-        held = list(itertools.islice(it, size))
-        perm = _within(plan.material, key, len(held))
-        yield from (held[i] for i in perm[skip:])
-        skip = 0
+        window = _take_rows(itertools.chain(rest, it), size, rest)
+        if window is None:
+            return
+        window = window.take(_within(plan.material, key, window.num_rows))
+        if skip:
+            window, skip = window.slice(skip), 0
+        if window.num_rows:
+            yield window
     yield from rest
+    yield from it  # the plan's pad, as it comes
+
+
+def _spread(it: Iterator[Any], plan: Windows) -> Iterator[Any]:
+    """Samples, window after window, each permuted; the next window is read while this one is
+    put out, an even share before each sample (READ-SPREAD), and each sample is let go once put
+    out: the reader's work comes evenly, not in one burst of a whole window at each window's
+    start (a loop of 5 ms steps waited up to 0.1 s there, every window, with workers 20% busy),
+    and it holds about one window, as before."""
+    sizes = plan.sizes
+    held = list(itertools.islice(it, sizes[0])) if sizes else []  # the first: nothing to put out yet
+    skip = plan.skip
+    for j, key in enumerate(plan.keys):
+        order = _within(plan.material, key, len(held))[skip:]
+        coming = sizes[j + 1] if j + 1 < len(sizes) else 0
+        after: list[Any] = []
+        for i, k in enumerate(order):
+            due = -(-(i + 1) * coming // len(order))  # read so far: this share of the next window
+            if len(after) < due:
+                after += itertools.islice(it, due - len(after))
+            sample, held[k] = held[k], None
+            yield sample
+        if len(after) < coming:  # this window put out nothing (all delivered before a resume)
+            after += itertools.islice(it, coming - len(after))
+        held, skip = after, 0
     yield from it  # the plan's pad, as it comes
 
 

@@ -128,6 +128,41 @@ def test_any_position_restores_the_rest_and_says_what_was_delivered(split):
         assert sorted(p for a, b in runs for p in range(a, b)) == sorted(whole[d:])
 
 
+@pytest.mark.parametrize("d", [0, 13, 40])
+def test_the_next_window_is_read_evenly_while_one_is_put_out(d):
+    """READ-SPREAD: after the first window, each sample put out costs at most a window's share of
+    reading (not a whole window at each window's start), nothing is held past about one window,
+    and the order is each window's permutation, as read whole would give it."""
+    sizes = [40, 40, 40, 40, 40, 17]
+    full = _span(sizes)
+    reads, plan = block_reads(full, d, 40, True, [5, 1, 0, 0], tables=False)
+    positions = [sum(sizes[:s.unit]) + p for s in reads for p in range(s.start, s.stop)]
+    read = 0
+
+    def counted():
+        nonlocal read
+        for p in positions:
+            read += 1
+            yield p
+
+    out, between, ahead = [], [], []
+    last = None
+    for sample in block_shuffled(counted(), plan):
+        if last is not None:
+            between.append(read - last)
+        last = read
+        out.append(sample)
+        ahead.append(read - len(out) - plan.skip)  # read but not yet put out (or dropped)
+    whole, at = [], 0
+    for size, key in zip(plan.sizes, plan.keys, strict=True):  # each window read whole, then permuted
+        held = positions[at:at + size]
+        whole += [held[i] for i in np.random.default_rng([*plan.material, 0xB10C, key + 1]).permutation(size)]
+        at += size
+    assert out == whole[plan.skip:]
+    assert max(between) <= 2, between  # windows of 40 and 40: one read per sample put out
+    assert max(ahead) <= 40 + 1  # about one window held
+
+
 def test_the_plans_pad_comes_last_unshuffled():
     span = reader_span([3], World(1, 2, 0, 1), batch_size=1)  # 3 samples, 2 ranks, batch 1: pad
     assert span.pad == 1

@@ -1,0 +1,105 @@
+"""The block shuffle's window starts, as a training loop sees them: data wait with a fixed step.
+
+Local tar shards with a sample index (``sd.ShardWriter``), read with ``shuffle=True`` (the block
+shuffle) through ``sd.loader`` (2 workers, batch 32) by a loop whose step sleeps ``--step-ms``:
+the loop's total wait for data, its longest single wait, and ``loader.metrics()``'s stall
+fraction and verdict. With ``--base NAME=PATH`` the same pass runs on the ``streamdata`` of the
+tree at PATH (``git archive <commit> streamdata | tar -x -C PATH``), in the same rounds, order
+alternating; ratios this tree over that one per round.
+
+    python -m benchmarks.block_windows [--step-ms 5] [--rounds 5] [--base before=PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import json, sys, time
+import streamdata as sd
+root, step = sys.argv[1], float(sys.argv[2]) / 1000
+ds = sd.TarDataset(f"{root}/s-*.tar", shuffle=True, seed=0)
+waits = []
+with sd.loader(ds, batch_size=32, num_workers=2) as feed:
+    it = iter(feed)
+    next(it)
+    while True:
+        time.sleep(step)
+        t = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t)
+    m = feed.metrics()
+print(json.dumps({"wait": sum(waits), "longest": max(waits), "steps": len(waits) + 1, "sd": sd.__file__,
+                  "stall_fraction": m["stall_fraction"], "verdict": m["verdict"]}))
+"""
+
+
+def _write(root: str, batches: int) -> None:
+    import numpy as np
+
+    import streamdata as sd
+
+    with sd.ShardWriter(f"{root}/s-%04d.tar", maxcount=256, progress=False) as sink:
+        for i in range(batches * 32):
+            sink.write({"__key__": f"{i:08d}", "x.npy": np.full((3, 64, 64), i % 251, np.float32)})
+
+
+def _run(tree: Path, root: str, step_ms: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", CHILD, root, str(step_ms)], env=env, cwd=tree,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(out["sd"]).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the child imported {out['sd']}, not {tree}'s streamdata")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--step-ms", type=float, default=5.0)
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--base", default=None, metavar="NAME=PATH")
+    args = ap.parse_args(argv)
+    trees = {"this": ROOT}
+    if args.base:
+        name, _, path = args.base.partition("=")
+        trees[name] = Path(path)
+    rows: dict[str, list[dict]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory() as root:
+        _write(root, args.batches)
+        for r in range(args.rounds):
+            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                got = _run(trees[name], root, args.step_ms)
+                rows[name].append(got)
+                print(f"round {r} {name:>8}: waited {got['wait']:.3f} s over {got['steps']} steps, longest "
+                      f"{got['longest'] * 1000:.1f} ms, stall_fraction {got['stall_fraction']:.3f}, "
+                      f"verdict: {got['verdict']}", flush=True)
+    for name, got in rows.items():
+        print(f"{name}: median wait {statistics.median(g['wait'] for g in got):.3f} s, median longest "
+              f"{statistics.median(g['longest'] for g in got) * 1000:.1f} ms, median stall_fraction "
+              f"{statistics.median(g['stall_fraction'] for g in got):.3f}")
+    if len(trees) == 2:
+        other = list(trees)[1]
+        for key in ("wait", "longest"):
+            ratios = [a[key] / b[key] for a, b in zip(rows["this"], rows[other], strict=True)]
+            print(f"this / {other}, {key}: median {statistics.median(ratios):.2f} "
+                  f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
