@@ -24,6 +24,7 @@ __all__ = ["STALLED", "Stopwatch", "Timed", "gather_ranks", "summary", "verdict"
 log = logging.getLogger("streamdata")
 
 STALLED = 0.1  # a stall fraction above this gets a verdict
+BUSY = 0.5  # readers working this share of their time or more, the loop waiting: CPU-bound
 _NS = 1e-9
 
 Metrics = dict[str, Any]  # str -> int | float | str | None, JSON-ready
@@ -119,7 +120,9 @@ def summary(watch: Stopwatch, dataset: Any = None, feed: Any = None) -> Metrics:
 
 def verdict(m: Metrics) -> str | None:
     """One line on why the loop waits (stall fraction above ``STALLED``), else None: I/O-bound
-    when the readers' waits for bytes outweigh their own work, else CPU-bound."""
+    when the readers' waits for bytes outweigh their own work; CPU-bound when their work is
+    ``BUSY`` of their time or more; else the hand-off: readers idle much of their time while
+    the loop waits."""
     if m.get("stall_fraction", 0.0) <= STALLED:
         return None
     wall = m.get("readers.wall_s", 0.0)
@@ -131,8 +134,13 @@ def verdict(m: Metrics) -> str | None:
     if waiting >= working:
         return (f"I/O-bound: workers wait for bytes {waiting / wall:.0%} of their time: "
                 "raise window/max_requests or move closer to the bucket")
-    return (f"CPU-bound: workers are {working / wall:.0%} busy decoding: "
-            "more workers or a lighter map")
+    if working >= BUSY * wall:
+        return (f"CPU-bound: workers are {working / wall:.0%} busy decoding: "
+                "more workers or a lighter map")
+    return (f"hand-off-bound: workers are only {working / wall:.0%} busy and wait for bytes "
+            f"{waiting / wall:.0%} of their time, yet the loop waits: the main process's share of "
+            "each batch (receiving it, pinning and copying it) or batches coming unevenly: "
+            "a larger prefetch_factor, or fewer bytes per batch")
 
 
 def gather_ranks(mine: Metrics) -> Metrics:
