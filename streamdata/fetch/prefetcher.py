@@ -390,7 +390,8 @@ class Prefetcher:
                 self._inflight += 1
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
-                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset, held))
+                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset, held,
+                                                  self._inflight))
                 del fut
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
                 try:
@@ -401,15 +402,15 @@ class Prefetcher:
 
     async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
                      fut: concurrent.futures.Future, index: int, offset: int,
-                     held: Held | None = None) -> None:
+                     held: Held | None = None, inflight: int = 1) -> None:
         latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
         try:
             data = await self.client.get(url, start, end, chunks=True, first_byte=latency)
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
                 fut.held = held  # type: ignore[attr-defined]
                 fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
-            if latency and self.tuner.wants_first_byte:  # the pass's first first bytes: the far step
-                self._tuned(self.tuner.first_byte, latency[0])
+            if latency and self.tuner.on:  # the far step, QUEUE-FIT (``inflight``: when it was sent)
+                self._tuned(self.tuner.first_byte, latency[0], inflight)
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
                 self._stats.add_many({"requests": 1, "bytes": size} if not latency else {

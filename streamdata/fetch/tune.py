@@ -22,6 +22,20 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   start below their bounds: ``tune_from``), before any rate is known, each step scaled by the
   distance (``STEP`` times ``latency / FAR_S``: the parts a link needs in flight grow with its
   round trip);
+- QUEUE-FIT: requests in flight beyond what hides the round trip only queue at the server.
+  Each part's first byte is noted with the number of parts in flight when it was sent; over
+  the last ``FIT_PARTS`` (sent at in-flight counts at least ``FIT_SPREAD`` apart: the pass's
+  first burst ramps from one to the limit) a straight line ``latency = a + s * n`` is fitted.
+  Where the slope is real (over the spread it adds ``FLAT`` of ``a`` or more: the server
+  serves requests one after another, as a loaded one does), the request limit is held at
+  ``1 + a / s``: one request, plus as many as fit in the part of the latency that is not the
+  server's own work on them (a near, busy server: 1-2; 25 ms one-way: 3-6). Where latency
+  does not grow with the requests in flight (S3, where parallel connections are how bandwidth
+  is had), nothing is held. The fit lowers the limit to that, and stalls grow it no further
+  while it stands. Only near endpoints are fitted (the far step did not fire): at a far one
+  the requests in flight are what cover the round trip, and a reader's own count in flight
+  is a poor measure of a server that other readers load too (at 100 ms one-way the fit held
+  1-5 requests where 8-32 ran fastest);
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -44,18 +58,22 @@ its event loop (one thread): no lock.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from streamdata.config import FetchConfig
 from streamdata.fetch.budget import FAR_S, Budget
 from streamdata.metrics import KNOBS
 
-__all__ = ["FAR_PARTS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
+__all__ = ["FAR_PARTS", "FIT_PARTS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
 
 STEP = 4  # a window or request limit that held a part the reader waited for grows this much
 FAR_PARTS = 2  # the far step reads the shortest of the pass's first this many first bytes
 PARTS_IN_BUDGET = 4  # the part size is at most this share of the budget ...
 MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if smaller)
+FIT_PARTS = 8  # QUEUE-FIT: the last this many parts' first bytes, against their requests in flight
+FIT_SPREAD = 3  # ... fitted once they were sent at in-flight counts at least this far apart
+FLAT = 0.25  # a slope that adds less than this share of the intercept over the spread: no queue
 
 _learned: dict[object, tuple[int, int]] = {}  # endpoint -> (window, max_requests) reached
 
@@ -88,6 +106,8 @@ class Tuner:
         self.decisions = dict.fromkeys(KNOBS, 0)
         self.part_size = self._part_for(self.budget.limit)
         self._first: list[float] = []  # the pass's first first-byte latencies (the far step)
+        self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=FIT_PARTS)
+        self.ceiling = self.most_requests  # QUEUE-FIT: the request limit stalls may grow to now
 
     def knobs(self) -> dict[str, int]:
         """The knobs now, by ``KNOBS`` name."""
@@ -112,14 +132,43 @@ class Tuner:
         first ``FAR_PARTS``, with tuning on; after them a part costs the tuner nothing."""
         return self.on and len(self._first) < FAR_PARTS
 
-    def first_byte(self, latency: float) -> bool:
-        """A part's first byte took ``latency`` s. The shortest of the pass's first
-        ``FAR_PARTS`` decides the far step (``far``): a server's cold first answer alone is not
-        a far endpoint. True if a knob moved."""
-        if not self.wants_first_byte:
+    def first_byte(self, latency: float, inflight: int = 1) -> bool:
+        """A part's first byte took ``latency`` s; ``inflight`` parts were in flight when it was
+        sent, itself included. The shortest of the pass's first ``FAR_PARTS`` decides the far
+        step (``far``): a server's cold first answer alone is not a far endpoint. Every part's
+        goes to QUEUE-FIT (``_fit``). True if a knob moved."""
+        if not self.on:
             return False
-        self._first.append(latency)
-        return len(self._first) == FAR_PARTS and self.far(min(self._first))
+        moved = False
+        if self.wants_first_byte:
+            self._first.append(latency)
+            moved = len(self._first) == FAR_PARTS and self.far(min(self._first))
+        self._sent.append((inflight, latency))
+        return self._fit() | moved
+
+    def _fit(self) -> bool:
+        """QUEUE-FIT: the request limit's ceiling from the last first bytes against their
+        in-flight counts, and the limit lowered to it. True if the limit moved."""
+        if len(self._sent) < FIT_PARTS or min(self._first) >= FAR_S:
+            return False  # too few yet; or a far endpoint, where requests in flight cover the round trip
+        counts = [n for n, _ in self._sent]
+        spread = max(counts) - min(counts)
+        if spread < FIT_SPREAD:
+            return False  # sent alike: nothing to fit a slope to (the ceiling stands)
+        mean_n = sum(counts) / len(counts)
+        mean_l = sum(latency for _, latency in self._sent) / len(counts)
+        slope = (sum((n - mean_n) * (latency - mean_l) for n, latency in self._sent)
+                 / sum((n - mean_n) ** 2 for n in counts))
+        intercept = max(0.0, mean_l - slope * mean_n)
+        if slope * spread < FLAT * intercept or slope <= 0:
+            self.ceiling = self.most_requests  # latency does not grow with requests: no queue
+            return False
+        self.ceiling = max(1, min(self.most_requests, round(1 + intercept / slope)))
+        if self.max_requests <= self.ceiling:
+            return False
+        self.max_requests = self.ceiling
+        self.decisions["max_requests"] += 1
+        return True
 
     def far(self, latency: float) -> bool:
         """The pass's first first bytes took ``latency`` s (``first_byte``): at a far endpoint
@@ -142,7 +191,7 @@ class Tuner:
     def _step(self, knob: str, held: Held, factor: float = STEP) -> bool:
         """Grow ``knob`` by ``factor`` if ``held`` saw its value now and it is below its bound."""
         now = getattr(self, knob)
-        most = self.most_window if knob == "window" else self.most_requests
+        most = self.most_window if knob == "window" else self.ceiling
         if getattr(held, knob) != now or now >= most:
             return False
         setattr(self, knob, min(most, round(now * factor)))

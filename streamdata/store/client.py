@@ -293,8 +293,9 @@ class AsyncClient:
         ``chunks=True`` lets the body come back unjoined (``Chunks``) where the backend can
         (S3's presigned GETs); other backends return ``bytes`` either way. ``first_byte``, where
         the backend streams the body here (S3's presigned GETs), gets the seconds from the
-        successful try's request to its first byte: the latency, without the transfer or the
-        waits of earlier tries (BUDGET-GROWTH).
+        successful try's request (as it went out on its connection, where the session tells)
+        to its first byte: the latency, without the transfer, the waits of earlier tries, or
+        waiting for and opening a connection (BUDGET-GROWTH, QUEUE-FIT).
 
         RESUME: on S3's presigned GETs a retry asks only for the bytes after those already
         received (a connection reset after k bytes re-requests ``[start + k, end)``), and the
@@ -319,8 +320,9 @@ class AsyncClient:
             if self._presigned is not None:
                 begin, tried = start + body.size, time.monotonic()
                 await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
-                if first_byte is not None and body.first_at is not None and body.first_at >= tried:
-                    first_byte.append(body.first_at - tried)
+                since = max(tried, body.sent_at or tried)  # from the request on its connection
+                if first_byte is not None and body.first_at is not None and body.first_at >= since:
+                    first_byte.append(body.first_at - since)
                 size = body.size
             else:
                 data = await self._call("_cat_file", "cat_file", url, start=start + cached, end=end)

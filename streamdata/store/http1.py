@@ -41,6 +41,7 @@ import asyncio
 import collections
 import functools
 import re
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -287,8 +288,11 @@ class Pool:
                     self._opening[key] -= 1
             self._busy.add(conn)
             conn.timeout = self.timeout if timeout is None else timeout
+            sent = time.monotonic()
             conn.transport.write("\r\n".join(lines).encode("latin-1"))
-            return await self._response(conn)
+            resp = await self._response(conn)
+            resp.sent_at = sent
+            return resp
         except BaseException:
             if conn is not None:
                 self._busy.discard(conn)
@@ -534,6 +538,7 @@ class Response:
         self.length, self.chunked, self.keep_alive = length, chunked, keep_alive
         self.done = length == 0  # the body was read to its end
         self._released = False
+        self.sent_at: float | None = None  # when the request went out on its connection (monotonic)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes in the pieces they arrived in (split only at the body's end)."""

@@ -49,15 +49,18 @@ __all__ = ["Body", "PresignedS3", "content_total", "http_probe"]
 class Body:
     """What one ranged GET has received so far, kept across its tries: a retry asks only for
     the bytes after ``size`` (RESUME, see ``AsyncClient.get``). ``first_at``: when its first
-    byte arrived (``time.monotonic()``; the request's latency for BUDGET-GROWTH)."""
+    byte arrived (``time.monotonic()``; the request's latency for BUDGET-GROWTH); ``sent_at``:
+    when the request went out on its connection, where the session tells (LITE-HTTP's), so the
+    latency leaves out waiting for a connection and opening it."""
 
-    __slots__ = ("chunks", "first_at", "size", "wire")
+    __slots__ = ("chunks", "first_at", "sent_at", "size", "wire")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.size = 0  # bytes kept in ``chunks``
         self.wire = 0  # body bytes that arrived, kept or not
         self.first_at: float | None = None
+        self.sent_at: float | None = None
 
     def keep(self, piece: bytes, wire: int | None = None) -> None:
         if piece:
@@ -187,6 +190,7 @@ class PresignedS3:
         for attempt in range(2):
             url, inherited, reused = await self._url(path)
             async with self.session.get(url, headers, self.timeout) as resp:
+                body.sent_at = getattr(resp, "sent_at", None)
                 status = resp.status
                 total = content_total(resp.headers.get("Content-Range"))
                 wait = resp.headers.get("Retry-After")

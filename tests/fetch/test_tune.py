@@ -108,6 +108,50 @@ def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
     assert far.knobs()["byte_budget"] == 40 * MiB and (far.window, far.max_requests) == (10, 10)
 
 
+def _sent(t: Tuner, latency_at) -> None:
+    """A first burst: parts sent with 1, 2, ... FIT_PARTS in flight, each first byte ``latency_at(n)``."""
+    for n in range(1, tune_module.FIT_PARTS + 1):
+        t.first_byte(latency_at(n), n)
+
+
+def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server():
+    """QUEUE-FIT: a server that serves requests one after another (each one more in flight adds
+    its service time to the first byte) gets 1 + round trip / service time requests; one whose
+    latency does not grow with them keeps the bound."""
+    near = Tuner(FetchConfig())  # a busy server next door: 12 ms of work a part, 1 ms of wire
+    _sent(near, lambda n: 0.001 + 0.012 * n)
+    assert near.max_requests == 1 and near.ceiling == 1 and near.decisions["max_requests"] == 1
+    assert not near.stalled(Held(max_requests=1), 0.013)  # stalls grow it no further
+    farther = Tuner(FetchConfig())  # the same server 25 ms away (a 50 ms round trip)
+    _sent(farther, lambda n: 0.05 + 0.012 * n)
+    assert farther.max_requests == round(1 + 0.05 / 0.012) == 5
+    flat = Tuner(FetchConfig(tune_from=SMALLEST))  # S3: latency the same whatever is in flight
+    _sent(flat, lambda n: 0.025 + 0.0003 * n + (0.004 if n % 3 == 0 else 0.0))
+    assert flat.ceiling == 32 and flat.decisions["max_requests"] == 0
+    assert flat.stalled(Held(max_requests=1), 0.03) and flat.max_requests == 4  # grows as stalls ask
+    alike = Tuner(FetchConfig())  # all sent at one count: no slope to fit
+    for _ in range(tune_module.FIT_PARTS):
+        alike.first_byte(0.05, 4)
+    assert alike.max_requests == 32 and alike.ceiling == 32
+    far = Tuner(FetchConfig())  # a far endpoint (the far step fired): its requests cover the round trip
+    _sent(far, lambda n: 0.2 + 0.03 * n)
+    assert far.max_requests == 32 and far.ceiling == 32 and far.decisions["max_requests"] == 0
+    off = Tuner(FetchConfig(autotune=False))
+    _sent(off, lambda n: 0.001 + 0.012 * n)
+    assert off.max_requests == 32 and sum(off.decisions.values()) == 0
+
+
+def test_queue_fit_follows_the_latest_parts():
+    """The ceiling is refitted as parts come: once the server stops queueing (a slope that adds
+    less than FLAT of the intercept over the spread) stalls may grow the limit again."""
+    t = Tuner(FetchConfig())
+    _sent(t, lambda n: 0.001 + 0.012 * n)
+    assert t.max_requests == 1
+    _sent(t, lambda n: 0.05 + 0.0001 * n)  # the same counts, now no queue
+    assert t.ceiling == 32 and t.max_requests == 1
+    assert t.stalled(Held(max_requests=1), 0.05) and t.max_requests == 4
+
+
 def test_autotune_off_keeps_every_knob_as_set():
     t = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False, tune_from=SMALLEST))
     assert t.knobs() == {"window": 32, "max_requests": 32, "byte_budget": 8 * MiB, "part_size": 8 * MiB}
