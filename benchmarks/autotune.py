@@ -84,7 +84,9 @@ stop.set()
 loader.close()
 print(json.dumps({"samples": n, "wall_s": wall, "marks": marks, "peak_rss": peak["rss"], "sd": sd.__file__,
                   "peak_budget": peak["budget"], "tuned": {k: v for k, v in m.items()
-                  if k.startswith(("tuned.", "budget.grown"))}}))
+                  if k.startswith(("tuned.", "budget.grown"))},
+                  "reader": {k: m.get(k, 0) for k in ("readers.wall_s", "readers.busy_s",
+                                                      "stage.wait_bytes_s", "first_byte_s", "requests")}}))
 """
 
 
@@ -110,6 +112,12 @@ def _methods(grid: list[int], cap: int, bases: dict[str, Path]) -> dict[str, tup
         out[f"{prefix}auto"] = (auto, tree)
         out[f"{prefix}auto:smallest"] = (smallest, tree)
     return out
+
+
+def _waiting(got: dict) -> float:
+    """The share of the readers' wall time spent waiting for bytes."""
+    reader = got.get("reader", {})
+    return reader.get("stage.wait_bytes_s", 0.0) / (reader.get("readers.wall_s") or 1.0)
 
 
 def reached(marks: list[list[float]], total: int, rate: float, span: float) -> float | None:
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--span", type=float, default=0.1, help="the share of the epoch a rate is taken over")
     ap.add_argument("--base", action="append", default=[], metavar="NAME=PATH",
                     help="also run auto and auto:smallest on the streamdata of the tree at PATH")
+    ap.add_argument("--only", default=None, help="run only these methods (comma-separated names)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "autotune.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     delays = [float(d) for d in args.delays.split(",")]
     bases = {name: Path(path) for name, _, path in (b.partition("=") for b in args.base)}
     methods = _methods([int(g) for g in args.grid.split(",")], args.cap * MiB, bases)
+    if args.only:
+        methods = {k: v for k, v in methods.items() if k in args.only.split(",")}
 
     from benchmarks.proxy import LatencyProxy
     from streamdata.testing import S3Server
@@ -177,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"round {r} delay {delay:g} ms {name:>14}: {row['rate']:8.1f} samples/s, "
                               f"peak RSS {got['peak_rss'] / MiB:.0f} MiB, "
                               f"budget {got['peak_budget'] / MiB:.0f} MiB"
-                              f" {got['tuned']}", flush=True)
+                              f", readers wait for bytes {_waiting(got):.0%} {got['tuned']}", flush=True)
     summary: dict = {"when": time.strftime("%Y-%m-%d"), "args": vars(args), "delays": {}}
     for delay in delays:
         autos = [k for k in methods if not k.startswith("grid:")]

@@ -6,7 +6,7 @@
 # Installs nothing: streamdata's dependencies must import (torch, numpy, aiohttp, fsspec,
 # pyarrow, pillow, webdataset, braceexpand; pytest, pytest-timeout, psutil; torchdata for
 # tests/test_resume_loaders.py; torchvision built for the installed torch, or nvImageCodec, for the
-# GPU decode; scikit-image and simplejpeg for the image benchmark).  Runs, each step bounded by `timeout` (about 9 minutes in
+# GPU decode; scikit-image and simplejpeg for the image benchmark).  Runs, each step bounded by `timeout` (about 11 minutes in
 # all, even if something hangs), each step whatever the one before did:
 #   1. the tests marked `cuda`                              -> pytest_cuda.log
 #   2. the whole test files that touch the CUDA code, without the S3 / GCS servers and slow
@@ -14,6 +14,8 @@
 #   3. python benchmarks/gpu_feed.py                           -> gpu_feed.log, gpu_feed.json
 #   4. python -m benchmarks.images --gpu (nvJPEG decode against the CPU path, local shards,
 #      3,072 images, 2 rounds)                                  -> images_gpu.log
+#   5. python benchmarks/gpu_metrics.py (loader.metrics() with device="cuda" against a stopwatch,
+#      steps of 5 ms)                                           -> gpu_metrics.log
 # plus env.log (device, versions, /dev/shm) and summary.txt, the one line printed at the end.
 # The exit status is 0 only if every step passed.
 set -u -o pipefail
@@ -74,9 +76,12 @@ feed_rc=$?
 run 120 "$out/images_gpu.log" "$py" -m benchmarks.images --gpu --images 3072 --per-shard 128 --rounds 2
 images_rc=$?
 
+run 90 "$out/gpu_metrics.log" "$py" benchmarks/gpu_metrics.py --step-ms 5
+metrics_rc=$?
+
 summary="gpu_check: cuda tests rc=$cuda_rc ($(last_line "$out/pytest_cuda.log")); \
 test files rc=$files_rc ($(last_line "$out/pytest_files.log")); \
 gpu_feed rc=$feed_rc ($(grep -E '^prefetcher / blocking' "$out/gpu_feed.log" | tail -n 1 || true)); \
-images --gpu rc=$images_rc ($(grep -E 'gpu / cpu path on' "$out/images_gpu.log" | tail -n 1 || true))"
+images --gpu rc=$images_rc ($(grep -E 'gpu / cpu path on' "$out/images_gpu.log" | tail -n 1 || true)); metrics rc=$metrics_rc ($(grep -E '^gpu_metrics:' "$out/gpu_metrics.log" | tail -n 1 || true))"
 echo "$summary" | tee "$out/summary.txt"
-[ "$cuda_rc" -eq 0 ] && [ "$files_rc" -eq 0 ] && [ "$feed_rc" -eq 0 ] && [ "$images_rc" -eq 0 ]
+[ "$cuda_rc" -eq 0 ] && [ "$files_rc" -eq 0 ] && [ "$feed_rc" -eq 0 ] && [ "$images_rc" -eq 0 ] && [ "$metrics_rc" -eq 0 ]

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import streamdata as sd
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
+import streamdata as sd  # noqa: E402
 
 
 def main() -> None:
@@ -54,6 +57,9 @@ def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(), "stopwatch_data_wait_s": round(waited, 4),
                       "stopwatch_first_batch_s": round(first, 4), "stopwatch_steps": steps,
                       "metrics": report}, indent=1, default=str))
+    print(f"gpu_metrics: data_wait_s {report['data_wait_s']:.3f} (stopwatch {waited:.3f}), stall_fraction "
+          f"{report['stall_fraction']:.3f}, feed.pin_s {report['feed.pin_s']:.3f}, feed.copy_s "
+          f"{report['feed.copy_s']:.3f}, verdict: {report['verdict']}")
 
 
 if __name__ == "__main__":
