@@ -129,7 +129,8 @@ class Tuner:
     @property
     def wants_first_byte(self) -> bool:
         """Whether the far step still waits for first bytes (``first_byte``): only the pass's
-        first ``FAR_PARTS``, with tuning on; after them a part costs the tuner nothing."""
+        first ``FAR_PARTS``, with tuning on; after them a part's first byte feeds QUEUE-FIT
+        alone (a fit over ``FIT_PARTS`` pairs)."""
         return self.on and len(self._first) < FAR_PARTS
 
     def first_byte(self, latency: float, inflight: int = 1) -> bool:

@@ -202,3 +202,32 @@ def test_growth_is_counted_on_the_dataset(s3_bucket):
         keys = [s["__key__"] for s in ds]
     assert len(keys) == 480 and len(set(keys)) == 480
     assert ds.counts["budget.grown"] >= 1
+
+
+def test_the_first_byte_is_timed_from_the_request_on_its_connection(s3_bucket):
+    """HTTPS 100 ms one-way from the server: opening the connection costs the TLS handshake's
+    round trip before the request goes out, and the first byte's latency (BUDGET-GROWTH, the
+    far step, QUEUE-FIT) leaves it out: it is the request's own round trip, timed from when it
+    went out on its connection, not from the try's start."""
+    from benchmarks.proxy import LatencyProxy
+    from streamdata.store.client import AsyncClient
+    from streamdata.testing import TLSFront
+
+    server, blobs, _ = _objects(s3_bucket, 1, 64 * 1024)
+    with TLSFront(server.endpoint_url) as front, \
+            LatencyProxy("127.0.0.1", front.port, delay_s=0.1, handshake_rtts=0) as proxy:
+        kwargs = {**server.storage_options.get("client_kwargs", {}), "verify": front.ca_file}
+        options = {**server.storage_options, "endpoint_url": f"https://127.0.0.1:{proxy.port}",
+                   "client_kwargs": kwargs}
+        client = AsyncClient("s3", options)
+        latency: list[float] = []
+        try:
+            start = time.monotonic()
+            url = f"s3://{s3_bucket[1]}/budget/o-0"
+            data = client.io.run(client.get(url, 0, 1024, first_byte=latency), 30)
+            took = time.monotonic() - start
+        finally:
+            client.close()
+    assert data == blobs[0][:1024]
+    assert took >= 0.38  # the handshake's round trip, then the request's
+    assert 0.19 <= latency[0] < took - 0.15, (latency, took)  # the request's alone
