@@ -332,9 +332,19 @@ class Prefetcher:
         for i in range(index, min(len(self.items), end)):
             item = self.items[i]
             if i not in sizing and item.ranges is None and item.size is None:
-                sizing[i] = asyncio.ensure_future(self.client.size(item.url))
+                probe = self._probe(item.url) if index == 0 else self.client.size(item.url)
+                sizing[i] = asyncio.ensure_future(probe)
                 sizing[i].add_done_callback(lambda f: f.cancelled() or f.exception())  # read later
         return sizing.pop(index)
+
+    async def _probe(self, url: str) -> int | None:
+        """The reader's first item's size probe (probed alone), its first byte to the tuner (the
+        far step, NEAR-START) before the window's requests go out."""
+        latency: list[float] = []
+        size = await self.client.size(url, first_byte=latency)
+        if latency and self.tuner.on:
+            self._tuned(self.tuner.first_byte, latency[0], 1)
+        return size
 
     async def _schedule(self) -> None:
         cfg = self.config

@@ -36,6 +36,11 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   the requests in flight are what cover the round trip, and a reader's own count in flight
   is a poor measure of a server that other readers load too (at 100 ms one-way the fit held
   1-5 requests where 8-32 ran fastest);
+- NEAR-START: where the pass's first first byte (the reader's first probe, sent alone, before
+  the window's requests go out) comes under ``FAR_S``, a request limit that starts at its
+  bound starts at ``NEAR_START`` instead: a near endpoint's first burst is then not a budget's
+  worth of parts at once, which a busy server only queues; stalls grow it (to the QUEUE-FIT
+  ceiling), as from any start;
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -74,6 +79,7 @@ MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if sma
 FIT_PARTS = 8  # QUEUE-FIT: the last this many parts' first bytes, against their requests in flight
 FIT_SPREAD = 3  # ... fitted once they were sent at in-flight counts at least this far apart
 FLAT = 0.25  # a slope that adds less than this share of the intercept over the spread: no queue
+NEAR_START = 4  # a near endpoint's request limit starts here, not at its bound (QUEUE-FIT, stalls: from it)
 
 _learned: dict[object, tuple[int, int]] = {}  # endpoint -> (window, max_requests) reached
 
@@ -141,9 +147,15 @@ class Tuner:
         if not self.on:
             return False
         moved = False
+        if not self._first and latency < FAR_S and self.max_requests > NEAR_START:
+            # NEAR-START: the pass's first first byte says near (before the window's burst goes
+            # out): the request limit starts low; stalls grow it, QUEUE-FIT bounds it
+            self.max_requests = NEAR_START
+            self.decisions["max_requests"] += 1
+            moved = True
         if self.wants_first_byte:
             self._first.append(latency)
-            moved = len(self._first) == FAR_PARTS and self.far(min(self._first))
+            moved = (len(self._first) == FAR_PARTS and self.far(min(self._first))) | moved
         self._sent.append((inflight, latency))
         return self._fit() | moved
 

@@ -244,8 +244,10 @@ class AsyncClient:
         call = functools.partial(getattr(fs, sync_name), path, **kwargs)
         return await loop.run_in_executor(self._executor, call)
 
-    async def size(self, url: str) -> int | None:
+    async def size(self, url: str, first_byte: list[float] | None = None) -> int | None:
         """The object's size, for objects a listing did not size, retried like a part.
+        ``first_byte``, where the probe is a GET on LITE-HTTP's pool, gets its first byte's
+        latency as ``get`` does (the far step and NEAR-START read the reader's first probe).
 
         HEAD-START: on S3's presigned GETs and HTTP(S) the size comes from a ranged GET's
         ``Content-Range``, not a HEAD, and the client's first such probe asks for the object's
@@ -270,6 +272,8 @@ class AsyncClient:
             return total, body
 
         total, body = await self._retrying(once, url, "size")
+        if first_byte is not None and body.first_at is not None and body.sent_at is not None:
+            first_byte.append(body.first_at - body.sent_at)
         if head > 1 and body.size:
             self._heads[url] = (body, total)
         else:
