@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import MiB, replace_in_options, shard_pattern, upload_shards, upstream  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MiB,
+    replace_in_options,
+    run_in_tree,
+    shard_pattern,
+    upload_shards,
+    upstream,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,16 +96,7 @@ print(json.dumps({"samples": n, "wall_s": wall, "marks": marks, "peak_rss": peak
 
 
 def _run(spec: str, options: dict, workers: int, fetch: dict, tree: Path = ROOT) -> dict:
-    # ``-c`` puts the working directory first on sys.path: the child runs in ``tree``
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, spec, json.dumps(options), str(workers),
-                           json.dumps(fetch)], env=env, cwd=tree, capture_output=True, text=True, timeout=900)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    if not Path(out["sd"]).resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(f"the child imported {out['sd']}, not {tree}'s streamdata")
-    return out
+    return run_in_tree(CHILD, [spec, json.dumps(options), str(workers), json.dumps(fetch)], tree)
 
 
 def _methods(grid: list[int], cap: int, bases: dict[str, Path]) -> dict[str, tuple[dict, Path]]:

@@ -13,13 +13,15 @@ alternating; ratios this tree over that one per round.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import run_in_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,15 +59,7 @@ def _write(root: str, batches: int) -> None:
 
 
 def _run(tree: Path, root: str, step_ms: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, root, str(step_ms)], env=env, cwd=tree,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    if not Path(out["sd"]).resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(f"the child imported {out['sd']}, not {tree}'s streamdata")
-    return out
+    return run_in_tree(CHILD, [root, str(step_ms)], tree, timeout=600)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -274,3 +278,20 @@ class Stopwatch:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def run_in_tree(child: str, argv: list[str], tree: Path, timeout: float = 900) -> dict:
+    """Run the Python source ``child`` with ``argv`` in a fresh interpreter on the
+    ``streamdata`` of ``tree`` (a checkout: ``--base`` runs side by side), one thread for
+    torch; its last line of output, JSON with ``"sd"`` (``streamdata.__file__``), parsed. Raises
+    if it failed or imported another tree's ``streamdata``."""
+    # ``-c`` puts the working directory first on sys.path: the child runs in ``tree``
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", child, *argv], env=env, cwd=tree, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(out["sd"]).resolve().is_relative_to(Path(tree).resolve()):
+        raise RuntimeError(f"the child imported {out['sd']}, not {tree}'s streamdata")
+    return out

@@ -1,5 +1,6 @@
 """loader.metrics(): the stall fraction against a stopwatch in the training loop, the readers'
-stage timings and the verdict, log_every / on_metrics, sd.timed, all ranks under torchrun.
+stage timings and the verdict, log_every / on_metrics, sd.timed, all ranks under torchrun; the
+first two also with ``device="cuda"`` (the feed's pinning and copy times), where CUDA is.
 
 The slow part of each case is made dominant by a wide margin (a map that sleeps, a proxy that
 delays every request), so the assertions hold on a loaded machine; the one timed tolerance is
@@ -36,18 +37,39 @@ def _local(tmp_path: Path, counts: list[int], floats: int = 8) -> str:
     return f"file://{tmp_path}/shards/shard-{{000..{len(counts) - 1:03d}}}.tar"
 
 
-def _train(loader, step_s: float) -> dict:
-    """Iterate ``loader`` with a training step of ``step_s``, timing each ``next()`` as the
-    loader should: the first batch's wait apart, the wall from its delivery to the end."""
+# the loader as a CPU job runs it, and with device="cuda" (its batches used on the GPU, the
+# feed's pinning and copy times reported too); the second only where CUDA is (tests/conftest.py)
+DEVICES = [None, pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _use_on(device: str | None):
+    """What a step does with its batch: on a device, read it there (so it counts as delivered
+    only once usable)."""
+    if device is None:
+        return None
+
+    def use(batch) -> None:
+        assert batch["npy"].is_cuda
+        batch["npy"].sum().item()
+
+    return use
+
+
+def _train(loader, step_s: float, use=None) -> dict:
+    """Iterate ``loader`` with a training step of ``step_s`` (after ``use(batch)``, if given),
+    timing each ``next()`` as the loader should: the first batch's wait apart, the wall from
+    its delivery to the end."""
     it, waits, steps = iter(loader), 0.0, 0
     start = time.perf_counter()
-    next(it)
+    batch = next(it)
     first = time.perf_counter()
     while True:
+        if use is not None:
+            use(batch)
         time.sleep(step_s)
         asked = time.perf_counter()
         try:
-            next(it)
+            batch = next(it)
         except StopIteration:
             waits += time.perf_counter() - asked
             break
@@ -67,14 +89,17 @@ def _check_readers(ds) -> list[dict]:
     return rows
 
 
-def test_a_well_fed_loader_reports_no_stall(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_well_fed_loader_reports_no_stall(tmp_path, device):
     # a training step of 0.4 s: on a 2-core machine loaded five times over, the main process's
     # own share of a batch (the DataLoader's receive, recycle's release) and the workers' turn
     # on a core come to 10-15 ms a step, counted as waiting
     ds = sd.TarDataset(_local(tmp_path, [32] * 4), index=None)
-    with sd.loader(ds, batch_size=16, num_workers=2) as loader:
-        seen = _train(loader, 0.4)
+    with sd.loader(ds, batch_size=16, num_workers=2, device=device) as loader:
+        seen = _train(loader, 0.4, _use_on(device))
         m = loader.metrics()
+    if device is not None:  # every batch was pinned and copied: host time, far less than the loop's
+        assert 0 < m["feed.pin_s"] < seen["wall"] and 0 < m["feed.copy_s"] < seen["wall"], m
     assert m["steps"] == seen["steps"] == 8
     assert m["stall_fraction"] <= 0.05 and m["verdict"] is None, m
     assert abs(m["data_wait_s"] - seen["wait"]) < 0.02 + 0.05 * seen["wait"], (m, seen)
@@ -84,15 +109,18 @@ def test_a_well_fed_loader_reports_no_stall(tmp_path):
     _check_readers(ds)
 
 
-def test_a_slow_map_is_decode_time_and_the_verdict_says_cpu_bound(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slow_map_is_decode_time_and_the_verdict_says_cpu_bound(tmp_path, device):
     def slow(sample):
         time.sleep(0.004)
         return sample
 
     ds = sd.TarDataset(_local(tmp_path, [40] * 6), index=None, map=slow)
-    with sd.loader(ds, batch_size=8, num_workers=2) as loader:
-        seen = _train(loader, 0.002)
+    with sd.loader(ds, batch_size=8, num_workers=2, device=device) as loader:
+        seen = _train(loader, 0.002, _use_on(device))
         m = loader.metrics()
+    if device is not None:
+        assert m["feed.pin_s"] > 0 and m["feed.copy_s"] > 0, m
     assert seen["fraction"] > 0.5  # starved: the workers make a batch in ~16 ms per worker
     assert abs(m["stall_fraction"] - seen["fraction"]) <= 0.05, (m, seen)
     assert m["stage.map_s"] > 3 * max(m[f"stage.{s}_s"] for s in STAGES if s != "map"), m
