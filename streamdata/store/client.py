@@ -272,8 +272,9 @@ class AsyncClient:
             return total, body
 
         total, body = await self._retrying(once, url, "size")
-        if first_byte is not None and body.first_at is not None and body.sent_at is not None:
-            first_byte.append(body.first_at - body.sent_at)
+        latency = body.latency()  # on LITE-HTTP's pool only: the probe's try is not timed
+        if first_byte is not None and latency is not None:
+            first_byte.append(latency)
         if head > 1 and body.size:
             self._heads[url] = (body, total)
         else:
@@ -324,9 +325,9 @@ class AsyncClient:
             if self._presigned is not None:
                 begin, tried = start + body.size, time.monotonic()
                 await self._presigned.cat_file(fs._strip_protocol(url), begin, end, body)
-                since = max(tried, body.sent_at or tried)  # from the request on its connection
-                if first_byte is not None and body.first_at is not None and body.first_at >= since:
-                    first_byte.append(body.first_at - since)
+                latency = body.latency(tried)
+                if first_byte is not None and latency is not None:
+                    first_byte.append(latency)
                 size = body.size
             else:
                 data = await self._call("_cat_file", "cat_file", url, start=start + cached, end=end)

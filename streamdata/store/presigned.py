@@ -62,6 +62,14 @@ class Body:
         self.first_at: float | None = None
         self.sent_at: float | None = None
 
+    def latency(self, tried: float | None = None) -> float | None:
+        """Seconds from the request (as it went out on its connection, else ``tried``) to the
+        first byte; None where either is unknown or the first byte came before (an earlier try)."""
+        since = self.sent_at if self.sent_at is not None else tried
+        if since is None or self.first_at is None or self.first_at < since:
+            return None
+        return self.first_at - since
+
     def keep(self, piece: bytes, wire: int | None = None) -> None:
         if piece:
             if self.first_at is None:
