@@ -44,7 +44,10 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
-  that is the configured 8 MiB: the defaults fetch as fixed knobs do;
+  that is the configured 8 MiB: the defaults fetch as fixed knobs do. Where QUEUE-FIT holds
+  the request limit under ``PARTS_IN_BUDGET - 1``, the parts are a ``ceiling + 1``-th of the
+  budget instead (one or two in flight and one being read): a server that queues charges
+  each request its service time, so where few may be on the wire each carries more;
 - a part held by READER-THROTTLE (``store.retry``: 503 / 429 lowered the limit below the
   tuned one) grows nothing: throttling wins, and the scheduler sends at most
   ``min(max_requests, throttle.allowed)``;
@@ -110,10 +113,10 @@ class Tuner:
         cap = config.budget_max() if self.on else config.byte_budget
         self.budget = Budget(config.byte_budget, cap, config.part_size, key=key)  # BUDGET-GROWTH
         self.decisions = dict.fromkeys(KNOBS, 0)
+        self.ceiling = self.most_requests  # QUEUE-FIT: the request limit stalls may grow to now
         self.part_size = self._part_for(self.budget.limit)
         self._first: list[float] = []  # the pass's first first-byte latencies (the far step)
         self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=FIT_PARTS)
-        self.ceiling = self.most_requests  # QUEUE-FIT: the request limit stalls may grow to now
 
     def knobs(self) -> dict[str, int]:
         """The knobs now, by ``KNOBS`` name."""
@@ -123,14 +126,21 @@ class Tuner:
     def _part_for(self, budget: int) -> int:
         if not self.on:
             return self.most_part
-        return max(self.least_part, min(self.most_part, budget // PARTS_IN_BUDGET))
+        parts = min(PARTS_IN_BUDGET, self.ceiling + 1)  # QUEUE-FIT: few on the wire, each larger
+        return max(self.least_part, min(self.most_part, budget // parts))
 
     def _budget_moved(self) -> None:
         self.decisions["byte_budget"] += 1
+        self._cut()
+
+    def _cut(self) -> bool:
+        """The part size for the budget and the ceiling now (counted if it moved). True if so."""
         part = self._part_for(self.budget.limit)
-        if part != self.part_size:
-            self.part_size = part
-            self.decisions["part_size"] += 1
+        if part == self.part_size:
+            return False
+        self.part_size = part
+        self.decisions["part_size"] += 1
+        return True
 
     @property
     def wants_first_byte(self) -> bool:
@@ -175,10 +185,11 @@ class Tuner:
         intercept = max(0.0, mean_l - slope * mean_n)
         if slope * spread < FLAT * intercept or slope <= 0:
             self.ceiling = self.most_requests  # latency does not grow with requests: no queue
-            return False
-        self.ceiling = max(1, min(self.most_requests, round(1 + intercept / slope)))
+        else:
+            self.ceiling = max(1, min(self.most_requests, round(1 + intercept / slope)))
+        moved = self._cut()  # the parts follow the ceiling
         if self.max_requests <= self.ceiling:
-            return False
+            return moved
         self.max_requests = self.ceiling
         self.decisions["max_requests"] += 1
         return True

@@ -144,6 +144,22 @@ def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server
     assert off.max_requests == 32 and sum(off.decisions.values()) == 0
 
 
+def test_where_queue_fit_holds_one_or_two_requests_the_parts_carry_more_of_the_budget():
+    """A ceiling of one or two requests cuts the budget into ceiling + 1 parts, not
+    PARTS_IN_BUDGET: a queueing server charges per request; the parts follow a refit back."""
+    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST), key="q")
+    assert t.part_size == 8 * MiB // tune_module.PARTS_IN_BUDGET
+    _sent(t, lambda n: 0.001 + 0.012 * n)  # one request: two parts of the budget
+    assert t.ceiling == 1 and t.part_size == 4 * MiB and t.decisions["part_size"] == 1
+    _sent(t, lambda n: 0.012 + 0.012 * n)  # two requests: three parts (each refit on the way counted)
+    assert t.ceiling == 2 and t.part_size == 8 * MiB // 3 and t.decisions["part_size"] >= 2
+    _sent(t, lambda n: 0.05 + 0.0001 * n)  # the queue is gone: a quarter again
+    assert t.ceiling == 32 and t.part_size == 2 * MiB and t.decisions["part_size"] >= 3
+    big = Tuner(FetchConfig(), key="big")  # the default budget: the configured part size bounds it
+    _sent(big, lambda n: 0.001 + 0.012 * n)
+    assert big.ceiling == 1 and big.part_size == 8 * MiB and big.decisions["part_size"] == 0
+
+
 def test_near_start_lowers_the_request_limit_on_the_first_first_byte_only():
     """NEAR-START: the pass's first first byte under FAR_S starts a request limit that sits at
     its bound at NEAR_START (before the window's burst); a far one, a later one, or a limit
