@@ -59,6 +59,7 @@ def test_workers_reuse_freed_memory_by_default(context):
     assert int(batch["faults"][0]) < PAGES // 10, int(batch["faults"][0])
 
 
+@pytest.mark.slow
 def test_without_it_freed_memory_is_faulted_in_again():
     if not _glibc():
         pytest.skip("not glibc malloc on ordinary pages")
@@ -203,6 +204,7 @@ def test_import_installs_nothing_and_only_dataloader_workers_are_frozen(tmp_path
     assert after["parent"]["loops_inherited"] == [False] * len(after["parent"]["loops_inherited"])
 
 
+@pytest.mark.slow
 def test_with_freezing_off_a_worker_is_not_frozen_either(tmp_path):
     seen = _forks_seen(tmp_path, STREAMDATA_FREEZE_AT_FORK="0")["iterated"]
     assert seen["worker"]["frozen"] < 50_000 and seen["worker"]["collecting"], seen["worker"]

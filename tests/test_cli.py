@@ -334,6 +334,7 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     assert (tmp_path / "o" / "classes.txt").read_text() == "a\nb\nc\n"
 
 
+@pytest.mark.slow
 def test_bench_prints_rates_per_setting_and_writes_a_png(bucket, tmp_path, capsys):
     _, name, keys, opts = bucket
     png = tmp_path / "bench.png"
@@ -362,6 +363,7 @@ def _subprocess(*argv: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_entry_point_runs_and_never_prints_a_traceback(bucket):
     _, name, keys, opts = bucket
     done = _subprocess("cat", f"s3://{name}/d/", "--field", "cls", *opts)

@@ -43,6 +43,7 @@ def test_ddp_over_uneven_shards_ends_every_epoch_together(s3_bucket, tmp_path):
             assert len(delivered) + r0["undelivered"] + r1["undelivered"] == len(keys[name]), (name, epoch)
 
 
+@pytest.mark.slow
 def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, tmp_path):
     """LIST-ONCE: rank 0 expands the spec (and reads the sample index or Parquet footers) for
     every rank; the storage sees one job's worth of requests, not one per rank; rank 0's error

@@ -85,6 +85,7 @@ def test_object_vanishing_after_listing_raises_fetch_error(tmp_path):
     assert "a.tar" in str(info.value) and "worker 0/1" in str(info.value)
 
 
+@pytest.mark.slow
 def test_worker_errors_keep_their_type_through_the_dataloader(tmp_path):
     import torch
 

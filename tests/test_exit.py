@@ -26,6 +26,8 @@ import pytest
 
 import streamdata as sd
 
+pytestmark = pytest.mark.slow  # exit paths in fresh interpreters, seconds each: `make test-slow`, and CI
+
 REPO = Path(__file__).resolve().parents[1]
 HOWS = ("peek", "break", "raise", "dataloader0", "dataloader2", "loader")
 FORMATS = ("tar", "parquet")
@@ -138,13 +140,11 @@ def test_every_path_exits_cleanly_from_s3(s3_root):
     _check_cases(_each_path_once(HOWS[1::2], 1), root, options)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(_SLOW_LIMIT_S)
 def test_every_path_exits_cleanly_every_time_from_local_files(local_root):
     _check_cases([(how, fmt) for how in HOWS for fmt in FORMATS], local_root, repeats=REPEATS)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(_SLOW_LIMIT_S)
 def test_every_path_exits_cleanly_every_time_from_s3(s3_root):
     root, options = s3_root

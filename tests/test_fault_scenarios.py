@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root ho
 from benchmarks.faults import S3_SLOWDOWN_XML, Fault, FaultProxy  # noqa: E402
 from tests.helpers import UNEVEN, write_shards  # noqa: E402
 
+pytestmark = pytest.mark.slow  # outages and stalls of seconds each: `make test-slow`, and CI
+
 # ---- the expected defaults, in one place -------------------------------------------
 # Retries are deadline-based: a part is retried until a per-part deadline of minutes, so an
 # outage shorter than that is survived with default options.
@@ -203,7 +205,6 @@ def test_s3_outage(s3_data, seconds: float, mode: str) -> None:
     _assert_retries(ds, proxy, REASON[mode])
 
 
-@pytest.mark.slow
 def test_s3_long_outage(s3_data) -> None:
     spec, proxy, options = s3_data
     ds = sd.TarDataset(spec, storage_options=options)

@@ -302,6 +302,7 @@ SMALL_SHM_SCRIPT = textwrap.dedent(
 CAN_MOUNT = sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("unshare")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CAN_MOUNT, reason="needs root and unshare(1) to mount a small /dev/shm")
 def test_a_real_small_dev_shm_gives_shared_memory_error_not_a_crash(tmp_path):
     script = tmp_path / "small_shm.py"

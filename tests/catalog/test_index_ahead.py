@@ -59,7 +59,7 @@ def test_index_get_overlaps_the_listing(s3_bucket) -> None:
     sd.build_index(spec, server.storage_options)
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
-        proxy.add(Fault("hang", match="list", seconds=3.0, times=1))
+        proxy.add(Fault("hang", match="list", seconds=1.5, times=1))
         ds = sd.TarDataset(spec, storage_options=options, decode=False)
         assert proxy.requests == {"list": 1, "get": 1}
         events = [(kind, outcome) for kind, _, _, outcome in proxy.history]
@@ -126,7 +126,7 @@ def test_no_index_is_one_404_during_the_listing(s3_bucket) -> None:
     spec = _put(server, bucket, "d/")
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
-        proxy.add(Fault("hang", match="list", seconds=3.0, times=1))
+        proxy.add(Fault("hang", match="list", seconds=1.5, times=1))
         ds = sd.TarDataset(spec, storage_options=options, decode=False)
         assert proxy.requests == {"list": 1, "get": 1}
         assert [(k, o) for k, _, _, o in proxy.history] == [("list", "hang"), ("get", "404"),
@@ -191,7 +191,8 @@ def _answers(proxy: FaultProxy) -> list[tuple[str, str, str]]:
             for kind, _, target, outcome in proxy.history]
 
 
-@pytest.mark.parametrize("form", ["brace", "directory", "glob"])
+@pytest.mark.parametrize("form", ["brace", pytest.param("directory", marks=pytest.mark.slow),
+                                  pytest.param("glob", marks=pytest.mark.slow)])
 def test_an_index_under_the_old_name_is_still_read(s3_bucket, form) -> None:
     """A dataset indexed before the rename keeps its exact epochs. Where the listing covers the
     directory, the old name is read after it (one GET more, for such datasets only); else both
@@ -248,7 +249,7 @@ def test_no_index_costs_the_same_requests_as_before_the_rename(s3_bucket, form) 
     spec, told = _forms(bucket)[form]
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
-        proxy.add(Fault("hang", match="list", seconds=3.0, times=1))
+        proxy.add(Fault("hang", match="list", seconds=1.5, times=1))
         ds = sd.TarDataset(spec, storage_options=options, decode=False)
         answers = _answers(proxy)
         assert (answers[-1][0], answers[-1][2]) == ("list", "200 hang"), proxy.history  # none after it

@@ -10,6 +10,7 @@ import collections
 import json
 import logging
 import time
+import uuid
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -28,16 +29,26 @@ COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11, 6]  # 64 samples
 ROWS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
 
 
-@pytest.fixture
-def proxied(s3_bucket):
+@pytest.fixture(scope="module")
+def written(s3_server):
+    """One bucket for the module, written once (the tests only read it)."""
     import s3fs
 
-    server, bucket = s3_bucket
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    bucket = f"sd-resume-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
     write_shards(fs, f"{bucket}/tar", counts=COUNTS)
-    sdx.build_index(f"s3://{bucket}/tar/", server.storage_options, progress=False)
+    sdx.build_index(f"s3://{bucket}/tar/", s3_server.storage_options, progress=False)
     write_shards(fs, f"{bucket}/plain", counts=COUNTS)
     write_tables(fs, f"{bucket}/pq", ROWS)
+    yield s3_server, bucket
+    s3_server.delete_bucket(bucket)
+
+
+@pytest.fixture
+def proxied(written):
+    """The bucket behind a fresh counting proxy: each test counts only its own requests."""
+    server, bucket = written
     with FaultProxy(server.endpoint_url) as proxy:
         yield f"s3://{bucket}/", {**server.storage_options, "endpoint_url": proxy.url}, proxy
 

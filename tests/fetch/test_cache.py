@@ -287,6 +287,7 @@ READER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_fetching_at_once_share_entries_safely(shards, tmp_path):
     spec, options, proxy, keys = shards
     cache_dir, go = tmp_path / "cache", tmp_path / "go"

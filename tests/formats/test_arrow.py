@@ -379,6 +379,7 @@ def test_corrupt_row_group_names_url_and_group_or_is_skipped(tmp_path):
     assert ids == list(range(100)) + list(range(200, 300))
 
 
+@pytest.mark.slow
 def test_error_crosses_a_worker_with_its_url(tmp_path):
     url, = write_parquet(_ids_table(0, 200), str(tmp_path / "bad.parquet"), row_group_size=100)
     _corrupt_row_group(url, 0)

@@ -436,7 +436,7 @@ print(json.dumps({"main": "aiohttp" in sys.modules, "workers": sorted(workers), 
 """
 
 
-@pytest.mark.parametrize("lite_http", ["1", "0"])
+@pytest.mark.parametrize("lite_http", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_a_lite_s3_epoch_never_imports_aiohttp(s3_bucket, lite_http: str) -> None:
     server, bucket = s3_bucket
     counts = [3, 4]

@@ -263,6 +263,7 @@ def test_a_throttled_answer_is_retried_no_sooner_than_its_retry_after(proxied, h
     assert retried["throttled"] == 1 and sum(retried.values()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reset", "503"])
 def test_a_3s_outage_of_every_request_is_survived_exactly_once(proxied, mode):
     bucket, fs, proxy, options = proxied

@@ -71,7 +71,7 @@ def silent() -> Iterator[SilentListener]:
     ("s3://bkt/x-*.tar", "s3://bkt/x-*.tar", 2),      # glob
     ("s3://bkt/x.tar", "s3://bkt/x.tar", 2),          # one object: a stat
 ])
-@pytest.mark.parametrize("index", [None, "auto"])
+@pytest.mark.parametrize("index", [pytest.param(None, marks=pytest.mark.slow), "auto"])
 def test_silent_s3_endpoint_times_out_in_the_constructor(silent, spec, named, ahead, index, monkeypatch):
     monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "0")  # counted below: the constructor's own
     start = time.monotonic()

@@ -166,7 +166,7 @@ with sd.ShardWriter(spec, maxcount=4, storage_options=options, index=False, part
 """
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", [pytest.param("local", marks=pytest.mark.slow), "s3"])
 def test_a_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path, request, s3_server, where):
     if where == "s3":
         server, bucket = request.getfixturevalue("s3_bucket")
@@ -248,6 +248,7 @@ def test_the_writers_index_equals_build_index(s3_bucket):
     assert len(read_keys(ds, num_workers=2)) == 25
 
 
+@pytest.mark.slow
 def test_write_blocks_while_max_pending_shards_wait(s3_bucket, capsys):
     """Bounded spool: with uploads slowed down (200 ms one-way), write() waits for a slot, so
     the spool never holds more than max_pending finished shards and the one being written."""
