@@ -106,7 +106,8 @@ def indexed_tars(request, tmp_path):
     return str(tmp_path) + "/", keys
 
 
-@pytest.mark.parametrize("world_size,num_workers", [(2, 2), (3, 1), (4, 0)])
+@pytest.mark.parametrize("world_size,num_workers",
+                         [(2, 2), pytest.param(3, 1, marks=pytest.mark.slow), (4, 0)])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_tar_epochs_with_an_index_are_exact(indexed_tars, world_size, num_workers, drop_last):
     spec, keys = indexed_tars

@@ -296,6 +296,7 @@ def test_verify_false_reads_and_warns(s3_shards, env) -> None:
 # ---- writers and the command line ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_writer_and_cli_through_the_proxy(s3_bucket, proxy, env) -> None:
     import numpy as np
 

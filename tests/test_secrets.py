@@ -296,6 +296,7 @@ def test_ls_lists_urls_without_passwords(http_shards):
     assert_clean(done.stdout, done.stderr)
 
 
+@pytest.mark.slow
 def test_ls_errors_without_key_ids(denying_s3):
     done = _ls("s3://all/deny/a-{0..1}.tar", "--storage-options", json.dumps(denying_s3))
     assert done.returncode == 2 and "access denied" in done.stderr

@@ -88,6 +88,7 @@ def check_once(got, mix, stop):
 # ---- the choices -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_proportions_within_two_percent_over_10000_samples(data):
     weights = [0.6, 0.3, 0.1]
     tar = sd.TarDataset(data + "/tar/", map=tar_row)

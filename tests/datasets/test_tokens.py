@@ -119,7 +119,8 @@ def _epoch(ds, world_size, num_workers):
 
 
 @pytest.mark.parametrize("layout", ["bin", "idx", "parquet", "tar"])
-@pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 2), (3, 1)])
+@pytest.mark.parametrize("world_size,num_workers",
+                         [(1, 0), (2, 2), pytest.param(3, 1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("partial,documents,specials", [("drop", False, False), ("pad", False, False),
                                                         ("pad", True, True), ("drop", True, True)])
 def test_every_token_once_with_equal_steps(tmp_path, layout, world_size, num_workers, partial, documents,

@@ -173,6 +173,7 @@ print(json.dumps([before, "webdataset" in sys.modules, "yaml" in sys.modules]))
 """
 
 
+@pytest.mark.slow
 def test_the_default_imports_webdataset_only_for_a_field_that_needs_it():
     """A fresh interpreter: the default decoder decodes npy, ints, text, json and a png without
     webdataset; a pickle field (webdataset's handler) imports it."""

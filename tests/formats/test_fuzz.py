@@ -292,6 +292,7 @@ def fuzz(tmp_path: Path, name: str, cases: Iterable[tuple[str, bytes]], read: Ca
     assert ok and errors  # the cases do break things, and not everything
 
 
+@pytest.mark.slow
 def test_mutated_tar_ends_in_samples_or_our_error(tmp_path):
     valid = valid_tar()
     cases = itertools.chain(targeted_tar_cases(valid), random_cases(valid, tar_mutation, 200, seed=1))
