@@ -180,10 +180,14 @@ def write_tables(fs, prefix: str, groups: list[list[int]], suffix: str = "parque
     return list(range(n))
 
 
-def torchrun(job, tmp_path, nproc: int, cfg: dict, time_limit_s: float = 240) -> list[dict]:
-    """Run ``job`` (tests/jobs/*.py) under ``torchrun`` on ``nproc`` ranks with ``cfg``; each rank's
+def torchrun(job, tmp_path, nproc: int, cfg: dict, time_limit_s: float = 240,
+             launcher: str = "torchrun") -> list[dict]:
+    """Run ``job`` (tests/jobs/*.py) under ``torchrun`` (or ``accelerate launch``, which starts
+    the ranks the same way: ``--multi_gpu``, the one switch that makes it start more than one
+    process on a machine without GPUs) on ``nproc`` ranks with ``cfg``; each rank's
     ``{tag}-rank{R}.json``. A hang fails the test after ``time_limit_s``."""
     import json
+    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -191,12 +195,20 @@ def torchrun(job, tmp_path, nproc: int, cfg: dict, time_limit_s: float = 240) ->
     import pytest
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(job), str(tmp_path), json.dumps(cfg)]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+               f"--main_process_port={port}"]
+    cmd += [str(job), str(tmp_path), json.dumps(cfg)]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=time_limit_s)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the torchrun job hung (no end within {time_limit_s} s): {exc.stderr!s:.2000}")
+        pytest.fail(f"the {launcher} job hung (no end within {time_limit_s} s): {exc.stderr!s:.2000}")
     assert done.returncode == 0, done.stderr[-12000:]  # a stopped rank's stacks too (``jobs._leave``)
     return [json.loads((Path(tmp_path) / f"{cfg['tag']}-rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -86,16 +86,19 @@ def test_lightning_trainer_ddp_resumes_from_its_checkpoint_exactly(shards, tmp_p
 
 
 @pytest.mark.slow
-def test_accelerate_resumes_from_its_saved_state_exactly(shards, tmp_path):
-    """Accelerator under torchrun: prepare() hands the sd.loader back unchanged (no second split),
-    save_state/load_state carry its position (register_for_checkpointing), and a plain DataLoader
-    over a streamdata dataset that went through prepare() is refused as it starts (SELF-SPLIT)."""
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate launch"])
+def test_accelerate_resumes_from_its_saved_state_exactly(shards, tmp_path, launcher):
+    """Accelerator under torchrun and under ``accelerate launch``: prepare() hands the sd.loader
+    back unchanged (no second split), save_state/load_state carry its position
+    (register_for_checkpointing), and a plain DataLoader over a streamdata dataset that went
+    through prepare() is refused as it starts (SELF-SPLIT)."""
     case, everything = shards
     stop = random.Random(13).randint(2, 13)
     cfg = {**case, "ckpt_dir": str(tmp_path / "state")}
     job = JOBS / "accelerate_job.py"
-    first = torchrun(job, tmp_path, 2, {**cfg, "tag": "first", "stop": stop, "resume": False}, TIME_LIMIT_S)
-    after = torchrun(job, tmp_path, 2, {**cfg, "tag": "after", "resume": True}, TIME_LIMIT_S)
+    first = torchrun(job, tmp_path, 2, {**cfg, "tag": "first", "stop": stop, "resume": False}, TIME_LIMIT_S,
+                     launcher)
+    after = torchrun(job, tmp_path, 2, {**cfg, "tag": "after", "resume": True}, TIME_LIMIT_S, launcher)
     assert first[0]["steps"] == stop - 1
     _check([first, after], everything)
     for rank in first + after:
