@@ -200,21 +200,25 @@ def _script(job: str, tmp_path: Path, cfg: dict, time_limit_s: float = TIME_LIMI
 
 
 @pytest.mark.slow
-def test_ray_train_restarts_a_lost_worker_from_its_last_checkpoint_exactly(shards, tmp_path):
-    """TorchTrainer, 2 CPU workers: prepare_data_loader passes the loader through; rank 1 dies
-    mid-epoch (os._exit) on the first attempt, FailureConfig restarts both workers from the last
-    reported checkpoint (the loader's state in it), and the attempts together train every sample
-    of both epochs exactly once, the same steps on both ranks; one listing per attempt."""
+@pytest.mark.parametrize("move_to_device", [False, True])
+def test_ray_train_restarts_a_lost_worker_from_its_last_checkpoint_exactly(shards, tmp_path, move_to_device):
+    """TorchTrainer, 2 CPU workers: prepare_data_loader passes the loader through (or, with Ray's
+    default ``move_to_device=True``, wraps it in a loader one batch ahead, and the loader is built
+    with ``held_ahead=1``, as docs/frameworks.md says); rank 1 dies mid-epoch (os._exit) on the
+    first attempt, FailureConfig restarts both workers from the last reported checkpoint (the
+    loader's state in it), and the attempts together train every sample of both epochs exactly
+    once, the same steps on both ranks; one listing per attempt."""
     import json
 
     from benchmarks.faults import FaultProxy
 
     case, everything = shards
-    stop = random.Random(11).randint(3, 12)  # of 16 steps over two epochs
+    stop = random.Random(11).randint(3, 7)  # of 16 steps over two epochs: within the first
     with FaultProxy(case["storage_options"]["endpoint_url"]) as proxy:
         options = {**case["storage_options"], "endpoint_url": proxy.url}
         _script("ray_train_job.py", tmp_path, {"spec": case["spec"], "storage_options": options, "stop": stop,
-                                               "storage_path": str(tmp_path / "ray")}, 2 * TIME_LIMIT_S)
+                                               "storage_path": str(tmp_path / "ray"),
+                                               "move_to_device": move_to_device}, 2 * TIME_LIMIT_S)
         listings = proxy.requests["list"]
     assert (tmp_path / "killed").exists()  # rank 1 did die on the first attempt
     result = json.loads((tmp_path / "ray-result.json").read_text())
@@ -225,6 +229,11 @@ def test_ray_train_restarts_a_lost_worker_from_its_last_checkpoint_exactly(shard
     assert len(resumed) == 1, resumed  # one restart, from a reported checkpoint
     restart = resumed.pop()
     assert 1 <= restart < stop
+    # mid-epoch (not at an epoch's end, where every batch handed out is consumed): the resumed
+    # attempt's first step is in the epoch the checkpoint's step was
+    epoch_of = {x["step"]: x["epoch"] for x in lines[0] if x["from"] == 0}
+    first = min((x for x in lines[0] if x["from"] == restart), key=lambda x: x["step"])
+    assert first["step"] == restart + 1 and first["epoch"] == epoch_of[restart], (restart, first)
     assert listings == 2  # one per attempt: rank 0 lists, the other rank is told
     runs = []
     for attempt in (0, restart):  # the first attempt counts up to the checkpoint the second loaded

@@ -7,13 +7,16 @@ from the last reported checkpoint.
 
     python tests/jobs/ray_train_job.py OUT_DIR CONFIG
 
-CONFIG: ``spec``, ``storage_options``, ``storage_path`` (Ray's storage, absolute) and ``stop``
-(the global step at which rank 1 dies on the first attempt). Each worker appends one JSON line
-per trained step to ``OUT_DIR/ray-rank{R}.jsonl``: the checkpoint step its attempt started from
-(``from``), the epoch, the global step and the keys trained.
+CONFIG: ``spec``, ``storage_options``, ``storage_path`` (Ray's storage, absolute), ``stop``
+(the global step at which rank 1 dies on the first attempt) and ``move_to_device`` (Ray's
+wrapper, with the loader built ``held_ahead=1``, or ``held_ahead`` if given). Each worker
+appends one JSON line per trained step to ``OUT_DIR/ray-rank{R}.jsonl``: the checkpoint step its
+attempt started from (``from``), the epoch, the global step and the keys trained.
 """
 
 from __future__ import annotations
+
+import functools
 
 # --- recipe: docs/frameworks.md, Ray Train ---
 import os
@@ -111,6 +114,22 @@ def train_step(model, optimizer, batch, epoch, step):  # noqa: F811 - the recipe
                             "keys": list(batch["__key__"])}) + "\n")
 
 
+_recipe_loop = train_loop_per_worker
+_sd_loader = sd.loader
+_prepare = ray.train.torch.prepare_data_loader
+
+
+def train_loop_per_worker(config):  # noqa: F811 - the recipe's, or its variant for Ray's wrapper
+    """With ``move_to_device`` in the config: the recipe as docs/frameworks.md says to change it for
+    Ray's default ``prepare_data_loader(loader)`` (``move_to_device=True``, a wrapper that takes
+    one batch ahead): the loader built with ``held_ahead=1``."""
+    if config.get("move_to_device"):
+        sd.loader = functools.partial(_sd_loader, held_ahead=config.get("held_ahead", 1))
+        ray.train.torch.prepare_data_loader = lambda loader, **kw: _prepare(loader, **{
+            **kw, "move_to_device": True})
+    _recipe_loop(config)
+
+
 _CONFIG: dict = {}
 
 
@@ -123,7 +142,8 @@ def main(out_dir: str, config_json: str) -> None:
     _CONFIG.update(cfg, out_dir=out_dir)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     try:
-        result = fit({"spec": cfg["spec"], "storage_options": cfg["storage_options"], "epochs": 2},
+        extra = {k: cfg[k] for k in ("move_to_device", "held_ahead") if k in cfg}
+        result = fit({"spec": cfg["spec"], "storage_options": cfg["storage_options"], "epochs": 2, **extra},
                      cfg["storage_path"])
         with open(os.path.join(out_dir, "ray-result.json"), "w") as f:
             json.dump({"error": repr(result.error) if result.error else None,
