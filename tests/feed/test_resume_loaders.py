@@ -41,8 +41,10 @@ def written(s3_server):
     sdx.build_index(f"s3://{bucket}/tar/", s3_server.storage_options, progress=False)
     write_shards(fs, f"{bucket}/plain", counts=COUNTS)
     write_tables(fs, f"{bucket}/pq", ROWS)
-    yield s3_server, bucket
-    s3_server.delete_bucket(bucket)
+    try:
+        yield s3_server, bucket
+    finally:
+        s3_server.delete_bucket(bucket)
 
 
 @pytest.fixture
