@@ -63,9 +63,10 @@ class Body:
         self.sent_at: float | None = None
 
     def latency(self, tried: float | None = None) -> float | None:
-        """Seconds from the request (as it went out on its connection, else ``tried``) to the
-        first byte; None where either is unknown or the first byte came before (an earlier try)."""
-        since = self.sent_at if self.sent_at is not None else tried
+        """Seconds from the request (as it went out on its connection, and not before ``tried``,
+        this try's start: a ``sent_at`` left by an earlier try does not count) to the first byte;
+        None where both are unknown or the first byte came before (an earlier try)."""
+        since = max((t for t in (tried, self.sent_at) if t is not None), default=None)
         if since is None or self.first_at is None or self.first_at < since:
             return None
         return self.first_at - since
