@@ -81,9 +81,7 @@ class Front:
             return False
         with self._lock:
             self.sent.append((path, q, time.time()))
-        # SigV4: X-Amz-Date + X-Amz-Expires; SigV2 (botocore's default for S3): Expires, a Unix time
-        end = _born(q) + int(q["X-Amz-Expires"]) if "X-Amz-Date" in q else int(q["Expires"])
-        return self._refuse("expired", time.time() + self.skew > end)
+        return self._refuse("expired", time.time() + self.skew > _ends(q))
 
     def _tokens(self) -> dict[str, float]:
         assert self.issued is not None
@@ -122,6 +120,13 @@ class Front:
 def _born(query: dict[str, str]) -> int:
     """A SigV4 URL's X-Amz-Date, as a Unix time."""
     return calendar.timegm(time.strptime(query["X-Amz-Date"], "%Y%m%dT%H%M%SZ"))
+
+
+def _ends(query: dict[str, str]) -> int:
+    """When a presigned URL expires, as a Unix time: SigV4's X-Amz-Date + X-Amz-Expires, SigV2's
+    (botocore's default for S3) Expires. Both count whole seconds, so a URL signed for ``n``
+    seconds lives between ``n - 1`` and ``n``."""
+    return _born(query) + int(query["X-Amz-Expires"]) if "X-Amz-Date" in query else int(query["Expires"])
 
 
 def _token(query: dict[str, str]) -> str | None:
@@ -214,11 +219,12 @@ def test_moto_checks_no_presigned_url_and_the_front_does(front: tuple[Front, Any
 
     params = {"Bucket": bucket, "Key": "k"}
     via_front = [client(fr.url, server.key, version=v).generate_presigned_url("get_object", Params=params,
-                                                                               ExpiresIn=1)
+                                                                               ExpiresIn=3)
                  for v in ("s3v4", "s3")]  # SigV4, and SigV2: what botocore's S3 presigner makes by default
-    for url in via_front:
+    for url in via_front:  # signed for 3 s: at least 2 s to live (_ends), however late in its second
         assert get(url) == (200, b"hello")  # the front passes a live URL on
-    time.sleep(2.1)
+    ends = max(_ends(dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))) for url in via_front)
+    time.sleep(max(0.0, ends - time.time()) + 0.2)
     for url in via_front:
         direct = url.replace(fr.url, server.endpoint_url, 1)
         assert get(direct) == (200, b"hello"), "moto now refuses expired URLs: update the module docstring"
