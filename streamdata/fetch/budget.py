@@ -2,12 +2,13 @@
 
 BUDGET-GROWTH (the invariant): a reader starts each pass with ``byte_budget`` (or what an
 earlier pass of this process learned for the same endpoint) and never holds more than
-``byte_budget_max``. The budget grows only when the budget itself cost the reader time: the
-reader waited for a part (a *stall*) whose request the budget had held back, and what the
-reader consumes during that part's latency (from its request to its first byte: its rate times
-that time, the bandwidth-delay product) is at least ``LATENCY_SHARE`` of the budget, so that
-latency, not bandwidth, made it wait. It then grows by ``STEP`` (or to the product, with a
-quarter more and one part, if that is more), capped.
+``byte_budget_max``. Beyond one step at the start of a pass, by what its first first bytes
+say of the endpoint (far or near: below), the budget grows only when the budget itself cost
+the reader time: the reader waited for a part (a *stall*) whose request the budget had held
+back, and what the reader consumes during that part's latency (from its request to its first
+byte: its rate times that time, the bandwidth-delay product) is at least ``LATENCY_SHARE`` of
+the budget, so that latency, not bandwidth, made it wait. It then grows by ``STEP`` (or to
+the product, with a quarter more and one part, if that is more), capped.
 
 The product alone would not do as the rule: a budget-bound reader's rate is set by its budget,
 and the bytes it holds are not only in flight (fetched parts wait to be parsed, budget comes
@@ -30,7 +31,11 @@ that stream the body to streamdata tell the first byte (S3's presigned and LITE-
   (0.5-0.8 s into the first pass at 100 ms one-way). The step is ``STEP`` times the distance
   (``latency / FAR_S``): the bytes in flight that a link keeps busy grow with its round trip,
   so at 250 ms one-way the budget takes in one step what one ``STEP`` a round trip would take
-  in four round trips.
+  in four round trips;
+- a near endpoint (the pass's first first byte under ``FAR_S``: NEAR-START, ``tune``) takes a
+  budget too small to cut full-size parts to that size at once (``near``: ``PARTS_IN_BUDGET``
+  parts of ``part_size``, 32 MiB by default, within the cap): there a request costs the
+  server's own work, not a round trip, and a small budget's small parts multiply the requests.
 
 The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
 decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
@@ -88,6 +93,14 @@ class Budget:
         if latency < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
             return False
         return self._grow(round(self.limit * STEP * latency / FAR_S))
+
+    def near(self, full: int) -> bool:
+        """The pass's first first byte says the endpoint is near (NEAR-START, ``tune``): a budget
+        under ``full`` (the bytes that cut full-size parts) grows to it at once, within the cap,
+        if nothing grew it yet. True if it grew."""
+        if self.grown or self.limit >= min(full, self.most):
+            return False
+        return self._grow(full)
 
     def _grow(self, limit: int) -> bool:
         self.limit = min(self.most, limit)

@@ -40,7 +40,12 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   the window's requests go out) comes under ``FAR_S``, a request limit that starts at its
   bound starts at ``NEAR_START`` (one request) instead: a near endpoint's first burst is then
   one part, not a budget's worth at once, which a busy server only queues; stalls grow it (to
-  the QUEUE-FIT ceiling), as from any start;
+  the QUEUE-FIT ceiling), as from any start. A budget too small to cut full-size parts (under
+  ``PARTS_IN_BUDGET`` times ``part_size``) takes one step to that size at once
+  (``Budget.near``, within the cap): a near server charges each request its own work, not a
+  round trip, so the small parts of a small budget cost the reader requests, not bytes in
+  flight (from 8 MiB, the pass reached 90% of the best fixed setting's rate within the first
+  tenth of the epoch in 15 of 20 rounds at 0 ms, against 9 of 20 without the step);
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -157,12 +162,17 @@ class Tuner:
         if not self.on:
             return False
         moved = False
-        if not self._first and latency < FAR_S and self.max_requests > NEAR_START:
+        if not self._first and latency < FAR_S:
             # NEAR-START: the pass's first first byte says near (before the window's burst goes
-            # out): the request limit starts low; stalls grow it, QUEUE-FIT bounds it
-            self.max_requests = NEAR_START
-            self.decisions["max_requests"] += 1
-            moved = True
+            # out): the request limit starts low (stalls grow it, QUEUE-FIT bounds it), and a
+            # small budget takes full parts
+            if self.max_requests > NEAR_START:
+                self.max_requests = NEAR_START
+                self.decisions["max_requests"] += 1
+                moved = True
+            if self.budget.near(PARTS_IN_BUDGET * self.most_part):
+                self._budget_moved()
+                moved = True
         if self.wants_first_byte:
             self._first.append(latency)
             moved = (len(self._first) == FAR_PARTS and self.far(min(self._first))) | moved

@@ -147,8 +147,9 @@ def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server
 
 def test_where_queue_fit_holds_one_or_two_requests_the_parts_carry_more_of_the_budget():
     """A ceiling of one or two requests cuts the budget into ceiling + 1 parts, not
-    PARTS_IN_BUDGET: a queueing server charges per request; the parts follow a refit back."""
-    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST), key="q")
+    PARTS_IN_BUDGET: a queueing server charges per request; the parts follow a refit back. (The
+    cap is the budget: NEAR-START's budget step cannot cut full parts.)"""
+    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=8 * MiB, tune_from=SMALLEST), key="q")
     assert t.part_size == 8 * MiB // tune_module.PARTS_IN_BUDGET
     _sent(t, lambda n: 0.001 + 0.012 * n)  # one request: two parts of the budget
     assert t.ceiling == 1 and t.part_size == 4 * MiB and t.decisions["part_size"] == 1
@@ -174,6 +175,20 @@ def test_near_start_lowers_the_request_limit_on_the_first_first_byte_only():
     assert far.max_requests == 32
     low = Tuner(FetchConfig(tune_from=SMALLEST))
     assert not low.first_byte(0.02) and low.max_requests == 1
+    small = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
+                  key="small")
+    assert small.first_byte(0.02)  # a small budget takes full parts at once: a step, counted
+    assert small.knobs() == {"window": 1, "max_requests": 1, "byte_budget": 32 * MiB, "part_size": 8 * MiB}
+    assert small.decisions == {"window": 0, "max_requests": 0, "byte_budget": 1, "part_size": 1}
+    assert not small.first_byte(0.3) and small.budget.grown == 1  # one step; the shorter first byte: near
+    capped = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="capped")  # default cap: twice
+    assert capped.first_byte(0.02) and capped.knobs()["byte_budget"] == 16 * MiB
+    farther = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
+                    key="farther")
+    assert not farther.first_byte(0.15) and farther.knobs()["byte_budget"] == 8 * MiB  # not near
+    assert near.knobs()["byte_budget"] == 64 * MiB and near.decisions["byte_budget"] == 0  # 4 full parts
+    off = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False))
+    assert not off.first_byte(0.02) and off.knobs()["byte_budget"] == 8 * MiB
     mine = Tuner(FetchConfig(max_requests=1))  # the user's bound, at NEAR_START
     assert not mine.first_byte(0.02) and mine.max_requests == 1
     theirs = Tuner(FetchConfig(max_requests=2))  # a bound above it: a start, which stalls grow back
