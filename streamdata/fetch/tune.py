@@ -38,14 +38,15 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   1-5 requests where 8-32 ran fastest);
 - NEAR-START: where the pass's first first byte (the reader's first probe, sent alone, before
   the window's requests go out) comes under ``FAR_S``, a request limit that starts at its
-  bound starts at ``NEAR_START`` (one request) instead: a near endpoint's first burst is then
-  one part, not a budget's worth at once, which a busy server only queues; stalls grow it (to
-  the QUEUE-FIT ceiling), as from any start. A budget too small to cut full-size parts (under
+  bound starts at ``NEAR_START`` instead: a near endpoint's first burst is then not a budget's
+  worth of parts at once, which a busy server only queues; stalls grow it (to the QUEUE-FIT
+  ceiling), as from any start. A budget too small to cut full-size parts (under
   ``PARTS_IN_BUDGET`` times ``part_size``) takes one step to that size at once
   (``Budget.near``, within the cap): a near server charges each request its own work, not a
   round trip, so the small parts of a small budget cost the reader requests, not bytes in
-  flight (from 8 MiB, the pass reached 90% of the best fixed setting's rate within the first
-  tenth of the epoch in 15 of 20 rounds at 0 ms, against 9 of 20 without the step);
+  flight (from 8 MiB at 0 ms, the pass reached 90% of the best fixed setting's rate within
+  the first tenth of the epoch in 16 of 20 rounds, against 9 of 20 without the step:
+  benchmarks/README.md, "Autotune");
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
   keeps several requests on the wire where latency is long. At the default 64 MiB budget
@@ -87,7 +88,7 @@ MIN_PART = 1 << 20  # ... and at least this (or the configured part size, if sma
 FIT_PARTS = 8  # QUEUE-FIT: the last this many parts' first bytes, against their requests in flight
 FIT_SPREAD = 3  # ... fitted once they were sent at in-flight counts at least this far apart
 FLAT = 0.25  # a slope that adds less than this share of the intercept over the spread: no queue
-NEAR_START = 1  # a near endpoint's request limit starts here, not at its bound (QUEUE-FIT, stalls: from it)
+NEAR_START = 4  # a near endpoint's request limit starts here, not at its bound (QUEUE-FIT, stalls: from it)
 
 _learned: dict[object, tuple[int, int]] = {}  # endpoint -> (window, max_requests) reached
 

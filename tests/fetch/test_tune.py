@@ -120,13 +120,12 @@ def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server
     latency does not grow with them keeps the bound."""
     near = Tuner(FetchConfig())  # a busy server next door: 12 ms of work a part, 1 ms of wire
     _sent(near, lambda n: 0.001 + 0.012 * n)
-    # NEAR-START on the first first byte (32 -> 1); the fit holds it there
-    assert near.max_requests == 1 and near.ceiling == 1 and near.decisions["max_requests"] == 1
+    # NEAR-START on the first first byte (32 -> 4), then the fit (4 -> 1)
+    assert near.max_requests == 1 and near.ceiling == 1 and near.decisions["max_requests"] == 2
     assert not near.stalled(Held(max_requests=1), 0.013)  # stalls grow it no further
     farther = Tuner(FetchConfig(), key="farther")  # the same server 25 ms away (a 50 ms round trip)
     _sent(farther, lambda n: 0.05 + 0.012 * n)
     assert farther.ceiling == round(1 + 0.05 / 0.012) == 5 and farther.max_requests == tune_module.NEAR_START
-    assert farther.stalled(Held(max_requests=1), 0.1) and farther.max_requests == 4  # a STEP
     assert farther.stalled(Held(max_requests=4), 0.1) and farther.max_requests == 5  # up to the ceiling
     flat = Tuner(FetchConfig(tune_from=SMALLEST))  # S3: latency the same whatever is in flight
     _sent(flat, lambda n: 0.025 + 0.0003 * n + (0.004 if n % 3 == 0 else 0.0))
@@ -136,7 +135,7 @@ def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server
     for _ in range(tune_module.FIT_PARTS):
         alike.first_byte(0.05, 4)
     assert alike.max_requests == tune_module.NEAR_START and alike.ceiling == 32
-    assert alike.stalled(Held(max_requests=1), 0.05) and alike.max_requests == 4  # stalls grow it
+    assert alike.stalled(Held(max_requests=4), 0.05) and alike.max_requests == 16  # stalls grow it
     far = Tuner(FetchConfig())  # a far endpoint (the far step fired): its requests cover the round trip
     _sent(far, lambda n: 0.2 + 0.03 * n)
     assert far.max_requests == 32 and far.ceiling == 32 and far.decisions["max_requests"] == 0
@@ -189,11 +188,8 @@ def test_near_start_lowers_the_request_limit_on_the_first_first_byte_only():
     assert near.knobs()["byte_budget"] == 64 * MiB and near.decisions["byte_budget"] == 0  # 4 full parts
     off = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False))
     assert not off.first_byte(0.02) and off.knobs()["byte_budget"] == 8 * MiB
-    mine = Tuner(FetchConfig(max_requests=1))  # the user's bound, at NEAR_START
-    assert not mine.first_byte(0.02) and mine.max_requests == 1
-    theirs = Tuner(FetchConfig(max_requests=2))  # a bound above it: a start, which stalls grow back
-    assert theirs.first_byte(0.02) and theirs.max_requests == 1
-    assert theirs.stalled(Held(max_requests=1), 0.02) and theirs.max_requests == 2
+    mine = Tuner(FetchConfig(max_requests=2))  # the user's bound, below NEAR_START
+    assert not mine.first_byte(0.02) and mine.max_requests == 2
 
 
 def test_queue_fit_follows_the_latest_parts():
