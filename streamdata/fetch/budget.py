@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import time
 
-__all__ = ["Budget"]
+__all__ = ["Budget", "distance"]
 
 STEP = 2.0  # each growth multiplies the budget by at least this much
 MARGIN = 1.25  # ... or makes it the bandwidth-delay product with this margin, if more
@@ -57,6 +57,12 @@ RATE_WINDOW_S = 1.0
 MIN_HISTORY_S = 0.1
 
 _learned: dict[object, int] = {}  # endpoint -> the budget the last pass of this process grew to
+
+
+def distance(latency: float) -> float:
+    """How far an endpoint is whose first byte took ``latency`` s, in ``FAR_S``: 1 or more is a
+    far endpoint, and the far steps (``Budget.far``, ``tune.Tuner.far``) scale with it."""
+    return latency / FAR_S
 
 
 class Budget:
@@ -90,9 +96,9 @@ class Budget:
         """The pass's first part's first byte took ``latency`` seconds: one step at once if that
         says the endpoint is far (and nothing grew the budget yet), of ``STEP`` times the
         distance (``latency / FAR_S``). True if it grew."""
-        if latency < FAR_S or self.grown or self.limit >= self.most or self.limit > self.floor:
+        if distance(latency) < 1 or self.grown or self.limit >= self.most or self.limit > self.floor:
             return False
-        return self._grow(round(self.limit * STEP * latency / FAR_S))
+        return self._grow(round(self.limit * STEP * distance(latency)))
 
     def near(self, full: int) -> bool:
         """The pass's first first byte says the endpoint is near (NEAR-START, ``tune``): a budget

@@ -76,7 +76,7 @@ import collections
 import dataclasses
 
 from streamdata.config import FetchConfig
-from streamdata.fetch.budget import FAR_S, Budget
+from streamdata.fetch.budget import Budget, distance
 from streamdata.metrics import KNOBS
 
 __all__ = ["FAR_PARTS", "FIT_PARTS", "MIN_PART", "PARTS_IN_BUDGET", "STEP", "Held", "Tuner"]
@@ -122,6 +122,7 @@ class Tuner:
         self.ceiling = self.most_requests  # QUEUE-FIT: the request limit stalls may grow to now
         self.part_size = self._part_for(self.budget.limit)
         self._first: list[float] = []  # the pass's first first-byte latencies (the far step)
+        self._far = False  # what the shorter of them said (QUEUE-FIT fits only a near endpoint)
         self._sent: collections.deque[tuple[int, float]] = collections.deque(maxlen=FIT_PARTS)
 
     def knobs(self) -> dict[str, int]:
@@ -163,7 +164,7 @@ class Tuner:
         if not self.on:
             return False
         moved = False
-        if not self._first and latency < FAR_S:
+        if not self._first and distance(latency) < 1:
             # NEAR-START: the pass's first first byte says near (before the window's burst goes
             # out): the request limit starts low (stalls grow it, QUEUE-FIT bounds it), and a
             # small budget takes full parts
@@ -176,14 +177,16 @@ class Tuner:
                 moved = True
         if self.wants_first_byte:
             self._first.append(latency)
-            moved = (len(self._first) == FAR_PARTS and self.far(min(self._first))) | moved
+            if len(self._first) == FAR_PARTS:
+                self._far = distance(min(self._first)) >= 1
+                moved = self.far(min(self._first)) | moved
         self._sent.append((inflight, latency))
         return self._fit() | moved
 
     def _fit(self) -> bool:
         """QUEUE-FIT: the request limit's ceiling from the last first bytes against their
         in-flight counts, and the limit lowered to it. True if the limit moved."""
-        if len(self._sent) < FIT_PARTS or min(self._first) >= FAR_S:
+        if len(self._sent) < FIT_PARTS or self._far:
             return False  # too few yet; or a far endpoint, where requests in flight cover the round trip
         counts = [n for n, _ in self._sent]
         spread = max(counts) - min(counts)
@@ -217,8 +220,8 @@ class Tuner:
         if self.budget.far(latency):
             self._budget_moved()
             moved = True
-        if latency >= FAR_S:
-            factor = STEP * latency / FAR_S
+        if distance(latency) >= 1:
+            factor = STEP * distance(latency)
             moved = self._step("window", Held(window=self.window), factor) | moved
             moved = self._step("max_requests", Held(max_requests=self.max_requests), factor) | moved
         return moved
