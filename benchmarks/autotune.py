@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
                 max((row for row in at if row["round"] == r and row["method"].startswith("grid:")),
                     key=lambda row: row["rate"])["method"] for r in range(args.rounds)),
             **{f"{k} reached 90% of the best grid at (epoch fraction)": v for k, v in reach.items()},
+            # the bar, per method: in how many rounds it got there within the first --span, and
+            # the median round (a round that never got there counts as the whole epoch)
+            **{f"{k} reached it within the first {args.span:g} (rounds)":
+               f"{sum(x is not None and x <= args.span for x in v)}/{len(v)}, median "
+               f"{statistics.median(1.0 if x is None else x for x in v):.2f}" for k, v in reach.items()},
             "peak RSS MiB (max)": {k: max(row["peak_rss"] for row in at if row["method"] == k) / MiB
                                    for k in methods},
             "peak budget MiB": {k: max(row["peak_budget"] for row in at if row["method"] == k) / MiB

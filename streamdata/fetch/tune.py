@@ -45,7 +45,7 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   (``Budget.near``, within the cap): a near server charges each request its own work, not a
   round trip, so the small parts of a small budget cost the reader requests, not bytes in
   flight (from 8 MiB at 0 ms, the pass reached 90% of the best fixed setting's rate within
-  the first tenth of the epoch in 16 of 20 rounds, against 9 of 20 without the step:
+  the first tenth of the epoch in 14 of 20 rounds, against 9 of 20 without the step:
   benchmarks/README.md, "Autotune");
 - the part size follows the budget: a quarter of it (``PARTS_IN_BUDGET`` parts in flight),
   at least ``MIN_PART`` and at most the configured ``part_size``, so a small budget still
