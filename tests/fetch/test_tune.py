@@ -257,9 +257,9 @@ def _objects(s3_bucket, count: int, size: int) -> tuple[object, list[bytes], str
 
 def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_the_same(s3_bucket):
     """30 ms one-way, one object ahead and one request at a time, a 1 MiB budget: the reader
-    waits, the window and request limit grow to their bounds, the budget within its cap; the
-    bytes come in the same order as with the knobs fixed, and the fetcher never holds more than
-    its cap and a part."""
+    waits, the window and request limit grow (to their bounds, or the request limit to
+    QUEUE-FIT's ceiling), the budget within its cap; the bytes come in the same order as with
+    the knobs fixed, and the fetcher never holds more than its cap and a part."""
     from benchmarks.proxy import LatencyProxy
 
     server, blobs, spec = _objects(s3_bucket, 24, 512 * 1024)
@@ -274,7 +274,9 @@ def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_t
                 got[on] = [b"".join(reader.chunks()) for reader in fetcher]
             if on:
                 tuned = fetcher.tuner
-                assert (tuned.window, tuned.max_requests) == (8, 8)  # their bounds
+                # the window to its bound; the request limit grew, to its bound or to where
+                # QUEUE-FIT found the server queueing (a loaded machine's server does, at 30 ms)
+                assert tuned.window == 8 and 1 < tuned.max_requests <= min(8, tuned.ceiling)
                 assert tuned.decisions["window"] >= 1 and tuned.decisions["max_requests"] >= 1
                 assert MiB <= tuned.budget.limit <= 4 * MiB
                 assert fetcher.peak_reserved <= 4 * MiB + config.part_size
