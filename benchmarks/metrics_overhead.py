@@ -6,8 +6,17 @@ the pass's, in the child and its workers (``RUSAGE_SELF`` + ``RUSAGE_CHILDREN`` 
 loop; imports left out). Rounds are paired and interleaved (on/off order alternates); the ratio
 on/off is taken per round.
 
+A whole run's CPU varies by more than the timings could cost (imports, page cache, the
+scheduler), so ``--pairs N`` measures it closer: one interpreter, no workers, the same dataset
+read in ``N`` pairs of passes, on and off alternating (the setting is read at each pass's
+start), each pass's CPU its own (``time.process_time``), the ratio per pair; and, apart from the
+timed passes, how many more clock reads a sample makes with the timings on (one pass each way
+with ``time.perf_counter_ns`` counted) times what one read and its sum cost (``timeit``): the
+clock's share of a sample, as arithmetic, beside the paired ratio.
+
     python -m benchmarks.metrics_overhead --rounds 7           # the quick profile
     python -m benchmarks.metrics_overhead --samples 4000 --shards 16 --workers 2 --rounds 9
+    python -m benchmarks.metrics_overhead --pairs 30           # in one interpreter, closer
 """
 
 from __future__ import annotations
@@ -37,6 +46,67 @@ with sd.loader(ds, batch_size=32, num_workers=int(sys.argv[2])) as loader:
         n += len(batch["__key__"])
 print(n, cpu() - start)  # the workers' CPU too: joined by close()
 """
+
+PAIRS = """
+import json, os, statistics, sys, time, timeit
+import streamdata as sd
+ds = sd.TarDataset(sys.argv[1], index=None)
+def one(on):
+    os.environ["STREAMDATA_STAGE_TIMES"] = "1" if on else "0"
+    n, start = 0, time.process_time()
+    with sd.loader(ds, batch_size=32, num_workers=0) as loader:
+        for batch in loader:
+            n += len(batch["__key__"])
+    return time.process_time() - start, n
+one(True), one(False)  # warm: imports, page cache, the allocator
+rows = []
+for i in range(int(sys.argv[2])):
+    got = {on: one(on) for on in ((True, False) if i % 2 == 0 else (False, True))}
+    rows.append({"on_s": got[True][0], "off_s": got[False][0], "samples": got[True][1]})
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+real, reads = time.perf_counter_ns, [0]
+def counted():
+    reads[0] += 1
+    return real()
+time.perf_counter_ns = counted
+per_sample = {}
+for on in (True, False):
+    reads[0] = 0
+    n = one(on)[1]
+    per_sample[on] = reads[0] / n
+time.perf_counter_ns = real
+number = 2_000_000
+setup = "clock = time.perf_counter_ns; acc = [0]; start = clock()"
+read_ns = min(timeit.repeat("acc[0] += clock() - start", setup, globals={"time": time}, number=number,
+                            repeat=5)) / number * 1e9
+print(json.dumps({"rows": rows, "reads_on": per_sample[True], "reads_off": per_sample[False],
+                  "read_ns": read_ns}))
+"""
+
+
+def _pairs(spec: str, pairs: int, out: str) -> None:
+    """The in-process measure (``--pairs``): paired passes in one interpreter, and the clock's
+    reads per sample times their cost."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PAIRS, spec, str(pairs)], env=env, stdout=subprocess.PIPE,
+                          text=True, timeout=3600, check=True)
+    got = json.loads(done.stdout.splitlines()[-1])
+    rows = got["rows"]
+    ratios = [row["on_s"] / row["off_s"] for row in rows]
+    off_us = statistics.median(row["off_s"] / row["samples"] for row in rows) * 1e6
+    extra = got["reads_on"] - got["reads_off"]
+    summary = {"pairs": pairs, "samples": rows[0]["samples"],
+               "on_us_median": statistics.median(row["on_s"] / row["samples"] for row in rows) * 1e6,
+               "off_us_median": off_us, "ratio_median": statistics.median(ratios),
+               "ratio_min": min(ratios), "ratio_max": max(ratios),
+               "pairs_on_dearer": sum(r > 1 for r in ratios),
+               "clock_reads_per_sample_on": got["reads_on"], "clock_reads_per_sample_off": got["reads_off"],
+               "ns_per_read_and_sum": got["read_ns"],
+               "clock_share_of_a_sample": extra * got["read_ns"] / 1e3 / off_us,
+               "when": time.strftime("%Y-%m-%d")}
+    print(json.dumps(summary, indent=1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"summary": summary, "pairs": rows}, indent=1))
 
 
 def _shards(folder: Path, shards: int, samples: int, floats: int) -> str:
@@ -72,10 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--floats", type=int, default=64, help="float32s in each sample's array")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="in one interpreter instead: this many pairs of passes, and the clock's reads")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "metrics_overhead.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         spec = _shards(Path(tmp), args.shards, args.samples, args.floats)
+        if args.pairs:
+            return _pairs(spec, args.pairs, args.out)
         _one(spec, args.workers, True)  # warm the page cache and the imports
         rows = []
         for r in range(args.rounds):

@@ -77,6 +77,22 @@ def test_index_build_benchmark_counts_every_sample():
     assert "round 1: index" in done.stdout and "median of 1 rounds" in done.stdout
 
 
+def test_metrics_overhead_pairs_count_the_clock_reads_the_timings_add(tmp_path):
+    """benchmarks/metrics_overhead.py --pairs: paired passes in one interpreter, and the clock's
+    reads per sample counted each way (a reader's stages read it per record; off, only the
+    training loop's side reads it, per batch)."""
+    out = tmp_path / "overhead.json"
+    cmd = [sys.executable, "-m", "benchmarks.metrics_overhead", "--pairs", "2", "--samples", "640",
+           "--shards", "2", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    summary = got["summary"]
+    assert len(got["pairs"]) == 2 and all(p["samples"] == 640 for p in got["pairs"])
+    assert summary["clock_reads_per_sample_on"] >= 3 > 1 > summary["clock_reads_per_sample_off"]
+    assert 0 < summary["ns_per_read_and_sum"] < 10_000 and summary["clock_share_of_a_sample"] > 0
+
+
 def test_plan_benchmark_runs_small(capsys):
     from benchmarks import plan
 
