@@ -54,7 +54,8 @@ COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in R
 STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
 # a table of its own beside COUNTERS (ONE-WRITER-PER-ROW too), in integer nanoseconds and counts:
 # per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
-# flush; busy_ns, time inside the pass's ``next()`` (the stages add up to it); the
+# flush; busy_ns, time inside the pass's ``next()`` of a batch (of samples put out one by one: the
+# stages' sum, STAGE-SAMPLE; the stages add up to it); the
 # prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
 # and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
 # reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
@@ -132,16 +133,30 @@ class StageClock:
     """One reader's pass's stage times (``STAGES``), in plain ints in ``acc``, flushed into the
     shared ``READER_STATS`` table at most every ``FLUSH_NS`` and when the pass ends.
 
-    Only the reader's thread touches ``acc``. Each stage adds the nanoseconds of the calls it
-    made, timed per record or per part (``perf_counter_ns``): the pull of the next record
-    (``PULL``: parsing, the prefetcher's waits within it), a record's ``prepare`` (``DECODE``)
-    and ``map`` (``MAP``), the prefetcher's waits (``WAIT``), and the whole ``next()`` of the
-    pass (``BUSY``). Nested times are taken apart at each flush: parsing is the pulls less the
-    waits, collating what ``BUSY`` holds beyond the pulls, decoding and ``map``.
+    Only the reader's thread touches ``acc``. The prefetcher adds its waits for bytes (``WAIT``,
+    exact); ``ErrorPolicy.each`` adds the pull of each record less the waits within it
+    (``PARSE``), its ``prepare`` (``DECODE``) and its ``map`` (``MAP``); the pass's iterator
+    adds each batch's whole ``next()`` (``BUSY``), where the reader puts out batches.
+
+    STAGE-SAMPLE (the rule): a clock read costs about as much as a small record's bookkeeping
+    (0.05-0.1 us each, three a record), so records are timed by sample. A record that took
+    ``CHEAP_NS`` or more (its pull less waits, and its run) is timed, and so is the next one; after
+    a cheaper one the next ``STRIDE - 1`` records pass untimed and the next timed record counts
+    for them too (its times times ``STRIDE``). The stride is decided before the records it
+    covers are seen, so the sums are unbiased for records alike in cost; waits for bytes are
+    never sampled. Records of 0.2 ms or more (an image, a row group, a slow ``map``) are all
+    timed. Each flush fits the window's estimates into what was measured: where a reader puts
+    out samples (no ``BUSY`` of its own: a plain DataLoader batches them) its busy time is the
+    stages' sum; where the estimates exceed a batch's measured busy time, they are scaled to it.
+    Nested times are taken apart at each flush: collating is what ``BUSY`` holds beyond the
+    waits, parsing, decoding and ``map``.
     """
 
-    WAIT, PULL, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)
+    WAIT, PARSE, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)
     FLUSH_NS = 20_000_000
+    STRIDE = 8  # STAGE-SAMPLE: after a cheap record, one in this many is timed ...
+    CHEAP_NS = 200_000  # ... a record cheaper than this; dearer ones are all timed
+    CHECK_EVERY = 8  # a reader that puts out samples reads the clock for its flush once in this many
 
     __slots__ = ("_last", "acc", "table")
 
@@ -156,12 +171,19 @@ class StageClock:
     def flush(self, now: int | None = None) -> None:
         """What the pass did since the last flush, into this reader's row of the table."""
         now = time.perf_counter_ns() if now is None else now
-        wait, pull, decode, mapped, busy, samples, nbatches = self.acc
+        wait, parse, decode, mapped, busy, samples, nbatches = self.acc
         self.acc[:] = [0] * 7
+        wall = now - self._last
+        if not busy:  # samples put out one by one (STAGE-SAMPLE): the stages' sum is the busy time
+            busy = min(wall, wait + parse + decode + mapped)
+        estimated, room = parse + decode + mapped, max(0, busy - wait)
+        if estimated > room:  # sampled estimates over what was measured: scaled to it
+            parse, decode, mapped = (parse * room // estimated, decode * room // estimated,
+                                     mapped * room // estimated)
         self.table.add_many({
-            "samples": samples, "batches": nbatches, "wall_ns": now - self._last, "busy_ns": busy,
-            "wait_bytes_ns": wait, "parse_ns": max(0, pull - wait), "decode_ns": decode, "map_ns": mapped,
-            "collate_ns": max(0, busy - max(pull, wait) - decode - mapped)})
+            "samples": samples, "batches": nbatches, "wall_ns": wall, "busy_ns": busy,
+            "wait_bytes_ns": wait, "parse_ns": parse, "decode_ns": decode, "map_ns": mapped,
+            "collate_ns": max(0, busy - wait - parse - decode - mapped)})
         self._last = now
 
 

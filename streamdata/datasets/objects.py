@@ -117,7 +117,6 @@ class ObjectDataset(torch.utils.data.Dataset):
         out = [self._sample(url, data, clock.acc) for url, data in zip(urls, datas, strict=True)]
         now, acc = time.perf_counter_ns(), clock.acc  # the reader's thread only (ONE-WRITER-PER-ROW)
         acc[StageClock.WAIT] += fetched - start
-        acc[StageClock.PULL] += fetched - start  # nothing to parse: all of the pull is the wait
         acc[StageClock.BUSY] += now - start
         acc[StageClock.SAMPLES] += len(out)
         acc[StageClock.BATCHES] += 1

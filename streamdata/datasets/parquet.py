@@ -191,7 +191,7 @@ class _ArrowTables(ShardedDataset):
         that ``map`` fails on. A value a decoder or ``decode`` fails on costs only its row: the
         batch comes that much shorter (the number of batches, EQUAL-STEPS, is kept) and the
         row counts as delivered for ``state_dict``."""
-        tables = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
+        tables = policy.each(records, self.prepare, pull=StageClock.PARSE, run=StageClock.DECODE)
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             tables = placeholder_tables(tables, rewind.sizes, rewind.first)

@@ -22,6 +22,8 @@ from streamdata.redact import redact_url
 
 __all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count"]
 
+_SAMPLES, _CHECK_EVERY = StageClock.SAMPLES, StageClock.CHECK_EVERY  # read per sample: module constants
+
 
 def stale_count(url: str, seen: int, expected: int) -> FormatError:
     """A unit whose samples do not match its count (the sample index, or footers)."""
@@ -45,7 +47,7 @@ class EpochIterator:
         self._items = items
         self._close: Callable[[], None] | None = close
         self._keep = keep
-        self._clock = clock  # the pass's stage timings: each next() is the reader's busy time
+        self._clock = clock  # the pass's stage timings: each batch's next() is the reader's busy time
         self._batched = batched  # items are batches (``metrics.batch_len``), else samples
 
     def __iter__(self) -> EpochIterator:
@@ -57,17 +59,23 @@ class EpochIterator:
         try:
             if self._clock is None:
                 return next(self._items)
-            acc, start = self._clock.acc, time.perf_counter_ns()
+            acc = self._clock.acc
+            if not self._batched:  # samples: no clock of their own (STAGE-SAMPLE), a flush now and then
+                item = next(self._items)
+                acc[_SAMPLES] += 1
+                if not acc[_SAMPLES] % _CHECK_EVERY:
+                    now = time.perf_counter_ns()
+                    if self._clock.due(now):
+                        self._clock.flush(now)
+                return item
+            start = time.perf_counter_ns()
             try:
                 item = next(self._items)
             finally:
                 now = time.perf_counter_ns()
                 acc[StageClock.BUSY] += now - start
-            if self._batched:
-                acc[StageClock.BATCHES] += 1
-                acc[StageClock.SAMPLES] += batch_len(item)
-            else:
-                acc[StageClock.SAMPLES] += 1
+            acc[StageClock.BATCHES] += 1
+            acc[StageClock.SAMPLES] += batch_len(item)
             if self._clock.due(now):
                 self._clock.flush(now)
             return item

@@ -512,7 +512,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
             samples = policy.pooled(records, _Prepared(self.prepare, self._map), self.decode_threads,
                                     timeout=DECODE_TIMEOUT)
         else:
-            samples = policy.each(records, self.prepare, pull=StageClock.PULL, run=StageClock.DECODE)
+            samples = policy.each(records, self.prepare, pull=StageClock.PARSE, run=StageClock.DECODE)
             if self._map is not None:
                 samples = policy.each(samples, self._map, run=StageClock.MAP)
         rewind = None if self._live is None else self._live.rewind

@@ -1,0 +1,135 @@
+"""STAGE-SAMPLE (``metrics.StageClock``): a reader's cheap records are timed one in ``STRIDE``,
+each timed one standing for the ones it covers; dear ones are all timed; waits for bytes are
+never sampled; each flush fits the estimates into what was measured.
+
+The clock here is a counter the records themselves move (``time.perf_counter_ns`` replaced for
+the test): what each record costs is known exactly, so the sums can be checked to the
+nanosecond, with no timing of the machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from streamdata.errors import DecodeError
+from streamdata.metrics import StageClock
+from streamdata.policy import ErrorPolicy
+
+
+class _Table:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add_many(self, row: dict) -> None:
+        self.rows.append(row)
+
+
+class _Clock:
+    """A clock the test moves; counts its reads."""
+
+    def __init__(self) -> None:
+        self.now = 10**9
+        self.reads = 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(time, "perf_counter_ns", fake)
+    return fake
+
+
+def _records(clock: _Clock, acc: list[int], n: int, parse_ns: int, wait_ns: int = 0):
+    """``n`` records, each costing ``parse_ns`` to pull and ``wait_ns`` of waiting for bytes
+    (the prefetcher's share: it adds its waits to the clock's ``WAIT`` itself)."""
+    for i in range(n):
+        clock.now += parse_ns + wait_ns
+        acc[StageClock.WAIT] += wait_ns
+        yield i
+
+
+def _prepare(clock: _Clock, decode_ns: int):
+    def prepare(i: int) -> int:
+        clock.now += decode_ns
+        return i * 10
+    return prepare
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 80, 83])
+def test_cheap_records_are_timed_by_sample_and_their_sums_stay_exact(clock, n):
+    sc = StageClock(_Table())
+    policy = ErrorPolicy(clock=sc)
+    recs = _records(clock, sc.acc, n, parse_ns=5_000, wait_ns=3_000)
+    out = list(policy.each(recs, _prepare(clock, 2_000), pull=StageClock.PARSE, run=StageClock.DECODE))
+    assert out == [i * 10 for i in range(n)]
+    acc = sc.acc
+    assert acc[StageClock.WAIT] == n * 3_000  # exact: never sampled, never counted as parsing
+    assert acc[StageClock.PARSE] == n * 5_000  # the records passed at the end count as the last timed one
+    assert acc[StageClock.DECODE] == n * 2_000
+    timed = -(-n // StageClock.STRIDE)  # the first, then one in STRIDE
+    assert clock.reads <= 1 + 3 * timed + 2  # the clock's own start, three a timed record, the end's pull
+
+
+def test_dear_records_are_all_timed(clock):
+    sc = StageClock(_Table())
+    policy = ErrorPolicy(clock=sc)
+    dear = StageClock.CHEAP_NS
+    recs = _records(clock, sc.acc, 20, parse_ns=dear // 2, wait_ns=10**6)
+    list(policy.each(recs, _prepare(clock, dear // 2), pull=StageClock.PARSE, run=StageClock.DECODE))
+    assert sc.acc[StageClock.PARSE] == 20 * (dear // 2) and sc.acc[StageClock.DECODE] == 20 * (dear // 2)
+    assert clock.reads == 1 + 3 * 20 + 2
+
+
+def test_a_long_wait_for_bytes_does_not_make_a_record_dear_nor_count_as_parsing(clock):
+    sc = StageClock(_Table())
+    policy = ErrorPolicy(clock=sc)
+    recs = _records(clock, sc.acc, 16, parse_ns=1_000, wait_ns=50 * StageClock.CHEAP_NS)
+    list(policy.each(recs, _prepare(clock, 1_000), pull=StageClock.PARSE, run=StageClock.DECODE))
+    assert sc.acc[StageClock.PARSE] == 16 * 1_000 and sc.acc[StageClock.WAIT] == 16 * 50 * StageClock.CHEAP_NS
+    assert clock.reads <= 1 + 3 * 2 + 2  # still sampled: the waits are the prefetcher's, not the record's
+
+
+def test_a_map_stage_times_only_its_run_and_skips_keep_the_sums(clock):
+    sc = StageClock(_Table())
+    policy = ErrorPolicy("skip", clock=sc)
+
+    def mapped(i: int) -> int:
+        clock.now += 4_000
+        if i % 5 == 0:
+            raise DecodeError(f"bad {i}")
+        return i
+
+    recs = _records(clock, sc.acc, 40, parse_ns=1_000)
+    out = list(policy.each(recs, mapped, run=StageClock.MAP))
+    assert out == [i for i in range(40) if i % 5] and policy.skipped == 8
+    assert sc.acc[StageClock.MAP] == 40 * 4_000 and sc.acc[StageClock.PARSE] == 0
+
+
+def test_a_flush_fits_the_estimates_into_what_was_measured(clock):
+    table = _Table()
+    sc = StageClock(table)
+    start = clock.now
+    # samples put out one by one: no busy time of their own, the stages' sum is it
+    sc.acc[:] = [1_000, 2_000, 3_000, 4_000, 0, 16, 0]
+    clock.now = start + 100_000
+    sc.flush()
+    row = table.rows[-1]
+    assert row["busy_ns"] == 10_000 and row["collate_ns"] == 0 and row["wall_ns"] == 100_000
+    # batches: estimates over a batch's measured busy time are scaled into it, waits kept whole
+    sc.acc[:] = [1_000, 4_000, 4_000, 0, 5_000, 32, 2]
+    clock.now += 100_000
+    sc.flush()
+    row = table.rows[-1]
+    assert row["wait_bytes_ns"] == 1_000 and row["parse_ns"] == 2_000 and row["decode_ns"] == 2_000
+    assert row["busy_ns"] == 5_000 and row["collate_ns"] == 0
+    # estimates under it: the rest is collating
+    sc.acc[:] = [1_000, 1_000, 1_000, 1_000, 9_000, 32, 2]
+    clock.now += 100_000
+    sc.flush()
+    assert table.rows[-1]["collate_ns"] == 5_000
