@@ -138,18 +138,22 @@ class StageClock:
     (``PARSE``), its ``prepare`` (``DECODE``) and its ``map`` (``MAP``); the pass's iterator
     adds each batch's whole ``next()`` (``BUSY``), where the reader puts out batches.
 
-    STAGE-SAMPLE (the rule): a clock read costs about as much as a small record's bookkeeping
-    (0.05-0.1 us each, three a record), so records are timed by sample. A record that took
-    ``CHEAP_NS`` or more (its pull less waits, and its run) is timed, and so is the next one; after
-    a cheaper one the next ``STRIDE - 1`` records pass untimed and the next timed record counts
-    for them too (its times times ``STRIDE``). The stride is decided before the records it
-    covers are seen, so the sums are unbiased for records alike in cost; waits for bytes are
-    never sampled. Records of 0.2 ms or more (an image, a row group, a slow ``map``) are all
-    timed. Each flush fits the window's estimates into what was measured: where a reader puts
-    out samples (no ``BUSY`` of its own: a plain DataLoader batches them) its busy time is the
-    stages' sum; where the estimates exceed a batch's measured busy time, they are scaled to it.
-    Nested times are taken apart at each flush: collating is what ``BUSY`` holds beyond the
-    waits, parsing, decoding and ``map``.
+    STAGE-SAMPLE (the rule, in ``ErrorPolicy.each``): a clock read costs about as much as a small
+    record's bookkeeping (0.05-0.1 us each, three a record), so records are timed by sample.
+    After a timed record that took under ``CHEAP_NS`` (its pull less waits, and its run) the next
+    ``STRIDE - 1`` records pass untimed, and the next timed record counts for them at that cheap
+    one's times; after a dearer one the next record is timed too, and a dear record counts once.
+    So where records take 0.2 ms or more (an image, a row group, a slow ``map``) every record is
+    timed, and where they are cheap one in ``STRIDE`` is; the stride is decided before the
+    records it covers are seen, so the sums are exact in expectation for records alike in cost
+    or in no order that repeats with the stride. A dear record among the passed ones is
+    estimated, not seen. Waits for bytes are never sampled. Each flush fits the window's
+    estimates into what was measured: where a reader puts out samples (a plain DataLoader
+    batches them) and its records are timed so, it reads no clock of its own, and its busy time
+    is the stages' sum; where the estimates exceed a batch's measured busy time, they are scaled
+    to it. Samples decoded on a pool (``decode_threads``: no stage times them) time each
+    ``next()`` instead. Nested times are taken apart at each flush: collating is what ``BUSY``
+    holds beyond the waits, parsing, decoding and ``map``.
     """
 
     WAIT, PARSE, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)

@@ -174,7 +174,7 @@ class ErrorPolicy:
         ``fn`` to ``run``, each times the records it stands for."""
         clock, it, waits = time.perf_counter_ns, iter(items), StageClock.WAIT
         left, weight = 0, 1  # records to pass untimed; the records the next timed one stands for
-        parsed = ran = 0  # the last timed record's times: the ones passed at the end count as it
+        parsed = ran = 0  # the last cheap timed record's times: the records passed count as it
         while True:
             if left:
                 try:
@@ -207,12 +207,19 @@ class ErrorPolicy:
                 continue
             finally:
                 done = clock()
-                ran = done - pulled
+                this_run = done - pulled
+                this_parse = pulled - start - (acc[waits] - waited) if pull is not None else 0
+                if this_parse + this_run < StageClock.CHEAP_NS:  # cheap: it stands for those passed
+                    parsed, ran = this_parse, this_run
+                    passed, left = weight, StageClock.STRIDE - 1
+                else:  # dear: itself once, those passed as the last cheap one; the next one timed too
+                    passed, left = weight - 1, 0
+                    if pull is not None:
+                        acc[pull] += this_parse
+                    acc[run] += this_run
                 if pull is not None:
-                    parsed = pulled - start - (acc[waits] - waited)
-                    acc[pull] += parsed * weight
-                acc[run] += ran * weight
-                left = StageClock.STRIDE - 1 if parsed + ran < StageClock.CHEAP_NS else 0
+                    acc[pull] += parsed * passed
+                acc[run] += ran * passed
                 weight = left + 1
             del item
             yield result
@@ -220,7 +227,7 @@ class ErrorPolicy:
     @staticmethod
     def _passed(acc: list[int], pull: int | None, run: int, parsed: int, ran: int, passed: int) -> None:
         """The records passed untimed after the last timed one, at the end of the items: each
-        counts as that one (STAGE-SAMPLE)."""
+        counts as the last cheap timed one (STAGE-SAMPLE)."""
         if pull is not None:
             acc[pull] += parsed * passed
         acc[run] += ran * passed

@@ -416,7 +416,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                             p.windows)
         return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
                              keep=lambda: self._hand_on(queued), clock=clock,
-                             batched=batch_size is not None)
+                             batched=batch_size is not None, stages_timed=self.decode_threads <= 1)
 
     def _read(self, p: ReaderPass, unit: Any, part: SampleSlice | Skip | None,
               reader: ItemReader) -> Iterable[Any]:

@@ -10,12 +10,17 @@ nanosecond, with no timing of the machine.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+import fsspec
 import pytest
+import torch
 
+import streamdata as sd
 from streamdata.errors import DecodeError
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
+from tests.helpers import write_shards
 
 
 class _Table:
@@ -86,6 +91,22 @@ def test_dear_records_are_all_timed(clock):
     assert clock.reads == 1 + 3 * 20 + 2
 
 
+def test_a_dear_record_among_cheap_ones_counts_once_and_those_it_follows_as_the_cheap_one(clock):
+    """A dear record at a timed slot (a shard's opening, a planning step inside a pull) is not
+    multiplied by the records passed before it: they count at the last cheap record's times."""
+    sc = StageClock(_Table())
+    policy = ErrorPolicy(clock=sc)
+    dear = 10 * StageClock.CHEAP_NS
+
+    def records():
+        for i in range(16):
+            clock.now += dear if i == StageClock.STRIDE else 5_000
+            yield i
+
+    list(policy.each(records(), _prepare(clock, 1_000), pull=StageClock.PARSE, run=StageClock.DECODE))
+    assert sc.acc[StageClock.PARSE] == 15 * 5_000 + dear and sc.acc[StageClock.DECODE] == 16 * 1_000
+
+
 def test_a_long_wait_for_bytes_does_not_make_a_record_dear_nor_count_as_parsing(clock):
     sc = StageClock(_Table())
     policy = ErrorPolicy(clock=sc)
@@ -133,3 +154,21 @@ def test_a_flush_fits_the_estimates_into_what_was_measured(clock):
     clock.now += 100_000
     sc.flush()
     assert table.rows[-1]["collate_ns"] == 5_000
+
+
+def test_samples_decoded_on_a_pool_keep_their_busy_time(tmp_path: Path):
+    """With ``decode_threads`` the records are decoded and mapped on a pool that no stage
+    times: a reader that puts out samples (a plain DataLoader batches them) then times each
+    ``next()`` itself, so its busy time holds the pool's work (the verdict can say CPU-bound)."""
+    write_shards(fsspec.filesystem("file"), str(tmp_path), counts=[12, 12], floats=8)
+
+    def slow(sample):
+        time.sleep(0.003)
+        return sample
+
+    ds = sd.TarDataset(f"file://{tmp_path}/shard-{{000..001}}.tar", index=None, map=slow, decode_threads=2)
+    loader = sd.timed(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=0))
+    assert sum(len(batch["__key__"]) for batch in loader) == 24
+    m = loader.metrics()
+    assert m["samples"] == 24 and m["readers.busy_s"] >= 24 * 0.003 / 2  # two threads at most
+    assert m["readers.busy_s"] <= m["readers.wall_s"] * 1.001
