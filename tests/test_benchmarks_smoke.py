@@ -80,7 +80,8 @@ def test_index_build_benchmark_counts_every_sample():
 def test_metrics_overhead_pairs_count_the_clock_reads_the_timings_add(tmp_path):
     """benchmarks/metrics_overhead.py --pairs: paired passes in one interpreter, and the clock's
     reads per sample counted each way (a reader's stages read it for one record in eight,
-    STAGE-SAMPLE; off, only the training loop's side reads it, twice a batch of 32)."""
+    STAGE-SAMPLE; off, only the training loop's side reads it, twice a batch of 32, and a part
+    the reader waits for, twice: more often on a loaded machine)."""
     out = tmp_path / "overhead.json"
     cmd = [sys.executable, "-m", "benchmarks.metrics_overhead", "--pairs", "2", "--samples", "640",
            "--shards", "2", "--out", str(out)]
@@ -89,8 +90,8 @@ def test_metrics_overhead_pairs_count_the_clock_reads_the_timings_add(tmp_path):
     got = json.loads(out.read_text())
     summary = got["summary"]
     assert len(got["pairs"]) == 2 and all(p["samples"] == 640 for p in got["pairs"])
-    assert 0.25 < summary["clock_reads_per_sample_on"] < 1.5  # three a timed record, one in eight
-    assert summary["clock_reads_per_sample_off"] == pytest.approx(2 / 32, abs=0.01)
+    on, off = summary["clock_reads_per_sample_on"], summary["clock_reads_per_sample_off"]
+    assert 2 / 32 <= off < 0.25 and 0.3 < on - off < 2.5  # three a timed record, one in eight (5 each: all)
     assert 0 < summary["ns_per_read_and_sum"] < 10_000 and summary["clock_share_of_a_sample"] > 0
     assert all(0 < ns < 100_000 for ns in summary["each_ns_on_off"] + summary["samples_ns_on_off"])
 
