@@ -217,17 +217,15 @@ class ErrorPolicy:
                     if pull is not None:
                         acc[pull] += this_parse
                     acc[run] += this_run
-                if pull is not None:
-                    acc[pull] += parsed * passed
-                acc[run] += ran * passed
+                self._passed(acc, pull, run, parsed, ran, passed)
                 weight = left + 1
             del item
             yield result
 
     @staticmethod
     def _passed(acc: list[int], pull: int | None, run: int, parsed: int, ran: int, passed: int) -> None:
-        """The records passed untimed after the last timed one, at the end of the items: each
-        counts as the last cheap timed one (STAGE-SAMPLE)."""
+        """``passed`` records, each counted as the last cheap timed one (STAGE-SAMPLE): the ones a
+        timed record stands for, and those passed untimed at the end of the items."""
         if pull is not None:
             acc[pull] += parsed * passed
         acc[run] += ran * passed

@@ -22,8 +22,6 @@ from streamdata.redact import redact_url
 
 __all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count"]
 
-_SAMPLES, _CHECK_EVERY = StageClock.SAMPLES, StageClock.CHECK_EVERY  # read per sample: module constants
-
 
 def stale_count(url: str, seen: int, expected: int) -> FormatError:
     """A unit whose samples do not match its count (the sample index, or footers)."""
@@ -65,8 +63,8 @@ class EpochIterator:
             acc = self._clock.acc
             if self._by_stages:  # a flush now and then (at most CHECK_EVERY samples late)
                 item = next(self._items)
-                acc[_SAMPLES] += 1
-                if not acc[_SAMPLES] % _CHECK_EVERY:
+                acc[StageClock.SAMPLES] += 1
+                if not acc[StageClock.SAMPLES] % StageClock.CHECK_EVERY:
                     now = time.perf_counter_ns()
                     if self._clock.due(now):
                         self._clock.flush(now)
