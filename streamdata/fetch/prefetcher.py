@@ -301,6 +301,11 @@ class Prefetcher:
         return (index < min(len(self.items), self._consumer + self.tuner.window)
                 and (index <= self._fence or self._consumer >= self._fence - 1))
 
+    def _due_or_idle(self, index: int) -> bool:
+        """Item ``index`` is due, or nothing is in flight and its first part would fit the
+        budget: only the window keeps the link from fetching it (WINDOW-IDLE)."""
+        return self._due(index) or (self._inflight == 0 and self._fits(self.tuner.part_size))
+
     def _fits(self, need: int) -> bool:
         """A part of ``need`` bytes fits the budget now (BYTE-BUDGET: or nothing is reserved)."""
         return self._reserved == 0 or self._reserved + need <= self.budget.limit
@@ -351,6 +356,11 @@ class Prefetcher:
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index in itertools.count():  # items may be added (``extend``): wait for them
             by_window = self.tuner.window if self._window_holds(index) else None
+            if by_window is not None and self.tuner.on:
+                # WINDOW-IDLE (``tune``): the window alone holds this item while the link idles
+                await self._until(functools.partial(self._due_or_idle, index))
+                if not self._due(index):
+                    self._tuned(self.tuner.idle_window, by_window)
             await self._until(functools.partial(self._due, index))
             item = self.items[index]
             part_size = self.tuner.part_size  # AUTOTUNE: the item's parts are cut as the knob is now

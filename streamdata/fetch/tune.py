@@ -13,6 +13,12 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
 - when the reader waits for such a part (a *stall*), the window or the request limit grows
   by ``STEP`` if it still has the value that held the part (so one burst of stalls on parts
   held by one value grows it once);
+- WINDOW-IDLE: a window that holds the next item back while nothing is in flight and the
+  budget has room for that item's first part grows then, as on a stall: the link idles, and
+  the reader will wait for that part at the item's start whatever its pace (nothing fetches it
+  before the reader gets there). A window of one item so grows while the reader reads its
+  first item, not after the first wait at an item's start (from the smallest start at 0 ms,
+  about 40-65 ms into a 1.5 s epoch per worker);
 - the budget grows by BUDGET-GROWTH's rule (``budget``): only where first-byte latency, not
   bandwidth, made the reader wait (the rate it consumes times that latency is a large share of
   the budget);
@@ -58,7 +64,8 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   tuned one) grows nothing: throttling wins, and the scheduler sends at most
   ``min(max_requests, throttle.allowed)``;
 - knobs never shrink within a pass: a reader that is slower than its link never stalls, so
-  nothing grows, and memory stays within the cap either way. The next pass of the same
+  nothing grows but a window below its bound (WINDOW-IDLE), and memory stays within the cap
+  either way. The next pass of the same
   process starts from what this one reached (per endpoint, as the budget does).
 
 Only timing changes: items and parts are requested and consumed in the same order whatever
@@ -236,6 +243,13 @@ class Tuner:
         self.decisions[knob] += 1
         _learned[self.key] = (self.window, self.max_requests)
         return True
+
+    def idle_window(self, window: int) -> bool:
+        """WINDOW-IDLE: the window (at ``window``) alone held the next item back while nothing
+        was in flight and the budget had room for its first part. The reader will wait for
+        that part when it gets there (it is not on its way), so the window grows now, as on
+        that stall (once per value, within its bound). True if it moved."""
+        return self.on and self._step("window", Held(window=window))
 
     def stalled(self, held: Held, latency: float | None, now: float | None = None) -> bool:
         """The reader waited for a part that ``held`` had held back, whose first byte took

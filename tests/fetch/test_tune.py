@@ -336,3 +336,32 @@ def test_the_docs_recipe_runs(s3_bucket, monkeypatch, capsys):
     window, requests, budget = (int(v) for v in capsys.readouterr().out.split())
     assert window >= 0 and requests >= 0 and 8 * MiB <= budget <= 128 * MiB
     assert ns["ds"].fetch_config.tune_from == (("max_requests", 1), ("window", 1))
+
+
+@pytest.mark.parametrize("autotune", [True, False])
+def test_a_window_that_idles_the_link_grows_before_the_reader_waits(s3_bucket, autotune):
+    """WINDOW-IDLE: a window of one object (the reader's own), the first object read whole and
+    the reader not yet on the next: nothing is in flight, the budget has room, and only the
+    window holds the next back, so the window grows, and again while the link idles, to its
+    bound (the budget holds the bytes ahead): every object is fetched before the reader gets
+    to it. With autotune off a window of one stays one: nothing is fetched ahead. The bytes
+    are the same."""
+    import time
+
+    size, count = 64 * 1024, 8
+    server, blobs, spec = _objects(s3_bucket, count, size)
+    knobs = {"window": 8, "tune_from": SMALLEST} if autotune else {"window": 1}
+    config = FetchConfig(part_size=size, max_requests=8, byte_budget=4 * MiB, autotune=autotune, **knobs)
+    with Prefetcher(sd.expand_spec(spec, server.storage_options), server.storage_options, config) as fetcher:
+        readers = iter(fetcher)
+        got = [b"".join(next(readers).chunks())]  # its bytes let go soon: what stays reserved is ahead
+        deadline = time.monotonic() + (10 if autotune else 1)
+        while fetcher._reserved != (count - 1) * size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if autotune:
+            assert fetcher.tuner.window == 8 and fetcher.tuner.decisions["window"] == 2  # 1 -> 4 -> 8
+            assert fetcher._reserved == (count - 1) * size  # the other seven, fetched ahead
+        else:
+            assert fetcher.tuner.window == 1 and fetcher._reserved == 0  # none ahead
+        got += [b"".join(reader.chunks()) for reader in readers]
+    assert got == blobs
