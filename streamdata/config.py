@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -220,18 +222,23 @@ class FetchConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def resolve(cls, config: FetchConfig | None = None, *, defaults: Mapping[str, Any] | None = None,
-                **overrides: Any) -> FetchConfig:
+    def resolve(cls, config: FetchConfig | None = None, owner: object = None, /, *,
+                defaults: Mapping[str, Any] | None = None, **overrides: Any) -> FetchConfig:
         """The one place a dataset's flat keyword options become its ``FetchConfig``.
 
         ``config`` (else :meth:`from_env`) is the base; ``overrides`` (``None`` = not given)
         replace its fields; ``defaults`` are a dataset's own defaults (Parquet's window), used
-        only for fields that no ``config``, environment variable or override chose.
+        only for fields that no ``config``, environment variable or override chose. An unknown
+        option is a ``SpecError`` that names the nearest known one, the fetch options' and
+        ``owner``'s own keyword parameters (its class's ``__init__``s) alike.
         """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise SpecError(f"unknown option {unknown[0]!r}; fetch options are {', '.join(sorted(names))}")
+            near = difflib.get_close_matches(unknown[0], sorted(names | _own_options(owner)), n=1, cutoff=0.7)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise SpecError(f"unknown option {unknown[0]!r}{hint}; "
+                            f"fetch options are {', '.join(sorted(names))}")
         base = config or cls.from_env()
         chosen = {k: v for k, v in overrides.items() if v is not None}
         if config is None:
@@ -256,3 +263,20 @@ _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
         "presign_lifetime": "STREAMDATA_PRESIGN_LIFETIME", "autotune": "STREAMDATA_AUTOTUNE"}
 _TUNE_FROM = ("window", "max_requests")  # the knobs ``tune_from`` may start below their bound
 _ENV_STR = {"cache_dir"}  # read as text; the others as integers
+
+
+def _own_options(owner: object) -> set[str]:
+    """The keyword parameters of ``owner``'s class's ``__init__``s (an unknown option's hint)."""
+    if owner is None:
+        return set()
+    found: set[str] = set()
+    for klass in type(owner).__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        found |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return found - {"self"}

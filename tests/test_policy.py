@@ -136,8 +136,15 @@ def test_flat_options_map_onto_the_fetch_config_in_one_place(tmp_path, monkeypat
         window=32, part_size=8 << 20) == FetchConfig()
     base = FetchConfig(retries=9)
     assert sd.TarDataset(url, fetch_config=base, timeout=5).fetch_config == base.replace(timeout=5)
-    with pytest.raises(sd.SpecError, match="unknown option 'windw'.*window"):
+    with pytest.raises(sd.SpecError, match=r"unknown option 'windw' \(did you mean 'window'\?\).*window"):
         sd.TarDataset(url, windw=3)
+    # the nearest of the dataset's own parameters too, from every class's __init__ it has
+    with pytest.raises(sd.SpecError, match=r"'shuffle_bufer' \(did you mean 'shuffle_buffer'\?\)"):
+        sd.TarDataset(url, shuffle_bufer=100)
+    with pytest.raises(sd.SpecError, match=r"unknown option 'max_count' \(did you mean 'maxcount'\?\)"):
+        sd.ShardWriter(str(tmp_path / "w-%06d.tar"), max_count=10)
+    with pytest.raises(sd.SpecError, match=r"unknown option 'owner'; fetch"):  # nothing near: no hint
+        sd.TarDataset(url, owner=1)
     monkeypatch.setenv("STREAMDATA_BYTE_BUDGET", str(1 << 20))
     assert sd.TarDataset(url).fetch_config.byte_budget == 1 << 20
 

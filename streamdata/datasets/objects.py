@@ -39,7 +39,8 @@ class ObjectDataset(torch.utils.data.Dataset):
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
                  **fetch_options: Any) -> None:
         self.storage_options = dict(storage_options or {})
-        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self.fetch_config = FetchConfig.resolve(fetch_config, self, defaults=self.fetch_defaults,
+                                                **fetch_options)
         self.shards = expand_spec(urls, self.storage_options, config=self.fetch_config)
         self.protocol = split_url(self.shards[0].url)[0]
         self.decode = decode

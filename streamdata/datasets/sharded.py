@@ -129,7 +129,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self.decode_threads = decode_threads  # threads per reader for decode and map (``stages``)
         if batch_size is not None and batch_size < 1:
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
-        self.fetch_config = FetchConfig.resolve(fetch_config, defaults=self.fetch_defaults, **fetch_options)
+        self.fetch_config = FetchConfig.resolve(fetch_config, self, defaults=self.fetch_defaults,
+                                                **fetch_options)
         self.on_error = ErrorPolicy.validate(on_error)  # in the main process, before any worker
         self.storage_options = dict(storage_options or {})
         sightings = self.before_listing(spec, listing)

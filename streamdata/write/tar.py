@@ -166,7 +166,7 @@ class ShardWriter:
         self.keep_meta, self.user, self.group, self.mode = keep_meta, user, group, mode
         self.mtime = int(time.time() if mtime is None else mtime)  # an int: no pax mtime record
         self._encode = make_encoder(encoder)
-        config = FetchConfig.resolve(fetch_config, **fetch_options)
+        config = FetchConfig.resolve(fetch_config, self, **fetch_options)
         self._protocol = split_url(first)[0]
         self._uploader = Uploader(self._protocol, self.storage_options, config=config,
                                   concurrency=concurrency, max_pending=max_pending, part_size=part_size,
