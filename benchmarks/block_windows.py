@@ -1,13 +1,15 @@
 """The block shuffle's window starts, as a training loop sees them: data wait with a fixed step.
 
-Local tar shards with a sample index (``sd.ShardWriter``), read with ``shuffle=True`` (the block
-shuffle) through ``sd.loader`` (2 workers, batch 32) by a loop whose step sleeps ``--step-ms``:
+Local tar shards with a sample index (``sd.ShardWriter``), or with ``--format parquet`` Parquet
+files of 64-row row groups (the same arrays, a fixed-size list column), read with
+``shuffle=True`` (the block shuffle) through ``sd.loader`` (2 workers, batch 32) by a loop whose
+step sleeps ``--step-ms``:
 the loop's total wait for data, its longest single wait, and ``loader.metrics()``'s stall
 fraction and verdict. With ``--base NAME=PATH`` the same pass runs on the ``streamdata`` of the
 tree at PATH (``git archive <commit> streamdata | tar -x -C PATH``), in the same rounds, order
 alternating; ratios this tree over that one per round.
 
-    python -m benchmarks.block_windows [--step-ms 5] [--rounds 5] [--base before=PATH]
+    python -m benchmarks.block_windows [--step-ms 5] [--rounds 5] [--format parquet] [--base before=PATH]
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, time
 import streamdata as sd
-root, step = sys.argv[1], float(sys.argv[2]) / 1000
-ds = sd.TarDataset(f"{root}/s-*.tar", shuffle=True, seed=0)
+root, step, fmt = sys.argv[1], float(sys.argv[2]) / 1000, sys.argv[3]
+if fmt == "parquet":
+    ds = sd.ParquetDataset(f"{root}/p-*.parquet", shuffle=True, seed=0)
+else:
+    ds = sd.TarDataset(f"{root}/s-*.tar", shuffle=True, seed=0)
 waits = []
 with sd.loader(ds, batch_size=32, num_workers=2) as feed:
     it = iter(feed)
@@ -48,18 +53,29 @@ print(json.dumps({"wait": sum(waits), "longest": max(waits), "steps": len(waits)
 """
 
 
-def _write(root: str, batches: int) -> None:
+def _write(root: str, batches: int, fmt: str) -> None:
     import numpy as np
 
     import streamdata as sd
 
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        per, rows = 3 * 64 * 64, 256
+        for f, a in enumerate(range(0, batches * 32, rows)):
+            ids = np.arange(a, min(a + rows, batches * 32))
+            x = np.repeat((ids % 251).astype(np.float32), per)
+            table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x), per)})
+            pq.write_table(table, f"{root}/p-{f:04d}.parquet", row_group_size=64)
+        return
     with sd.ShardWriter(f"{root}/s-%04d.tar", maxcount=256, progress=False) as sink:
         for i in range(batches * 32):
             sink.write({"__key__": f"{i:08d}", "x.npy": np.full((3, 64, 64), i % 251, np.float32)})
 
 
-def _run(tree: Path, root: str, step_ms: float) -> dict:
-    return run_in_tree(CHILD, [root, str(step_ms)], tree, timeout=600)
+def _run(tree: Path, root: str, step_ms: float, fmt: str) -> dict:
+    return run_in_tree(CHILD, [root, str(step_ms), fmt], tree, timeout=600)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--format", choices=("tar", "parquet"), default="tar")
     ap.add_argument("--base", default=None, metavar="NAME=PATH")
     args = ap.parse_args(argv)
     trees = {"this": ROOT}
@@ -75,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         trees[name] = Path(path)
     rows: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as root:
-        _write(root, args.batches)
+        _write(root, args.batches, args.format)
         for r in range(args.rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                got = _run(trees[name], root, args.step_ms)
+                got = _run(trees[name], root, args.step_ms, args.format)
                 rows[name].append(got)
                 print(f"round {r} {name:>8}: waited {got['wait']:.3f} s over {got['steps']} steps, longest "
                       f"{got['longest'] * 1000:.1f} ms, stall_fraction {got['stall_fraction']:.3f}, "
