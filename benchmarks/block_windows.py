@@ -60,14 +60,11 @@ def _write(root: str, batches: int, fmt: str) -> None:
 
     if fmt == "parquet":
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        per, rows = 3 * 64 * 64, 256
-        for f, a in enumerate(range(0, batches * 32, rows)):
-            ids = np.arange(a, min(a + rows, batches * 32))
-            x = np.repeat((ids % 251).astype(np.float32), per)
-            table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x), per)})
-            pq.write_table(table, f"{root}/p-{f:04d}.parquet", row_group_size=64)
+        per, ids = 3 * 64 * 64, np.arange(batches * 32)
+        x = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat((ids % 251).astype(np.float32), per)), per)
+        sd.write_parquet(pa.table({"id": ids, "x": x}), root + "/p-{shard:04d}.parquet", rows_per_shard=256,
+                         row_group_size=64, compression="snappy", log_every_s=1e9)
         return
     with sd.ShardWriter(f"{root}/s-%04d.tar", maxcount=256, progress=False) as sink:
         for i in range(batches * 32):

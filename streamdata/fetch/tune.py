@@ -17,8 +17,8 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   budget has room for that item's first part grows then, as on a stall: the link idles, and
   the reader will wait for that part at the item's start whatever its pace (nothing fetches it
   before the reader gets there). A window of one item so grows while the reader reads its
-  first item, not after the first wait at an item's start (from the smallest start at 0 ms,
-  about 40-65 ms into a 1.5 s epoch per worker);
+  first item, not after its wait at the next item's start (from the smallest start at 0 ms,
+  a wait of 40-65 ms per worker);
 - the budget grows by BUDGET-GROWTH's rule (``budget``): only where first-byte latency, not
   bandwidth, made the reader wait (the rate it consumes times that latency is a large share of
   the budget);
@@ -65,8 +65,8 @@ knob the user set is a bound tuning stays within) or, for the budget, the memory
   ``min(max_requests, throttle.allowed)``;
 - knobs never shrink within a pass: a reader that is slower than its link never stalls, so
   nothing grows but a window below its bound (WINDOW-IDLE), and memory stays within the cap
-  either way. The next pass of the same
-  process starts from what this one reached (per endpoint, as the budget does).
+  either way. The next pass of the same process starts from what this one reached (per
+  endpoint, as the budget does).
 
 Only timing changes: items and parts are requested and consumed in the same order whatever
 the knobs, so the data order is the same with or without tuning. Every decision is counted

@@ -5,6 +5,7 @@ throttling wins; the data order is the same with and without; every decision is 
 from __future__ import annotations
 
 import os
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -346,8 +347,6 @@ def test_a_window_that_idles_the_link_grows_before_the_reader_waits(s3_bucket, a
     bound (the budget holds the bytes ahead): every object is fetched before the reader gets
     to it. With autotune off a window of one stays one: nothing is fetched ahead. The bytes
     are the same."""
-    import time
-
     size, count = 64 * 1024, 8
     server, blobs, spec = _objects(s3_bucket, count, size)
     knobs = {"window": 8, "tune_from": SMALLEST} if autotune else {"window": 1}
