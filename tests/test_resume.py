@@ -234,3 +234,26 @@ def test_an_inexact_resume_says_so(tar_dir, caplog):
         _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=0).load_state_dict(
             _make("unindexed", path, batch_size=2, shuffle=True, shuffle_buffer=0).state_dict())
     assert "delivered twice" not in caplog.text
+
+
+
+def test_a_state_resumes_whatever_the_fetch_settings(tmp_path):
+    """ORDER-NOT-IO: the default block window follows the shards, not ``byte_budget``; a state saved
+    with the default 64 MiB resumes exactly with 16 MiB and without autotune (samples of 40 kB,
+    where a window sized from the budget would be about 800 samples against 200: refused)."""
+    path = str(tmp_path) + "/"
+    write_shards(fsspec.filesystem("file"), str(tmp_path), counts=[70, 90, 60, 80], floats=10_000)
+    sdx.build_index(path, progress=False)
+
+    def make(**more):
+        return _make("indexed", path, batch_size=8, shuffle=True, seed=2, **more)
+
+    full = [i for b in make(byte_budget=64 << 20) for i in _ids(b)]
+    ds = make(byte_budget=64 << 20)
+    it = iter(ds)
+    before = [i for b in take(it, 11) for i in _ids(b)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    it.close()
+    resumed = make(byte_budget=16 << 20, autotune=False)
+    resumed.load_state_dict(state)
+    assert before + [i for b in resumed for i in _ids(b)] == full

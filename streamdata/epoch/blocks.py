@@ -43,11 +43,15 @@ from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
 
-__all__ = ["MAX_WINDOW", "MIN_WINDOW", "PIECES", "Windows", "block_reads", "block_runs", "block_shuffled",
-           "check_mode", "check_shuffle_option", "delivered_mask", "mode_tag", "window_for", "window_spans",
-           "windows_of", "with_mode"]
+__all__ = ["MAX_WINDOW", "MIN_WINDOW", "PIECES", "WINDOW_BYTES", "Windows", "block_reads", "block_runs",
+           "block_shuffled", "check_mode", "check_shuffle_option", "delivered_mask", "mode_tag", "window_for",
+           "window_spans", "windows_of", "with_mode"]
 
 MIN_WINDOW, MAX_WINDOW = 64, 65536  # samples, the default window's bounds
+# ORDER-NOT-IO: the default window's encoded bytes, fixed (half the default byte budget,
+# ``config.FetchConfig``), never the live fetch settings: the data order, and so a saved state,
+# stays the same whatever byte_budget, STREAMDATA_BYTE_BUDGET or autotune a run or its restart uses
+WINDOW_BYTES = 32 * 2**20
 PIECES = 16  # a window gathers this many pieces of the span, from seeded places
 TAG = 0xB10C  # seed material that sets the block shuffle's generators apart
 MODES = ("block", "buffer")
@@ -88,7 +92,7 @@ def window_for(ds: Any) -> int | None:
         return int(ds.shuffle_window)
     total = int(np.sum(counts))
     mean = sum(int(s.size) for s in ds.shards) / max(total, 1)
-    return int(min(max(ds.fetch_config.byte_budget // 2 // max(mean, 1.0), MIN_WINDOW), MAX_WINDOW))
+    return int(min(max(WINDOW_BYTES // max(mean, 1.0), MIN_WINDOW), MAX_WINDOW))  # ORDER-NOT-IO
 
 
 def check_shuffle_option(shuffle: Any, window: int | None) -> None:
@@ -116,8 +120,9 @@ def check_mode(state: Any, window: int | None) -> None:
             return "a shuffle buffer or none" if tag is None else f"the block shuffle, window {tag[6:]}"
         raise SpecError(f"this state was saved from a pass shuffled with {say(saved)}, this dataset "
                         f"shuffles with {say(mode_tag(window))}: resume with the same shuffle= and "
-                        "shuffle_window= (or byte_budget, which sizes the default window); a state "
-                        "saved with a shuffle buffer loads into shuffle='buffer'")
+                        "shuffle_window= (the default window follows the shards' mean sample size, "
+                        "never the fetch settings); a state saved with a shuffle buffer loads into "
+                        "shuffle='buffer'")
 
 
 # ---- the windows and their orders ------------------------------------------------------------
