@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["GROUP_TIMEOUT", "from_rank0", "gloo_group", "is_rank0", "multi_rank"]
+from streamdata.errors import SpecError
+
+__all__ = ["GROUP_TIMEOUT", "DataParallel", "data_parallel", "from_rank0", "gloo_group", "is_rank0",
+           "multi_rank"]
 
 T = TypeVar("T")
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as torch.distributed's default group
@@ -66,3 +70,65 @@ def from_rank0(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise value
     return value
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place among the data-parallel replicas of a job that also splits the model
+    (tensor, context or pipeline parallelism): the ``size`` replicas split each epoch, and every
+    rank of one replica (same ``rank``) reads the same plan, so they see identical batches."""
+
+    rank: int
+    size: int
+
+
+def data_parallel(dp_rank: int | None = None, dp_size: int | None = None, *, mesh: Any = None,
+                  group: Any = None) -> DataParallel | None:
+    """The data-parallel place given as ``dp_rank``/``dp_size``, a one-dimensional ``DeviceMesh``
+    (``mesh["dp"]``) or a process group of one replica's peers across replicas; None when none
+    is given (then every rank is its own replica). Several forms at once are refused; in a
+    multi-rank job every rank's place is gathered and checked (a collective: every rank builds
+    the dataset or loader), so a wrong group fails at once, on every rank, not as wrong data."""
+    given = [name for name, value in (("dp_rank/dp_size", dp_rank if dp_rank is not None else dp_size),
+                                      ("mesh", mesh), ("group", group)) if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise SpecError(f"give the data-parallel group one way, not {' and '.join(given)}")
+    if mesh is not None:
+        if getattr(mesh, "ndim", 1) != 1:
+            names = getattr(mesh, "mesh_dim_names", None)
+            raise SpecError(f"mesh= takes the data-parallel dimension of the DeviceMesh (a 1-D mesh, "
+                            f"e.g. mesh['dp']), not the whole {mesh.ndim}-D mesh (dimensions {names})")
+        dp_rank, dp_size = int(mesh.get_local_rank()), int(mesh.size())
+    elif group is not None:
+        import torch.distributed as dist
+
+        dp_rank, dp_size = int(dist.get_rank(group)), int(dist.get_world_size(group))
+        if dp_rank < 0:
+            raise SpecError("group= is a process group this rank is not in: give the data-parallel "
+                            "group this rank belongs to")
+    if dp_rank is None or dp_size is None:
+        raise SpecError("dp_rank= and dp_size= go together")
+    if not (isinstance(dp_rank, int) and isinstance(dp_size, int) and 0 <= dp_rank < dp_size):
+        raise SpecError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank!r}, dp_size={dp_size!r}")
+    place = DataParallel(dp_rank, dp_size)
+    if multi_rank():
+        _check_replicas(place)
+    return place
+
+
+def _check_replicas(place: DataParallel) -> None:
+    """Every rank gives the same ``size``, and each replica has as many ranks as every other."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (place.rank, place.size), group=gloo_group())
+    sizes = {size for _, size in every}
+    if len(sizes) > 1:
+        raise SpecError(f"the ranks give different data-parallel sizes: {sorted(sizes)}")
+    per = [sum(1 for r, _ in every if r == dp) for dp in range(place.size)]
+    if len(set(per)) != 1 or len(every) != place.size * per[0]:
+        raise SpecError(f"{len(every)} ranks cannot form {place.size} equal data-parallel replicas: ranks "
+                        f"per replica {per} (each rank's dp_rank, by global rank: "
+                        f"{[r for r, _ in every]})")

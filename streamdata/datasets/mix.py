@@ -48,6 +48,7 @@ from streamdata.epoch.state import STATE_FORMAT, Loaded, check_header, stages_js
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.metrics import Counters
+from streamdata.ranks import DataParallel, data_parallel
 
 __all__ = ["Mix"]
 
@@ -68,10 +69,16 @@ class Mix(torch.utils.data.IterableDataset):
     def __init__(self, sources: Sequence[ShardedDataset], weights: Sequence[float] | None = None, *,
                  seed: int = 0, stop: str | None = None, samples: int | None = None,
                  batch_size: int | None = None, drop_last: bool = False,
-                 collate_fn: Callable[[list], Any] | None = None) -> None:
+                 collate_fn: Callable[[list], Any] | None = None, dp_rank: int | None = None,
+                 dp_size: int | None = None, mesh: Any = None, group: Any = None) -> None:
         super().__init__()
         self.sources = list(sources)
         _check_sources(self.sources)
+        places = {s.data_parallel for s in self.sources}
+        if len(places) > 1:
+            raise SpecError(f"the sources were built for different data-parallel places: {places}")
+        self.data_parallel: DataParallel | None = places.pop()
+        self.set_data_parallel(data_parallel(dp_rank, dp_size, mesh=mesh, group=group))
         weights = [1.0] * len(self.sources) if weights is None else list(weights)
         if len(weights) != len(self.sources):
             raise SpecError(f"{len(weights)} weights for {len(self.sources)} sources: one weight per source")
@@ -105,6 +112,21 @@ class Mix(torch.utils.data.IterableDataset):
                                 "samples=N); remove them from the mix")
 
     # ---- epochs and counts ------------------------------------------------------------
+
+    def world(self) -> World:
+        """This reader's place, among the data-parallel replicas where they were given."""
+        return World.current(self.data_parallel)
+
+    def set_data_parallel(self, place: DataParallel | None) -> None:
+        """Read as replica ``place.rank`` of ``place.size``, the sources alike."""
+        if place is None:
+            return
+        if self.data_parallel is not None and place != self.data_parallel:
+            raise SpecError(f"the mix was built for data-parallel place {self.data_parallel}, the loader "
+                            f"gives {place}: give it once")
+        self.data_parallel = place
+        for source in self.sources:
+            source.set_data_parallel(place)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch to read next; in a worker it also advances by one per pass (as the datasets)."""
@@ -207,7 +229,7 @@ class Mix(torch.utils.data.IterableDataset):
         return EpochIterator(samples, run.close)
 
     def _begin(self) -> _Run:
-        world, epoch = World.current(), self.epoch
+        world, epoch = self.world(), self.epoch
         resume, self._resume = self._resume, None
         stages: list[Stage[dict]] = resume.stages if resume is not None and resume.epoch == epoch else []
         go_on = bool(stages) and stages[-1].same_shape(world)

@@ -48,7 +48,7 @@ from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
 from streamdata.formats.images import for_pass
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.policy import ErrorPolicy, OnError
-from streamdata.ranks import from_rank0
+from streamdata.ranks import DataParallel, data_parallel, from_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import Shard
 
@@ -122,8 +122,11 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                  drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
                  map: Callable[[Any], Any] | None = None, on_error: OnError = "raise",
                  fetch_config: FetchConfig | None = None, listing: bool = True,
-                 decode_threads: int = 1, **fetch_options: Any) -> None:
+                 decode_threads: int = 1, dp_rank: int | None = None, dp_size: int | None = None,
+                 mesh: Any = None, group: Any = None, **fetch_options: Any) -> None:
         super().__init__()
+        # the replicas that split the data, where ranks of one replica share it (``ranks``)
+        self.data_parallel: DataParallel | None = data_parallel(dp_rank, dp_size, mesh=mesh, group=group)
         if not isinstance(decode_threads, int) or decode_threads < 1:
             raise SpecError(f"decode_threads must be an int >= 1, got {decode_threads!r}")
         self.decode_threads = decode_threads  # threads per reader for decode and map (``stages``)
@@ -162,6 +165,19 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         self._state_key: tuple[tuple, tuple[str, str]] | None = None  # state_key's, for its options
 
     # ---- epochs and counts ------------------------------------------------------------
+
+    def world(self) -> World:
+        """This reader's place: among the data-parallel replicas where the dataset was given them
+        (``dp_rank``/``dp_size``, ``mesh``, ``group``), else among all ranks."""
+        return World.current(self.data_parallel)
+
+    def set_data_parallel(self, place: DataParallel | None) -> None:
+        """Read as replica ``place.rank`` of ``place.size`` (``sd.loader(dp_rank=..., mesh=...)``)."""
+        if place is not None and self.data_parallel is not None and place != self.data_parallel:
+            raise SpecError(f"the dataset was built for data-parallel place {self.data_parallel}, the "
+                            f"loader gives {place}: give it once")
+        if place is not None:
+            self.data_parallel = place
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose shuffle to read next (call before each epoch, as with
@@ -314,7 +330,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool,
                    stages: list[Stage] | None = None) -> ReaderPass:
-        world = World.current()
+        world = self.world()
         units, counts = self.units(), self.sample_counts()
         if counts is None:
             if not stages:

@@ -18,7 +18,6 @@ from streamdata.catalog.index_ahead import IndexAhead, start_index_ahead
 from streamdata.catalog.specs import Sightings, Spec
 from streamdata.datasets.passes import stale_count
 from streamdata.datasets.sharded import ShardedDataset
-from streamdata.epoch.world import World
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats.compress import TAR_SUFFIXES, decompressed
 from streamdata.formats.decode import DecodeSpec, make_decoder
@@ -71,7 +70,7 @@ class TarDataset(ShardedDataset):
         self._offsets = {} if self._index is None else dict(
             zip((s.url for s in self.shards), self._index.offsets, strict=True))
         self.block_window()  # shuffle="block" without sample counts: SpecError here, not in a worker
-        world = World.current()
+        world = self.world()
         if self._index is None and world.world_size > 1 and world.rank == 0:
             log.warning("%d tar shards and no sample index: each epoch is split by shard, so ranks can "
                         "get unequal numbers of batches (sd.loader ends the epoch on every rank together; "

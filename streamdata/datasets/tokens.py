@@ -52,7 +52,6 @@ from streamdata.epoch.tokens import (
     token_reads,
     unit_tokens,
 )
-from streamdata.epoch.world import World
 from streamdata.errors import FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
@@ -328,7 +327,7 @@ class TokenDataset(ShardedDataset):
 
     def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool,
                    stages: list[Stage] | None = None) -> ReaderPass:
-        world = World.current()
+        world = self.world()
         sp = self.plan(epoch)
         span = resume_span([sp.sequences], stages or [], world, seed=self.seed, epoch=epoch, shuffle=False,
                            batch_size=batch_size, drop_last=drop_last)

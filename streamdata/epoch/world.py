@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from streamdata.config import env_int
 from streamdata.errors import SpecError
+from streamdata.ranks import DataParallel
 
 __all__ = ["World", "pinned"]
 
@@ -46,8 +47,9 @@ class World:
         return f"rank {self.rank}/{self.world_size}, worker {self.worker}/{self.num_workers}"
 
     @classmethod
-    def current(cls) -> World:
-        """Derive the world once: the one :func:`pinned` gives this thread, else torch.distributed if
+    def current(cls, dp: DataParallel | None = None) -> World:
+        """Derive the world once: the one :func:`pinned` gives this thread, else the data-parallel
+        place ``dp`` (the replicas are the ranks that split the data), else torch.distributed if
         initialised, else RANK/WORLD_SIZE, else 1."""
         given = getattr(_pinned, "world", None)
         if given is not None:
@@ -55,7 +57,9 @@ class World:
         import torch.distributed as dist
         from torch.utils.data import get_worker_info
 
-        if dist.is_available() and dist.is_initialized():
+        if dp is not None:  # REPLICA-PLAN: every rank of replica dp.rank reads that replica's plan
+            rank, world_size = dp.rank, dp.size
+        elif dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
             rank, world_size = env_int("RANK", 0) or 0, env_int("WORLD_SIZE", 1) or 0  # (never None)

@@ -119,7 +119,7 @@ class Positions:
             mine = [s for s in self.latest.values() if s.get("epoch") == max(
                 x.get("epoch", 0) for x in self.latest.values())]
             state = merge_states(mine) if mine else base
-            state = _fill(state, base, World.current().rank)
+            state = _fill(state, base, World.current(getattr(self.dataset, "data_parallel", None)).rank)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, state)

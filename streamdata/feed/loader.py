@@ -30,6 +30,7 @@ from streamdata.feed.checkpoint import Positioned, Positions, Stripped
 from streamdata.feed.cuda import CudaPrefetcher
 from streamdata.feed.metrics import Metrics, Stopwatch, gather_ranks, reporter, summary
 from streamdata.feed.together import EndTogether
+from streamdata.ranks import data_parallel
 from streamdata.store.handover import share_among
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
@@ -313,6 +314,10 @@ def loader(
     held_ahead: int = 0,
     log_every: int | None = None,
     on_metrics: Callable[[dict], None] | None = None,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    mesh: Any = None,
+    group: Any = None,
     **dataloader_kwargs: Any,
 ) -> Loader:
     """A DataLoader with streaming defaults, optionally feeding a GPU; everything overridable.
@@ -338,8 +343,19 @@ def loader(
     1); ``state_dict()`` leaves them out until the epoch ends, so a resume reads them again
     (docs/frameworks.md).  ``log_every`` (steps): every that many steps,
     ``on_metrics(loader.metrics())``, or without ``on_metrics`` a line on the ``streamdata``
-    logger at INFO (docs/metrics.md).  Other keyword arguments go to ``DataLoader`` unchanged.
+    logger at INFO (docs/metrics.md).  ``dp_rank``/``dp_size``, ``mesh`` (the data-parallel
+    dimension of a ``DeviceMesh``, ``mesh["dp"]``) or ``group`` (the data-parallel process group):
+    with tensor, context or pipeline parallelism, only the data-parallel replicas split the epoch
+    and the ranks of one replica get identical batches (docs/distributed.md).  Other keyword
+    arguments go to ``DataLoader`` unchanged.
     """
+    place = data_parallel(dp_rank, dp_size, mesh=mesh, group=group)
+    if place is not None:
+        if not hasattr(dataset, "set_data_parallel"):
+            raise SpecError(f"{type(dataset).__name__} cannot be split by data-parallel group: dp_rank=, "
+                            "mesh= and group= take a streamdata dataset (TarDataset, ParquetDataset, "
+                            "TokenDataset, Mix ...)")
+        dataset.set_data_parallel(place)
     if not isinstance(held_ahead, int) or held_ahead < 0:
         raise SpecError(f"held_ahead must be an int >= 0, got {held_ahead!r}")
     if batch_size is _UNSET:
