@@ -10,14 +10,19 @@ dataset (as every rank runs the same script), and the wait is bounded by the gro
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamdata.errors import SpecError
 
 __all__ = ["GROUP_TIMEOUT", "DataParallel", "data_parallel", "from_rank0", "gloo_group", "is_rank0",
-           "multi_rank"]
+           "launcher_place", "multi_rank"]
+
+log = logging.getLogger("streamdata")
 
 T = TypeVar("T")
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as torch.distributed's default group
@@ -80,6 +85,8 @@ class DataParallel:
 
     rank: int
     size: int
+    # where the place came from: given, or a framework's (``launcher_place``)
+    source: str = field(default="given", compare=False)
 
 
 def data_parallel(dp_rank: int | None = None, dp_size: int | None = None, *, mesh: Any = None,
@@ -92,7 +99,10 @@ def data_parallel(dp_rank: int | None = None, dp_size: int | None = None, *, mes
     given = [name for name, value in (("dp_rank/dp_size", dp_rank if dp_rank is not None else dp_size),
                                       ("mesh", mesh), ("group", group)) if value is not None]
     if not given:
-        return None
+        found = launcher_place()
+        if found is not None and multi_rank():
+            _check_replicas(found)
+        return found
     if len(given) > 1:
         raise SpecError(f"give the data-parallel group one way, not {' and '.join(given)}")
     if mesh is not None:
@@ -116,6 +126,52 @@ def data_parallel(dp_rank: int | None = None, dp_size: int | None = None, *, mes
     if multi_rank():
         _check_replicas(place)
     return place
+
+
+def launcher_place() -> DataParallel | None:
+    """LAUNCHER-PLACE: the data-parallel place a framework has set up where it says so without
+    doubt, else None (every rank its own replica; nothing is guessed). Megatron's
+    ``parallel_state`` once initialised (its data-parallel rank and size); ``accelerate launch``
+    with a parallelism config (``ACCELERATE_USE_PARALLELISM_CONFIG``: its mesh puts the
+    data-parallel dimensions outermost, so a replica is ``tp * cp * sp`` consecutive ranks).
+    A place given to the dataset or the loader wins. Logged once per place, at INFO."""
+    found: DataParallel | None = None
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        found = DataParallel(int(ps.get_data_parallel_rank()), int(ps.get_data_parallel_world_size()),
+                             "Megatron's parallel_state")
+    elif os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+        found = _accelerate_place()
+    if found is not None and found not in _LOGGED:
+        _LOGGED.add(found)
+        log.info("data-parallel replica %d of %d, from %s", found.rank, found.size, found.source)
+    return found
+
+
+_LOGGED: set[DataParallel] = set()
+
+
+def _accelerate_place() -> DataParallel | None:
+    def size(name: str) -> int:
+        value = os.environ.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1")
+        try:
+            return int(value)
+        except ValueError:
+            raise SpecError(f"PARALLELISM_CONFIG_{name}_SIZE={value!r} is not an integer") from None
+
+    inner, replicas = size("TP") * size("CP") * size("SP"), size("DP_REPLICATE") * size("DP_SHARD")
+    if inner == 1:
+        return None  # every rank a replica: nothing to change
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if on else int(os.environ.get("RANK", "0"))
+    world = dist.get_world_size() if on else int(os.environ.get("WORLD_SIZE", "1"))
+    if replicas * inner != world:
+        raise SpecError(f"accelerate's parallelism config (PARALLELISM_CONFIG_*) gives {replicas} data-"
+                        f"parallel x {inner} model-parallel ranks, the job has {world}: give the place "
+                        "with sd.loader(..., mesh=accelerator.torch_device_mesh['dp'])")
+    return DataParallel(rank // inner, replicas, "accelerate's parallelism config")
 
 
 def _check_replicas(place: DataParallel) -> None:

@@ -20,7 +20,9 @@ COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11, 30, 8, 17]  # tar: 113 samples
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1], [20, 11], [30, 8, 2]]  # 136 rows
 # case: (format, how the place is given)
 WHOLE = {"args": ("tar", "args"), "mesh": ("parquet", "mesh"), "group": ("tar", "group"),
-         "dataset": ("tar", "dataset")}
+         "dataset": ("tar", "dataset"), "accelerate": ("parquet", "accelerate"),
+         "megatron": ("tar", "megatron")}
+# (LAUNCHER-PLACE: the place found, none given; megatron after the other such: its state stays)
 STOPPED = {"tar-stop": ("tar", "args", 5), "parquet-stop": ("parquet", "mesh", 7)}  # ... and its stop
 
 
@@ -70,6 +72,7 @@ def test_ranks_of_a_replica_see_the_same_batches_and_replicas_split_the_epoch(ru
     steps = [r[name]["steps"] for r in first]
     assert steps[0] == steps[1] and steps[2] == steps[3], "the ranks of a replica got different batches"
     assert steps[0] != steps[2], "the two replicas got the same batches"
+    assert [r[name]["place"] for r in first] == [[0, 2], [0, 2], [1, 2], [1, 2]]
     counts = [len(s) for s in steps]
     assert len(set(counts)) == 1 and first[0][name]["all_steps"] == counts, f"unequal steps {counts}"
     got = collections.Counter(_replica_keys(first, name, 2))

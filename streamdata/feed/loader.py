@@ -350,7 +350,7 @@ def loader(
     arguments go to ``DataLoader`` unchanged.
     """
     place = data_parallel(dp_rank, dp_size, mesh=mesh, group=group)
-    if place is not None:
+    if place is not None and (place.source == "given" or hasattr(dataset, "set_data_parallel")):
         if not hasattr(dataset, "set_data_parallel"):
             raise SpecError(f"{type(dataset).__name__} cannot be split by data-parallel group: dp_rank=, "
                             "mesh= and group= take a streamdata dataset (TarDataset, ParquetDataset, "

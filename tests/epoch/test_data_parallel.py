@@ -101,3 +101,38 @@ def test_a_mix_takes_the_place_to_its_sources(parquet_spec):
     with pytest.raises(SpecError):
         sd.Mix([sd.ParquetDataset(spec, dp_rank=0, dp_size=2), sd.ParquetDataset(spec, dp_rank=1, dp_size=2)],
                weights=[1, 1])
+
+
+def _accelerate_env(monkeypatch, **sizes):
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name, value in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", str(value))
+
+
+def test_accelerate_parallelism_config_gives_the_place(monkeypatch, caplog):
+    """LAUNCHER-PLACE: accelerate's mesh puts data parallelism outermost: replicas of tp*cp ranks."""
+    _accelerate_env(monkeypatch, tp=2, cp=2, dp_shard=3)
+    with rank_env(9, 12), caplog.at_level("INFO", logger="streamdata"):
+        assert data_parallel() == DataParallel(2, 3)
+        assert data_parallel(0, 1) == DataParallel(0, 1)  # a place given wins
+    assert "replica 2 of 3, from accelerate's parallelism config" in caplog.text
+
+
+def test_accelerate_without_model_parallelism_changes_nothing(monkeypatch):
+    _accelerate_env(monkeypatch, tp=1, dp_shard=4)
+    with rank_env(3, 4):
+        assert data_parallel() is None
+
+
+def test_accelerate_sizes_that_do_not_fit_the_job_are_refused(monkeypatch):
+    _accelerate_env(monkeypatch, tp=2, dp_shard=3)
+    with rank_env(0, 4), pytest.raises(SpecError, match="3 data-parallel x 2 model-parallel ranks, the job"):
+        data_parallel()
+
+
+def test_a_launcher_place_reaches_the_dataset_and_leaves_other_datasets_alone(monkeypatch, parquet_spec):
+    spec, _ = parquet_spec
+    _accelerate_env(monkeypatch, tp=2, dp_shard=2)
+    with rank_env(3, 4):
+        assert sd.ParquetDataset(spec).data_parallel == DataParallel(1, 2)
+        sd.loader(list(range(8)), batch_size=4)  # not ours to split: no error

@@ -7,7 +7,9 @@ CONFIG: ``tag``, ``tp`` (ranks per replica: consecutive global ranks), ``workers
 per case name, ``kind`` ("tar" or "parquet"), ``spec``, ``storage_options``, ``how`` ("args":
 ``dp_rank``/``dp_size``; "mesh": a 2-D ``DeviceMesh`` ("dp", "tp") and its "dp" dimension;
 "group": the data-parallel process group; "dataset": ``dp_rank``/``dp_size`` given to the
-dataset, not the loader), and ``stop``/``save`` or ``load`` as in ``resume_job``. Each rank writes
+dataset, not the loader; "megatron": none given, Megatron's ``parallel_state`` initialised with
+``tp``; "accelerate": none given, the variables ``accelerate launch --parallelism_config_tp_size``
+exports set for the case), and ``stop``/``save`` or ``load`` as in ``resume_job``. Each rank writes
 ``OUT_DIR/{tag}-rank{R}.json``: per case, its batches' keys step by step and every rank's steps.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 
 import torch
@@ -42,6 +45,17 @@ def _place(how: str, tp: int, groups: list) -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     if how in ("args", "dataset"):
         return {"dp_rank": rank // tp, "dp_size": size // tp}
+    if how == "megatron":
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                     distributed_timeout_minutes=1)
+        return {}
+    if how == "accelerate":
+        os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_TP_SIZE=str(tp),
+                          PARALLELISM_CONFIG_DP_SHARD_SIZE=str(size // tp))
+        return {}
     if how == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -64,9 +78,14 @@ def run_case(case: dict, cfg: dict, groups: list) -> dict:
         loader.set_epoch(2)
         for batch in ddp_steps(loader, model, optimizer, _features, case, rank):
             steps.append(_keys(batch))
+    for name in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE",
+                 "PARALLELISM_CONFIG_DP_SHARD_SIZE"):
+        os.environ.pop(name, None)
     all_steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_steps, len(steps))
-    return {"steps": steps, "all_steps": all_steps}
+    place = ds.data_parallel
+    return {"steps": steps, "all_steps": all_steps,
+            "place": None if place is None else [place.rank, place.size]}
 
 
 def main(out_dir: str, config_json: str) -> None:
