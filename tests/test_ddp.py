@@ -79,10 +79,12 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
         cases = {"indexed": indexed, "tar": {"spec": f"s3://{bucket}/tar/", "storage_options": options},
                  "parquet": {"spec": f"s3://{bucket}/pq/part-{{0..2}}.parquet", "storage_options": options},
                  "arrow": {"spec": f"s3://{bucket}/ipc/part-{{0..2}}.arrow", "storage_options": options},
+                 "objects": {"spec": f"s3://{bucket}/tar/", "storage_options": options, "kind": "objects"},
                  "missing": {"spec": f"s3://{bucket}/tar/shard-{{000..009}}.tar", "storage_options": options}}
         for case in cases.values():  # one process: the requests one job should make
             try:
-                (sd.ParquetDataset if case["spec"].endswith(".parquet") else
+                (sd.ObjectDataset if case.get("kind") == "objects" else
+                 sd.ParquetDataset if case["spec"].endswith(".parquet") else
                  sd.ArrowDataset if case["spec"].endswith(".arrow") else sd.TarDataset)(
                     case["spec"], storage_options=options)
             except sd.ShardNotFoundError:
@@ -98,6 +100,7 @@ def test_a_job_lists_once_and_reads_footers_once_whatever_its_ranks(s3_bucket, t
     assert ranks[0]["indexed"]["samples"] == sum(UNEVEN) and ranks[0]["tar"]["samples"] is None
     assert ranks[0]["arrow"]["samples"] == 30  # row counts from the batches' headers, read on rank 0
     assert ranks[0]["missing"]["error"] == "ShardNotFoundError"
+    assert len(ranks[0]["objects"]["shards"]) == len(UNEVEN)  # ObjectDataset lists once too
 
 
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1], [40, 17]]  # 122 rows

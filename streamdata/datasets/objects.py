@@ -17,6 +17,7 @@ from streamdata.epoch.state import fingerprint, parse_state, start_state
 from streamdata.fetch.cache import Cache, cached_object
 from streamdata.formats.decode import DecodeSpec, make_decoder
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
+from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import split_url
 
@@ -41,7 +42,8 @@ class ObjectDataset(torch.utils.data.Dataset):
         self.storage_options = dict(storage_options or {})
         self.fetch_config = FetchConfig.resolve(fetch_config, self, defaults=self.fetch_defaults,
                                                 **fetch_options)
-        self.shards = expand_spec(urls, self.storage_options, config=self.fetch_config)
+        # LIST-ONCE: rank 0 lists for every rank
+        self.shards = from_rank0(lambda: expand_spec(urls, self.storage_options, config=self.fetch_config))
         self.protocol = split_url(self.shards[0].url)[0]
         self.decode = decode
         self._decoder = make_decoder(decode)

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/jobs/list_once.py OUT_DIR CONFIG
 
-CONFIG: ``tag`` and ``cases`` (per case name, ``spec`` and ``storage_options``). Writes
+CONFIG: ``tag`` and ``cases`` (per case name, ``spec``, ``storage_options`` and, for an
+``ObjectDataset``, ``kind``: "objects"). Writes
 ``OUT_DIR/{tag}-rank{R}.json``: per case, the shards (rows, and samples by the index) the
 rank got, or the error type it raised.
 """
@@ -24,11 +25,12 @@ def main(out_dir: str, config_json: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = {}
     for name, case in cfg["cases"].items():
-        make = (sd.ParquetDataset if case["spec"].endswith(".parquet") else
+        make = (sd.ObjectDataset if case.get("kind") == "objects" else
+                sd.ParquetDataset if case["spec"].endswith(".parquet") else
                 sd.ArrowDataset if case["spec"].endswith(".arrow") else sd.TarDataset)
         try:
             ds = make(case["spec"], storage_options=case["storage_options"])
-            counts = ds.sample_counts()
+            counts = ds.sample_counts() if hasattr(ds, "sample_counts") else None
             out[name] = {"shards": [s.url for s in ds.shards], "rows": getattr(ds, "num_rows", None),
                          "samples": None if counts is None else int(counts.sum())}
         except sd.StreamDataError as exc:
