@@ -26,7 +26,7 @@ stage in ``STAGES`` order (within a stage, in registration order):
             ``store.handover``: of the idle connections offered for the next reader, the child keeps
             the one its parent handed it and closes its copies of the others' descriptors
             (never ``shutdown``: the connections are the parent's) (WARM-HANDOVER).
-            ``testing.network``: a test's proxy and TLS front run in the parent; the child
+            ``testing._loop``: a test's proxy and TLS front run in the parent; the child
             closes its copies of their sockets, so a connection ends when the parent's does.
   pools     ``batch.recycle``: a worker's buffer pool lends slots of its own board; a process
             forked from the worker starts with none (RECYCLE-HANDOFF).

@@ -21,15 +21,16 @@ Run a server by hand with ``python -m streamdata.testing {s3,gcs,http} --help``.
 
 # Modules (the docstring above is also the CLI's --help): s3 (S3Server, S3Endpoint,
 # s3_from_env; _moto is the server child's side), gcs (GCSServer, gcs_from_env), http
-# (HTTPServer), network (ForwardProxy, TLSFront, make_certificates), cli (the command line),
-# _process (subprocess, port and readiness helpers).
+# (HTTPServer), proxy (ForwardProxy), tls (TLSFront, make_certificates), _loop (what those
+# two share), cli (the command line), _process (subprocess, port and readiness helpers).
 
 from streamdata.testing._process import ServerError, free_port
 from streamdata.testing.cli import main as main  # the CLI entry point (not in __all__, as before)
 from streamdata.testing.gcs import GCSServer, gcs_from_env
 from streamdata.testing.http import HTTPServer
-from streamdata.testing.network import CertificatePaths, ForwardProxy, TLSFront, make_certificates
+from streamdata.testing.proxy import ForwardProxy
 from streamdata.testing.s3 import S3Endpoint, S3Server, s3_from_env
+from streamdata.testing.tls import CertificatePaths, TLSFront, make_certificates
 
 __all__ = [
     "CertificatePaths",
