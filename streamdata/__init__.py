@@ -26,9 +26,9 @@ from streamdata.feed.cuda import CudaPrefetcher, PinAhead, pin_batch
 from streamdata.feed.images import finished as finish_images  # decode_on="device" without sd.loader's device
 from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
-from streamdata.feed.prometheus import serve_prometheus
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
 from streamdata.formats import images as images  # sd.images: the fast image path's transforms
+from streamdata.integrations.prometheus import serve_prometheus
 from streamdata.store.urls import Shard
 from streamdata.write.tar import ShardWriter
 

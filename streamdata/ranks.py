@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from streamdata.config import env_int, env_str
 from streamdata.errors import SpecError
 
 __all__ = ["GROUP_TIMEOUT", "DataParallel", "data_parallel", "from_rank0", "gloo_group", "is_rank0",
@@ -140,7 +140,7 @@ def launcher_place() -> DataParallel | None:
     if ps is not None and ps.model_parallel_is_initialized():
         found = DataParallel(int(ps.get_data_parallel_rank()), int(ps.get_data_parallel_world_size()),
                              "Megatron's parallel_state")
-    elif os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+    elif (env_str("ACCELERATE_USE_PARALLELISM_CONFIG") or "").lower() == "true":
         found = _accelerate_place()
     if found is not None and found not in _LOGGED:
         _LOGGED.add(found)
@@ -153,11 +153,7 @@ _LOGGED: set[DataParallel] = set()
 
 def _accelerate_place() -> DataParallel | None:
     def size(name: str) -> int:
-        value = os.environ.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1")
-        try:
-            return int(value)
-        except ValueError:
-            raise SpecError(f"PARALLELISM_CONFIG_{name}_SIZE={value!r} is not an integer") from None
+        return env_int(f"PARALLELISM_CONFIG_{name}_SIZE", 1) or 1
 
     inner, replicas = size("TP") * size("CP") * size("SP"), size("DP_REPLICATE") * size("DP_SHARD")
     if inner == 1:
@@ -165,8 +161,8 @@ def _accelerate_place() -> DataParallel | None:
     import torch.distributed as dist
 
     on = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if on else int(os.environ.get("RANK", "0"))
-    world = dist.get_world_size() if on else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if on else env_int("RANK", 0) or 0
+    world = dist.get_world_size() if on else env_int("WORLD_SIZE", 1) or 1
     if replicas * inner != world:
         raise SpecError(f"accelerate's parallelism config (PARALLELISM_CONFIG_*) gives {replicas} data-"
                         f"parallel x {inner} model-parallel ranks, the job has {world}: give the place "

@@ -10,7 +10,7 @@ import fsspec
 import pytest
 
 import streamdata as sd
-from streamdata.feed.prometheus import metric_name
+from streamdata.integrations.prometheus import metric_name
 from tests.helpers import doc_blocks, write_shards
 
 prometheus_client = pytest.importorskip("prometheus_client")
