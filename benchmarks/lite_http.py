@@ -1,4 +1,4 @@
-"""LITE-HTTP A/B: LITE-S3's ranged GETs on streamdata's own HTTP/1.1 client (``h1``) or on aiohttp.
+"""LITE-HTTP A/B: LITE-S3's ranged GETs on streamdata's own HTTP/1.1 client (``store.http1``) or on aiohttp.
 
 One embedded S3 server; per round, two fresh interpreters (order alternating round by round),
 one per client (``STREAMDATA_LITE_HTTP=1`` / ``0``), each reading every shard in ``part``-byte

@@ -45,7 +45,7 @@ def env_snapshot(names: Iterable[str]) -> dict[str, str | None]:
 
 
 def lite_http() -> bool:
-    """LITE-HTTP (``h1``): LITE-S3's GETs go over streamdata's own HTTP/1.1 client, so no process
+    """LITE-HTTP (``store.http1``): LITE-S3's GETs go over streamdata's own HTTP/1.1 client, so no process
     imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts them back on aiohttp (the A/B of
     benchmarks/startup.py; a way out if a server needs what only aiohttp does)."""
     return env_str("STREAMDATA_LITE_HTTP", "1") != "0"

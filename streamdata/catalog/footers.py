@@ -54,7 +54,7 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     """The bytes of each request's ranges (or the error that prevented them), in order.
 
     Runs in the process that builds the dataset, just before DataLoader workers fork: see
-    FORK-AFTER-CLOSE in ``_aio``.
+    FORK-AFTER-CLOSE in ``store.loop``.
     """
     if not requests:
         return []

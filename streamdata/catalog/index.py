@@ -257,7 +257,7 @@ def lookup(shards: Sequence[Shard], index: str | None = "auto",
     there is no object there, and, with one warning, when it lacks entries for some shards.
     A URL: that index (binary, or a wids shard-list JSON); missing, or lacking entries, is
     ``SpecError``. Either way an entry whose shard changed is ``StaleIndexError``. ``read``
-    (``read_index``'s signature) reads the index: an answer fetched ahead (``indexahead``).
+    (``read_index``'s signature) reads the index: an answer fetched ahead (``catalog.index_ahead``).
     """
     if index is None or not shards:
         return None

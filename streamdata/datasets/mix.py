@@ -2,7 +2,7 @@
 
 Each reader (rank x worker) reads its own share of every source's epoch (the sources' plans,
 EXACTLY-ONCE / EQUAL-STEPS) and interleaves them by a seeded sequence of choices that is the same
-on every rank (MIX-CHOICES in ``mixplan``). The epoch ends by ``stop``:
+on every rank (MIX-CHOICES in ``epoch.mix``). The epoch ends by ``stop``:
 
 - ``"first"``: when a source runs out on the reader: with sample counts known, at the reader's
   quota of it, the fewest any rank's reader of that worker index holds, so every rank stops at
@@ -11,7 +11,7 @@ on every rank (MIX-CHOICES in ``mixplan``). The epoch ends by ``stop``:
   source has delivered its share once (with counts: as many as the rank with most);
 - ``samples=N``: N samples per epoch over the whole job, cycling sources as needed.
 
-The state (``mixplan``) is every source's position plus the number of choices taken, per reader,
+The state (``epoch.mix``) is every source's position plus the number of choices taken, per reader,
 in the dataset state format, so torchdata's ``StatefulDataLoader`` and ``sd.loader`` save and
 restore it as they do a dataset's; a restart on another world shape re-divides what each source
 has left (RESUME-ELASTIC) and starts a new choice sequence for the new stage. See docs/mix.md.

@@ -234,7 +234,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         return None
 
     def before_listing(self, spec: Spec, listing: bool) -> Sightings | None:
-        """Requests a format can send while the spec is listed (a tar index, ``indexahead``);
+        """Requests a format can send while the spec is listed (a tar index, ``catalog.index_ahead``);
         the names the listing should note (LISTED-NAMES), if any."""
         return None
 

@@ -2,7 +2,7 @@
 
 One ``Prefetcher`` serves one reader (a DataLoader worker, or the main process with
 ``num_workers=0``).  It owns a ``LoopThread`` and a fresh async filesystem bound to it
-(LOOP-AFTER-FORK, see ``_aio``), and fetches the items it is given *in the order they will
+(LOOP-AFTER-FORK, see ``store.loop``), and fetches the items it is given *in the order they will
 be consumed*, as parts of at most ``part_size`` bytes, so that remote first-byte latency
 overlaps parsing, decoding and training.
 
@@ -392,7 +392,8 @@ class Prefetcher:
             # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
             self._plans[index].set_result(collections.deque(todo))
             first = first_parts(todo) if small is not None else None
-            if index == 0 and self._endpoint is not None:  # CONNECT-AHEAD (``h1``): the window's connections
+            # CONNECT-AHEAD (``store.http1``): the window's connections
+            if index == 0 and self._endpoint is not None:
                 ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(self.tuner)))
                 ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
             while todo:

@@ -46,7 +46,7 @@ _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http":
 
 def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, *,
                url: str | None = None, timeout: float | None = None, **extra: Any):
-    """A fresh fsspec filesystem for ``protocol``, never the instance cache (LOOP-AFTER-FORK, ``_aio``).
+    """A fresh fsspec filesystem for ``protocol``, never the instance cache (LOOP-AFTER-FORK, ``store.loop``).
 
     ``url`` contributes what the URL itself carries (an HDFS name node's host and port).
     ``timeout`` (seconds per request) bounds the backend's own requests and turns its own
@@ -298,7 +298,7 @@ def warm_imports(protocol: str, storage_options: Mapping[str, Any] | None = None
     HTTP) now, in the process that builds the dataset: forked DataLoader workers inherit the
     modules instead of each importing them before its first request (0.3 s of CPU each on
     a 2-core machine). Called while the listing's request is in flight, it costs nothing.
-    Under LITE-S3 with LITE-HTTP (``h1``) S3's readers need no aiohttp: only an ``https``
+    Under LITE-S3 with LITE-HTTP (``store.http1``) S3's readers need no aiohttp: only an ``https``
     endpoint's SSL context is made (its CA bundle loaded once, inherited by workers)."""
     import importlib
 

@@ -2,7 +2,7 @@
 
 Async backends (s3fs, gcsfs, HTTP on aiohttp) run natively on the loop; sync ones (local
 files, HDFS through pyarrow) run in a small thread pool so they overlap the same way.
-Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``_aio``); a forked child
+Created lazily in the process that uses it (LOOP-AFTER-FORK, see ``store.loop``); a forked child
 drops the sessions it inherited (FORK-RESET, see ``_fork``).
 """
 

@@ -181,7 +181,7 @@ def waiting(key: Key | None) -> int:
     """How many young offered connections to ``key`` wait here (spares still opening included;
     in a forked worker: those it was handed), for ``parts.first_part_size`` and CONNECT-AHEAD."""
     # locked on purpose: under 1 µs (16 offers), once per pass and per request that finds no idle
-    # connection (``h1``); the prune keeps old offers out
+    # connection (``store.http1``); the prune keeps old offers out
     with _lock:
         _prune(time.monotonic())
         return sum(entry[0] == key for entry in _offers)
