@@ -203,13 +203,13 @@ def collate_column(samples: list[Any], path: str, shared: bool) -> Any:
     if isinstance(elem, np.ndarray):
         return _stack_arrays(samples, path, shared) if elem.dtype.kind in NUMERIC_KINDS else samples
     if isinstance(elem, (bool, np.bool_)):
-        return torch.tensor(samples, dtype=torch.bool)
+        return _scalars(torch.tensor(samples, dtype=torch.bool), shared)
     if isinstance(elem, np.generic) and elem.dtype.kind in NUMERIC_KINDS:
-        return torch.from_numpy(np.asarray(samples))
+        return _scalars(torch.from_numpy(np.asarray(samples)), shared)
     if isinstance(elem, int):
-        return torch.tensor(samples, dtype=torch.int64)
+        return _scalars(torch.tensor(samples, dtype=torch.int64), shared)
     if isinstance(elem, float):
-        return torch.tensor(samples, dtype=torch.float64)
+        return _scalars(torch.tensor(samples, dtype=torch.float64), shared)
     if isinstance(elem, (str, bytes, bytearray)) or elem is None:
         return samples
     if isinstance(elem, EncodedImage):  # decode_on="device": one EncodedBatch (batch/encoded.py)
@@ -230,6 +230,15 @@ def collate_column(samples: list[Any], path: str, shared: bool) -> Any:
             object.__setattr__(out, field.name, collate_column(column, f"{path}.{field.name}", shared))
         return out
     return samples
+
+
+def _scalars(column: torch.Tensor, shared: bool) -> torch.Tensor:
+    """A column of scalars (labels, ids), in a worker copied into shared memory from the pool:
+    a tensor left private would be moved to a new shared storage as it is sent, and cross to
+    the main process by descriptor with every batch (MAPPED-ONCE in ``recycle``)."""
+    if not shared:
+        return column
+    return empty_tensor(tuple(column.shape), column.dtype, True).copy_(column)
 
 
 def _collate_mapping(samples: list[Any], path: str, shared: bool) -> Any:

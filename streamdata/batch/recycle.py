@@ -41,7 +41,7 @@ import torch
 
 from streamdata._compat import storage_use_count
 from streamdata._fork import at_fork_in_child
-from streamdata.batch.tree import iter_tensors, map_leaves, map_tensors, pin_batch
+from streamdata.batch.tree import iter_tensors, map_kinds, map_tensors, pin_batch
 
 __all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "lent_count", "reclaim", "unwrap"]
 
@@ -295,8 +295,9 @@ _LOCK = threading.Lock()  # the pinning thread registers while the main thread r
 # lent slots: (board id, worker, slot, token) -> (the storage's mapping here, board); one record each
 _OUT: dict[tuple[int, int, int, int], tuple[Any, Board]] = {}
 # _register reclaims when _OUT has grown to _prune_at (nobody calls reclaim when the batches
-# are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, so the
-# trigger must come well before that, and it doubles with the entries still live (amortised)
+# are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, and a batch
+# of k tensor fields takes k of them, so the trigger comes _PRUNE_MIN entries after what was
+# still live at the last reclaim (a walk over at most the slots lent, every _PRUNE_MIN batches)
 _PRUNE_MIN = 16
 _prune_at = _PRUNE_MIN
 
@@ -326,8 +327,7 @@ def _rebuilt(board: Board | None, worker: int, ref: _Ref) -> torch.Tensor:
 def _register(lent: _Lent) -> None:
     board = _BOARDS.get(lent.board_id)
     with _LOCK:
-        lent.batch = map_leaves(lambda leaf: _rebuilt(board, lent.worker, leaf) if isinstance(leaf, _Ref)
-                                else leaf, lent.batch)
+        lent.batch = map_kinds(lambda ref: _rebuilt(board, lent.worker, ref), lent.batch, (_Ref,))
         if board is None:  # not unpickled by the loader that owns the board: never released
             return
         for slot, gen in lent.forget:  # storages the worker let go: their mappings here too
@@ -365,7 +365,7 @@ def reclaim() -> int:
             if storage_use_count(storage) <= 1:  # nothing but the mapping holds it
                 released += board.release(*key[1:])
                 del _OUT[key]
-        _prune_at = max(_PRUNE_MIN, 2 * len(_OUT))
+        _prune_at = len(_OUT) + _PRUNE_MIN
     return released
 
 

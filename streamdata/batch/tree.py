@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["iter_tensors", "map_leaves", "map_tensors", "pin_batch"]
+__all__ = ["iter_tensors", "map_kinds", "map_leaves", "map_tensors", "pin_batch"]
 
 T = TypeVar("T")
 
@@ -25,30 +25,15 @@ def map_leaves(fn: Callable[[Any], Any], obj: Any, *, whole: tuple[type, ...] = 
     Strings, bytes, tensors and arrays are leaves; containers keep their own type. Instances of
     ``whole`` are leaves too (``fn`` gets them whole, even a dataclass).
     """
-    if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)) or isinstance(obj, whole):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out: Any = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
-        for key, value in obj.items():
-            out[key] = map_leaves(fn, value, whole=whole)
-        return out
-    if isinstance(obj, Mapping):
-        return {key: map_leaves(fn, value, whole=whole) for key, value in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_leaves(fn, value, whole=whole) for value in obj))
-    if isinstance(obj, tuple):
-        items = [map_leaves(fn, value, whole=whole) for value in obj]
-        return tuple(items) if type(obj) is tuple else type(obj)(items)
-    if isinstance(obj, list):
-        out = copy.copy(obj)
-        out[:] = [map_leaves(fn, value, whole=whole) for value in obj]
-        return out
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            object.__setattr__(out, field.name, map_leaves(fn, getattr(obj, field.name), whole=whole))
-        return out
-    return fn(obj)
+    return _mapped(fn, obj, whole, None)
+
+
+def map_kinds(fn: Callable[[Any], Any], obj: Any, kinds: tuple[type, ...]) -> Any:
+    """Rebuild ``obj`` as :func:`map_leaves` does, with ``fn`` on the leaves that are instances
+    of ``kinds`` only; other leaves are kept. A list, tuple or dict of plain values (a batch's
+    keys and URLs, a reader's counts) is copied whole, without a step per item: the cost of a
+    walk follows the number of fields, not of samples."""
+    return _mapped(fn, obj, (), kinds)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -57,7 +42,42 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     Containers are rebuilt with their own type: dict (and subclasses), list, tuple,
     namedtuple, dataclass.  The input is not modified.
     """
-    return map_leaves(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+    return _mapped(fn, batch, (), (torch.Tensor,))
+
+
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _mapped(fn: Callable[[Any], Any], obj: Any, whole: tuple[type, ...],
+            only: tuple[type, ...] | None) -> Any:
+    """``fn`` on every leaf (``only`` None), or on the leaves of the types ``only``."""
+    if isinstance(obj, (str, bytes, bytearray, torch.Tensor, np.ndarray)) or isinstance(obj, whole):
+        return fn(obj) if only is None or isinstance(obj, only) else obj
+    if only is not None and (isinstance(obj, (list, tuple)) and _PLAIN.issuperset(map(type, obj)) or type(obj)
+                             is dict and _PLAIN.issuperset(map(type, obj.values()))):
+        return copy.copy(obj)  # nothing of ``only`` inside: plain values (keys, URLs, a state's counts)
+    if isinstance(obj, dict):
+        out: Any = copy.copy(obj)  # keeps the dict subclass and its attributes (defaultdict factory...)
+        for key, value in obj.items():
+            out[key] = _mapped(fn, value, whole, only)
+        return out
+    if isinstance(obj, Mapping):
+        return {key: _mapped(fn, value, whole, only) for key, value in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_mapped(fn, value, whole, only) for value in obj))
+    if isinstance(obj, tuple):
+        items = [_mapped(fn, value, whole, only) for value in obj]
+        return tuple(items) if type(obj) is tuple else type(obj)(items)
+    if isinstance(obj, list):
+        out = copy.copy(obj)
+        out[:] = [_mapped(fn, value, whole, only) for value in obj]
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(out, field.name, _mapped(fn, getattr(obj, field.name), whole, only))
+        return out
+    return fn(obj) if only is None or isinstance(obj, only) else obj
 
 
 def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:

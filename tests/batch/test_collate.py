@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from streamdata.batch import collate as C
-from streamdata.batch.tree import iter_tensors, map_tensors
+from streamdata.batch.tree import iter_tensors, map_kinds, map_tensors
 from streamdata.errors import DecodeError, SharedMemoryError, StreamDataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +65,19 @@ def test_map_tensors_rebuilds_every_container_type_and_passes_other_leaves():
     assert out["pair"].right == 1.5 and out["sample"].label == 7 and out["sample"].name == "x"
     assert torch.equal(out["deep"][0]["x"][0], t * 10)
     assert batch["plain"] is t and batch["sample"].image is t  # input untouched
+
+
+def test_map_kinds_copies_plain_columns_whole_and_maps_what_is_inside_the_rest():
+    """A walk for some kinds of leaf copies lists, tuples and dicts of plain values (keys, URLs,
+    counts) without calling ``fn``; a container with anything else inside is walked."""
+    t = torch.ones(2)
+    keys = [f"k{i}" for i in range(64)]
+    batch = {"__key__": keys, "counts": {"a": 1, "b": None}, "mixed": ["a", t], "x": t}
+    calls = []
+    out = map_kinds(lambda x: calls.append(x) or x * 2, batch, (torch.Tensor,))
+    assert out["__key__"] == keys and out["__key__"] is not keys  # a copy: the input untouched
+    assert out["counts"] == {"a": 1, "b": None} and out["counts"] is not batch["counts"]
+    assert torch.equal(out["mixed"][1], t * 2) and torch.equal(out["x"], t * 2) and len(calls) == 2
 
 
 def test_iter_tensors_finds_every_tensor_depth_first():
