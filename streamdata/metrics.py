@@ -37,14 +37,17 @@ CACHE_EVENTS = ("hits", "misses", "evictions", "corrupt", "errors")
 RESIGN_REASONS = ("age", "expired", "refused")
 # every counter a dataset keeps, readable as dataset.counts (and .skipped, .retried);
 # planned.*: samples an exact epoch's plan repeats to keep ranks in step, or leaves out
-# (drop_last), summed over epochs (streamdata.epoch.plan); resumed.reread: samples read again after a
+# (drop_last), summed over epochs (streamdata.epoch.plan); batched.left_out: samples drop_last left out
+# in a reader's last short batch where no plan sized its batches (without counts: this rank's readers',
+# summed over epochs; streamdata.batch.batches); resumed.reread: samples read again after a
 # resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tokens.*: an sd.TokenDataset epoch's
 # final partial sequence, its tokens dropped or the padding added (TOKENS-ONCE, streamdata.epoch.tokens);
 # tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
-            "accepted.unterminated", "planned.padded", "planned.left_out", "resumed.reread", "budget.grown",
-            "tokens.dropped", "tokens.padded", "tuned.window", "tuned.max_requests", "tuned.part_size",
+            "accepted.unterminated", "planned.padded", "planned.left_out", "batched.left_out",
+            "resumed.reread", "budget.grown", "tokens.dropped", "tokens.padded", "tuned.window",
+            "tuned.max_requests", "tuned.part_size",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 # where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk

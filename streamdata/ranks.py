@@ -1,4 +1,4 @@
-"""What the ranks of a job share: one gloo group, and work done once on rank 0 for all.
+"""What the ranks of a job share: one gloo group; work done once on rank 0 for all, or split among them.
 
 Invariant (LIST-ONCE): when ``torch.distributed`` is initialised with more than one rank, a
 dataset's constructor expands its spec on rank 0 only and broadcasts the shards (or the error,
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamdata.config import env_int, env_str
-from streamdata.errors import SpecError
+from streamdata.errors import SpecError, StreamDataError
 
-__all__ = ["GROUP_TIMEOUT", "DataParallel", "data_parallel", "from_rank0", "gloo_group", "is_rank0",
-           "launcher_place", "multi_rank"]
+__all__ = ["GROUP_TIMEOUT", "DataParallel", "data_parallel", "each_rank", "from_rank0", "gloo_group",
+           "is_rank0", "launcher_place", "multi_rank"]
 
 log = logging.getLogger("streamdata")
 
@@ -75,6 +75,34 @@ def from_rank0(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise value
     return value
+
+
+def each_rank(fn: Callable[[int, int], T]) -> list[T]:
+    """``fn(rank, world_size)`` run on every rank, each with its own share of some work, and every
+    rank's result, in rank order, on every rank (an all-gather over the gloo group); in a single
+    process, ``[fn(0, 1)]``. An exception on any rank is raised on every rank (the lowest rank's),
+    so none waits for the others; the wait is bounded by the group's timeout."""
+    if not multi_rank():
+        return [fn(0, 1)]
+    import pickle
+
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    try:
+        mine: tuple[str, Any] = ("ok", fn(rank, size))
+    except Exception as exc:  # every rank raises it
+        try:
+            pickle.dumps(exc)
+            mine = ("error", exc)
+        except Exception:  # (one that cannot travel still ends every rank's wait)
+            mine = ("error", StreamDataError(f"rank {rank}: {type(exc).__name__}: {exc}"))
+    every: list[Any] = [None] * size
+    dist.all_gather_object(every, mine, group=gloo_group())
+    for kind, value in every:
+        if kind == "error":
+            raise value
+    return [value for _, value in every]
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,85 @@ def test_torchrun_whole_epoch_on_one_and_three_ranks(runs, name, tag, workers):
     assert ranks[0]["all_steps"] == [ranks[0]["steps"]] * len(ranks), "unequal steps"
     got = collections.Counter(_seqs(after[tag], f"{name}-whole-{workers}"))
     assert got == collections.Counter(everything[name]), "a sequence lost or twice"
+
+
+COUNT_JOB = Path(__file__).parent / "jobs" / "token_count_job.py"
+COUNT_SHARDS = [[300], [5, 7, 9], [1000, 20], [64] * 6, [3], [250, 250], [17, 33, 80]]  # tokens per sample
+
+
+def test_torchrun_a_tar_corpus_without_counts_is_counted_in_shares(s3_bucket, tmp_path):
+    """COUNT-SHARED: 2 ranks build a TokenDataset over tar shards of .npy without kept counts,
+    each rank through a counting proxy of its own: each reads only its share of the shards (its
+    proxy sees GETs of those shards alone, their bytes; rank 0's also the listing), the shares
+    cover every shard once, and every rank gets the counts one process gets; a malformed shard in
+    one rank's share is the same FormatError, naming it, on both."""
+    import s3fs
+
+    import streamdata as sd
+    from benchmarks.faults import FaultProxy
+    from streamdata.catalog.tokens import rank_share
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    at = 0
+    for i, lengths in enumerate(COUNT_SHARDS):
+        docs = []
+        for n in lengths:
+            docs.append(np.arange(at, at + n))
+            at += n
+        fs.pipe_file(f"{bucket}/npy/part-{i}.tar", _tar(docs))
+        fs.pipe_file(f"{bucket}/bad/part-{i}.tar", _tar(docs))
+    out = io.BytesIO()  # a 2-D .npy: no token array
+    np.save(out, np.zeros((2, 2), np.uint16))
+    bad = io.BytesIO()
+    with tarfile.open(fileobj=bad, mode="w") as tar:
+        info = tarfile.TarInfo("doc0000.npy")
+        info.size = len(out.getvalue())
+        tar.addfile(info, io.BytesIO(out.getvalue()))
+    fs.pipe_file(f"{bucket}/bad/part-5.tar", bad.getvalue())
+    options = {"seq_len": 16, "field": "npy", "counts": None, "storage_options": server.storage_options}
+    alone = sd.TokenDataset(f"s3://{bucket}/npy/", **options)
+    assert alone.counted_shards == alone.counted_here == len(COUNT_SHARDS)
+    with pytest.raises(sd.FormatError, match="part-5.tar"):
+        sd.TokenDataset(f"s3://{bucket}/bad/", **options)
+    with FaultProxy(server.endpoint_url) as p0, FaultProxy(server.endpoint_url) as p1:
+        cases = {"npy": {"spec": f"s3://{bucket}/npy/", "options": options, "endpoints": [p0.url, p1.url]},
+                 "bad": {"spec": f"s3://{bucket}/bad/", "options": options}}
+        ranks = torchrun(COUNT_JOB, tmp_path, 2, {"tag": "count", "cases": cases}, TIME_LIMIT_S)
+        seen = [(p.requests, [t for t in p.transfers if t[0] == "get" and t[1].endswith(".tar")])
+                for p in (p0, p1)]
+    shares = [rank_share(alone.shards, r, 2) for r in range(2)]
+    assert sorted(s.url for share in shares for s in share) == sorted(s.url for s in alone.shards)
+    for r, ((requests, gets), share) in enumerate(zip(seen, shares, strict=True)):
+        assert 0 < len(share) < len(COUNT_SHARDS)
+        # rank 0 lists (and looks for a tokens.json), LIST-ONCE; each rank GETs its share's shards
+        want = {"list": 1, "get": len(share) + 1} if r == 0 else {"get": len(share)}
+        assert requests == want, (r, requests)
+        assert sorted(path.rsplit("/", 1)[1] for _, path, _, _ in gets) == sorted(
+            s.url.rsplit("/", 1)[1] for s in share), (r, gets)
+        assert sum(n for *_, n in gets) == sum(s.size for s in share)
+        assert ranks[r]["npy"]["here"] == len(share)
+    for r in ranks:
+        assert r["npy"]["counted"] == len(COUNT_SHARDS) and r["npy"]["tokens"] == alone.num_tokens
+        assert r["npy"]["counts"] == [c.tolist() for c, _ in alone._tar_counts] == COUNT_SHARDS
+        assert r["npy"]["offsets"] == [o.tolist() for _, o in alone._tar_counts]
+        assert r["bad"]["error"] == "FormatError" and "part-5.tar" in r["bad"]["url"], r["bad"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_rank_shares_cover_every_shard_once_balanced_by_bytes(world_size):
+    """COUNT-SHARED's split: the shares partition the shards, each in the shards' order, and no
+    share holds more than the average share plus the largest shard."""
+    from streamdata.catalog.tokens import rank_share
+    from streamdata.store.urls import Shard
+
+    rng = random.Random(world_size)
+    sizes = [0, 10, 500, 10_000, 2_000_000]
+    shards = [Shard(f"s3://b/part-{i:03d}.tar", rng.choice(sizes)) for i in range(41)]
+    shares = [rank_share(shards, r, world_size) for r in range(world_size)]
+    assert sorted(s.url for share in shares for s in share) == [s.url for s in shards]
+    assert all(share == sorted(share, key=shards.index) for share in shares)
+    loads = [sum(s.size for s in share) for share in shares]
+    total, largest = sum(s.size for s in shards), max(s.size for s in shards)
+    assert max(loads) <= total / world_size + largest
+    assert shares == [rank_share(list(shards), r, world_size) for r in range(world_size)]  # the same anywhere

@@ -143,8 +143,10 @@ class BatchBuilder:
 
 def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Callable[[list], Any] | None = None,
             drop_last: bool = False, in_flight: int | None = None,
-            sizes: Iterable[int] | None = None) -> Iterator[Any]:
-    """Group ``samples`` into batches of ``batch_size``; the short tail too unless ``drop_last``.
+            sizes: Iterable[int] | None = None,
+            left_out: Callable[[int], None] | None = None) -> Iterator[Any]:
+    """Group ``samples`` into batches of ``batch_size``; the short tail too unless ``drop_last``
+    (then ``left_out(n)`` is told the ``n`` samples of the tail it left out, if any).
 
     ``sizes``, when given, are the planned sizes of the first batches, in order (an exact
     epoch's plan, EQUAL-STEPS in :mod:`streamdata.epoch.plan`); batches after them are ``batch_size``.
@@ -156,12 +158,12 @@ def batches(samples: Iterable[Any], batch_size: int, *, collate_fn: Callable[[li
     """
     targets = iter(sizes) if sizes is not None else None
     if collate_fn is None:
-        return _built(samples, batch_size, drop_last, in_flight, targets)
-    return _gathered(samples, batch_size, collate_fn, drop_last, targets)
+        return _built(samples, batch_size, drop_last, in_flight, targets, left_out)
+    return _gathered(samples, batch_size, collate_fn, drop_last, targets, left_out)
 
 
 def _built(items: Iterable[Any], batch_size: int, drop_last: bool, in_flight: int | None,
-           targets: Iterator[int] | None) -> Iterator[Any]:
+           targets: Iterator[int] | None, left_out: Callable[[int], None] | None = None) -> Iterator[Any]:
     """:func:`batches` with the default collation: each sample into the batch as it comes."""
     builder = BatchBuilder(batch_size, in_flight=in_flight)
     want = batch_size if targets is None else next(targets, batch_size)
@@ -173,10 +175,13 @@ def _built(items: Iterable[Any], batch_size: int, drop_last: bool, in_flight: in
             want = batch_size if targets is None else next(targets, batch_size)
     if len(builder) and not drop_last:
         yield builder.finish()
+    elif len(builder) and left_out is not None:
+        left_out(len(builder))
 
 
 def _gathered(items: Iterable[Any], batch_size: int, collate_fn: Callable[[list], Any],
-              drop_last: bool, targets: Iterator[int] | None) -> Iterator[Any]:
+              drop_last: bool, targets: Iterator[int] | None,
+              left_out: Callable[[int], None] | None = None) -> Iterator[Any]:
     """:func:`batches` with the caller's ``collate_fn``: lists of ``batch_size`` items, collated."""
     batch: list[Any] = []
     want = batch_size if targets is None else next(targets, batch_size)
@@ -188,6 +193,8 @@ def _gathered(items: Iterable[Any], batch_size: int, collate_fn: Callable[[list]
             want = batch_size if targets is None else next(targets, batch_size)
     if batch and not drop_last:
         yield collate_fn(batch)
+    elif batch and left_out is not None:
+        left_out(len(batch))
 
 
 # --- walking samples: plain dicts, lists and tuples; anything else goes to collate() ----------

@@ -46,9 +46,11 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 
 
 def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False,
-            sizes: Iterable[int] | None = None) -> Iterator[pa.Table]:
-    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``);
-    the first ones of the planned ``sizes`` instead, when given (EQUAL-STEPS, ``plan``)."""
+            sizes: Iterable[int] | None = None,
+            left_out: Callable[[int], None] | None = None) -> Iterator[pa.Table]:
+    """Tables of exactly ``batch_size`` rows (the last may be short unless ``drop_last``: then
+    ``left_out(n)`` is told its ``n`` rows, if any); the first ones of the planned ``sizes``
+    instead, when given (EQUAL-STEPS, ``plan``)."""
     targets = iter(sizes if sizes is not None else ())
     pending: list[pa.Table] = []
     have, want = 0, next(targets, batch_size)
@@ -64,6 +66,8 @@ def rebatch(tables: Iterable[pa.Table], batch_size: int, drop_last: bool = False
                 pending, have, want = [], 0, next(targets, batch_size)
     if have and not drop_last:
         yield _concat(pending)
+    elif have and left_out is not None:
+        left_out(have)
 
 
 def shuffle_rows(tables: Iterable[pa.Table], buffer_rows: int,

@@ -1,15 +1,27 @@
 """Token files' counts before any reader starts, once per job on rank 0 (LIST-ONCE): each
 ``.bin``'s Megatron ``.idx``, read whole and checked against its ``.bin``'s listed size; a flat
-``.bin``'s dtype from the ``tokens.json`` beside it; a tar shard's tokens per sample, from a
-counting pass that reads each shard once (its ``.npy`` headers)."""
+``.bin``'s dtype from the ``tokens.json`` beside it. A tar shard's tokens per sample come from a
+counting pass that reads each shard once per job (its ``.npy`` headers), split among the ranks:
+
+Invariant (COUNT-SHARED): the shards whose counts are not kept (``save_tar_counts``) are divided
+among the ranks, balanced by bytes (the largest first, each to the rank with the fewest bytes so
+far: a pure function of the shard list, the same on every rank); each rank reads only its share,
+and an all-gather gives every rank every share's counts. So every shard is read once per job,
+every rank holds the same counts, and no rank waits for a whole corpus to be read: the gather
+waits only for the slowest share (about the average share plus one shard), not for rank 0's
+reading all of it under the process group's timeout."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
+import logging
 import posixpath
+import time
 import warnings
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,12 +42,16 @@ from streamdata.formats.tokens import (
 )
 from streamdata.policy import ErrorPolicy
 from streamdata.progress import progress
-from streamdata.ranks import from_rank0
+from streamdata.ranks import each_rank, from_rank0, is_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import Shard
 
-__all__ = ["COUNTS_NAME", "SIDECAR", "count_tar_tokens", "default_counts_url", "idx_url", "read_indexes",
-           "save_tar_counts", "sidecar_dtype"]
+__all__ = ["COUNTS_NAME", "SIDECAR", "TarCounted", "count_tar_tokens", "default_counts_url", "idx_url",
+           "read_indexes", "rank_share", "save_tar_counts", "sidecar_dtype"]
+
+log = logging.getLogger("streamdata")
+
+SLOW_COUNT_S = 30.0  # a counting pass that took longer says how to keep its counts (a warning)
 
 COUNTS_NAME = "_streamdata.tokens.npz"  # a tar corpus's counts, beside its shards (save_tar_counts)
 
@@ -162,26 +178,80 @@ def save_tar_counts(url: str, field: str, shards: Sequence[Shard],
                  what="write the token counts")
 
 
+class TarCounted(NamedTuple):
+    """A tar corpus's counts (``count_tar_tokens``): per shard, tokens per sample and the samples'
+    ``samples + 1`` byte offsets; the shards the job's counting pass read (every rank's share), and
+    those this rank read (COUNT-SHARED)."""
+
+    counts: list[tuple[np.ndarray, np.ndarray]]
+    counted: int
+    here: int
+
+
+def rank_share(shards: Sequence[Shard], rank: int, world_size: int) -> list[Shard]:
+    """Rank ``rank``'s share of ``shards`` (COUNT-SHARED): the largest first, each to the rank with
+    the fewest bytes so far (ties: the lower rank); in the shards' order. A pure function of the
+    list, so every rank computes every rank's share alike."""
+    if world_size <= 1:
+        return list(shards)
+    loads = [(0, r) for r in range(world_size)]
+    mine: list[int] = []
+    for i in sorted(range(len(shards)), key=lambda i: (-_size(shards[i]), i)):
+        load, r = heapq.heappop(loads)
+        if r == rank:
+            mine.append(i)
+        heapq.heappush(loads, (load + _size(shards[i]), r))
+    return [shards[i] for i in sorted(mine)]
+
+
+def _count(shards: Sequence[Shard], field: str, storage_options: dict, config: FetchConfig,
+           bar: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each of ``shards`` read once, whole, through the prefetcher, and counted."""
+    out = {}
+    with Prefetcher(list(shards), dict(storage_options), config) as fetcher:
+        for shard, reader in zip(shards, fetcher, strict=True):
+            with contextlib.closing(reader.chunks()) as chunks:
+                data = b"".join(chunks)
+            bar.update(len(data))
+            out[shard.url] = tar_token_counts(data, shard.url, field)
+    return out
+
+
 def count_tar_tokens(shards: Sequence[Shard], field: str, storage_options: dict, config: FetchConfig, *,
                      show: bool | None = None, counts_url: str | None = None, auto: bool = True
-                     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+                     ) -> TarCounted:
     """Each tar shard's tokens per sample (its ``field``'s ``.npy`` header) and its samples'
-    ``samples + 1`` byte offsets, and how many shards were read for it: on rank 0, the counts
-    kept at ``counts_url`` (``save_tar_counts``) for shards whose size and ETag still match,
-    and a counting pass that reads each other shard once, whole, through the prefetcher (a bar
-    of bytes on stderr when it is a terminal, or ``show``). ``auto``: ``counts_url`` is the
-    default location (a file missing there is no error)."""
-    def count() -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-        known = {} if counts_url is None else _fresh(counts_url, field, shards, storage_options, config, auto)
-        todo = [s for s in shards if s.url not in known]
-        bar = progress(sum(_size(s) for s in todo), desc=f"counting tokens in {len(todo)} shards", unit="B",
-                       unit_scale=True, enabled=show if todo else False)
-        with bar, Prefetcher(todo, dict(storage_options), config) as fetcher:
-            for shard, reader in zip(todo, fetcher, strict=True):
-                with contextlib.closing(reader.chunks()) as chunks:
-                    data = b"".join(chunks)
-                bar.update(len(data))
-                known[shard.url] = tar_token_counts(data, shard.url, field)
-        return [known[s.url] for s in shards], len(todo)
+    ``samples + 1`` byte offsets: the counts kept at ``counts_url`` (``save_tar_counts``; read on
+    rank 0, LIST-ONCE) for shards whose size and ETag still match, and a counting pass that reads
+    each other shard once, whole, through the prefetcher, each rank its share (COUNT-SHARED; a bar
+    of bytes of rank 0's share on its stderr when it is a terminal, or ``show``). ``auto``:
+    ``counts_url`` is the default location (a file missing there is no error)."""
+    known = from_rank0(lambda: {} if counts_url is None else
+                       _fresh(counts_url, field, shards, storage_options, config, auto))
+    todo = [s for s in shards if s.url not in known]
+    here = [0]
 
-    return from_rank0(count)
+    def share(rank: int, world_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        mine = rank_share(todo, rank, world_size)
+        here[0] = len(mine)
+        if rank == 0 and todo:
+            log.info("counting the tokens of %d tar shards (%d bytes)%s; ds.save_counts() or `streamdata "
+                     "index SPEC --tokens %s` keeps the counts for later jobs", len(todo),
+                     sum(_size(s) for s in todo),
+                     f", split over {world_size} ranks" if world_size > 1 else "", field)
+        desc = f"counting tokens in {len(mine)}{f' of {len(todo)}' if len(mine) < len(todo) else ''} shards"
+        bar = progress(sum(_size(s) for s in mine), desc=desc, unit="B", unit_scale=True,
+                       enabled=show if mine and rank == 0 else False)
+        with bar:
+            return _count(mine, field, storage_options, config, bar)
+
+    start = time.monotonic()
+    shares = each_rank(share)
+    took = time.monotonic() - start
+    for counted in shares:
+        known.update(counted)
+    if todo and took > SLOW_COUNT_S and is_rank0():
+        log.warning("counting the tokens of %d tar shards took %.0f s: ds.save_counts() (on one rank) or "
+                    "`streamdata index SPEC --tokens %s` keeps the counts, so later jobs read none",
+                    len(todo), took, field)
+    return TarCounted([known[s.url] for s in shards], len(todo), here[0])

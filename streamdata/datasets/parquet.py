@@ -201,7 +201,7 @@ class _ArrowTables(ShardedDataset):
             tables = dropped(tables, rewind.delivered)
         opts = self._pass_options
         if batching.batch_size is not None:
-            tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes)
+            tables = rebatch(tables, batching.batch_size, batching.drop_last, batching.sizes, self._left_out)
             if self._live is not None:  # counted as delivered (state_dict)
                 tables = self._live.count(tables, record_size)
             items = policy.each(tables, lambda t: to_tensors(t, opts, policy.skip), run=StageClock.DECODE)

@@ -544,7 +544,13 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         if batching.batch_size is None:
             return samples
         return batches(samples, batching.batch_size, collate_fn=batching.collate_fn,
-                       drop_last=batching.drop_last, in_flight=batching.in_flight, sizes=batching.sizes)
+                       drop_last=batching.drop_last, in_flight=batching.in_flight, sizes=batching.sizes,
+                       left_out=self._left_out)
+
+    def _left_out(self, samples: int) -> None:
+        """drop_last left a reader's last short batch out (a split without counts: this rank's readers'
+        figure, ``batched.left_out``; an exact epoch's plan has none but after a skip)."""
+        self._counters.add("batched.left_out", samples)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "

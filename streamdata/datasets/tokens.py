@@ -6,8 +6,9 @@ documents), a Parquet list column of token ids (``column=``), and tar shards who
 hold a 1-D integer ``.npy`` (``field=``; WebDataset style). Token counts come from metadata,
 read once on rank 0 (LIST-ONCE): the listing's ``.bin`` sizes, the ``.idx`` files, the Parquet
 footers (a list column's value count less its null count, per row group); a tar shard has no
-such metadata, so the constructor's counting pass reads each shard once on rank 0 (its
-samples' ``.npy`` headers and byte offsets). The epoch's stream is cut into whole sequences
+such metadata, so the constructor's counting pass reads each shard once per job, each rank a
+share of the shards (COUNT-SHARED in ``catalog.tokens``; its samples' ``.npy`` headers and byte
+offsets). The epoch's stream is cut into whole sequences
 before readers get spans of them (TOKENS-ONCE in ``epoch.tokens``), so a reader's position is
 a number of sequences: resume (same or another world) is ``resume``'s, exact to the token.
 
@@ -87,10 +88,10 @@ class TokenDataset(ShardedDataset):
 
     The source: ``column=`` a Parquet list column of integer token ids (one row, one document);
     ``field=`` tar shards, each sample's ``field`` (e.g. ``"npy"``) a 1-D integer ``.npy`` (one
-    sample, one document; counted by reading each shard once in the constructor, on rank 0,
-    with a bar on stderr when it is a terminal or ``progress=True``; ``save_counts()`` keeps the
-    counts for later jobs, which read them from ``counts``: ``"auto"``, beside the shards, or a
-    URL, or ``None``: count always); else ``.bin`` files:
+    sample, one document; counted by reading each shard once in the constructor, each rank a
+    share, with a bar of rank 0's on stderr when it is a terminal or ``progress=True``;
+    ``save_counts()`` keeps the counts for later jobs, which read them from ``counts``:
+    ``"auto"``, beside the shards, or a URL, or ``None``: count always); else ``.bin`` files:
     ``dtype=`` flat token arrays (one file, one document), or, without ``dtype``, flat arrays of
     the dtype that a ``tokens.json`` (``{"dtype": "uint16"}``) beside them names, or else (or with
     ``idx=True``) Megatron ``.bin`` + ``.idx`` pairs. ``bos_id`` / ``eos_id``:
@@ -140,7 +141,8 @@ class TokenDataset(ShardedDataset):
         self.field = None if field is None else field.lower()  # (tar field names are read lower-case)
         self.progress = progress
         self._counts_option = counts
-        self.counted_shards = 0  # tar shards this constructor's counting pass read
+        self.counted_shards = 0  # tar shards the job's counting pass read (every rank's share)
+        self.counted_here = 0  # those this rank read (COUNT-SHARED, ``catalog.tokens``)
         self._tar_counts: list[tuple[np.ndarray, np.ndarray]] = []
         self._sniff = dtype is None and idx is None  # .idx or tokens.json: whichever is there
         self.dtype = None if dtype is None else token_dtype(dtype)
@@ -206,7 +208,7 @@ class TokenDataset(ShardedDataset):
         elif self.layout == "tar":
             assert self.field is not None
             url = default_counts_url(self.shards) if self._counts_option == "auto" else self._counts_option
-            self._tar_counts, self.counted_shards = count_tar_tokens(
+            self._tar_counts, self.counted_shards, self.counted_here = count_tar_tokens(
                 self.shards, self.field, self.storage_options, self.fetch_config, show=self.progress,
                 counts_url=url, auto=self._counts_option == "auto")
             for shard, (counts, offsets) in zip(self.shards, self._tar_counts, strict=True):

@@ -198,8 +198,8 @@ def test_metrics_in_the_main_process_and_across_epochs(tmp_path):
             for _ in loader:
                 pass
         m = loader.metrics()
-        # num_workers=0: the reader yields samples, the DataLoader batches them here
-        assert m == {**m, "steps": 12, "samples": 60, "batches": 0, "readers": 1}
+        # num_workers=0: the reader batches with its plan's sizes, as a worker does (EQUAL-STEPS)
+        assert m == {**m, "steps": 12, "samples": 60, "batches": 12, "readers": 1}
         every = loader.metrics(all_ranks=True)  # one rank: its own dict
         assert every["straggler"] == 0 and every["ranks"][0]["steps"] == 12
         assert every["straggler_data_wait_s"] == every["ranks"][0]["data_wait_s"]
