@@ -6,7 +6,7 @@ that fails when the private it wraps is gone or behaves otherwise: an upgrade th
 shows up there, by name, not as a hang or a leak somewhere downstream. Callers import the
 function, never the private name. Heavy libraries are imported inside the functions, so this
 module costs nothing at ``import streamdata``. Sections: torch, the standard library, aiohttp,
-accelerate.
+accelerate, Lightning and Ray Train.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
-__all__ = ["aiohttp_forget", "aiohttp_no_hidden_retry", "aiohttp_payload_reset", "aiohttp_session_of",
-           "dataloader_iterator", "default_executor", "detach_dataloader_iterator",
-           "executor_threads", "new_shared_storage", "prepared_by_accelerate", "shutdown_workers",
-           "storage_use_count", "worker_processes"]
+__all__ = ["ahead_by_lightning", "ahead_by_ray_train", "aiohttp_forget", "aiohttp_no_hidden_retry",
+           "aiohttp_payload_reset", "aiohttp_session_of", "dataloader_iterator", "default_executor",
+           "detach_dataloader_iterator", "executor_threads", "new_shared_storage", "prepared_by_accelerate",
+           "shutdown_workers", "storage_use_count", "worker_processes"]
 
 
 # --- torch ---
@@ -170,3 +170,44 @@ def prepared_by_accelerate(caller: Any) -> str | None:
         return None
     owner = caller.f_locals.get("self")
     return type(owner).__name__ if owner is not None else "accelerate.data_loader"
+
+
+# --- Lightning, Ray Train ---
+# Checked against lightning 2.6.6 and ray 2.60.0 (the test extra; streamdata imports neither).
+
+_LIGHTNING_FETCHERS = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
+
+
+def ahead_by_lightning(frame: Any) -> int | None:
+    """The batches a Lightning data fetcher whose method the frame runs takes ahead of the step
+    it feeds, or None when the frame runs none.
+
+    Lightning's loops iterate their loaders through a ``_DataFetcher`` (in
+    ``lightning.pytorch.loops.fetchers``, or ``pytorch_lightning``'s).
+    ``fetchers._PrefetchDataFetcher`` takes ``prefetch_batches`` (1) ahead, to know the last
+    batch, only when its ``length`` is None (the loaders have no ``len()``; set as its iteration
+    starts, before its first ``next()``); ``_DataLoaderIterDataFetcher`` (a step taking
+    ``dataloader_iter``) takes none (lightning 2.6.6)."""
+    if frame is None or frame.f_globals.get("__name__") not in _LIGHTNING_FETCHERS:
+        return None
+    fetcher = frame.f_locals.get("self")
+    names = {c.__name__ for c in type(fetcher).__mro__}
+    if "_DataFetcher" not in names:
+        return None
+    if "_PrefetchDataFetcher" not in names or getattr(fetcher, "length", None) is not None:
+        return 0
+    return int(getattr(fetcher, "prefetch_batches", 1))
+
+
+def ahead_by_ray_train(frame: Any) -> int | None:
+    """1 when the frame runs a method of Ray Train's ``_WrappedDataLoader`` (what
+    ``prepare_data_loader(..., move_to_device=True)`` returns), else None.
+
+    ``ray.train.torch.train_loop_utils._WrappedDataLoader`` takes the next batch of the loader it
+    holds as it hands one out: in ``__iter__`` and each ``__next__``, through
+    ``_prefetch_next_batch`` (Ray Train v2's ``prepare_data_loader`` uses the same class)
+    (ray 2.60.0)."""
+    if frame is None or frame.f_globals.get("__name__") != "ray.train.torch.train_loop_utils":
+        return None
+    names = {c.__name__ for c in type(frame.f_locals.get("self")).__mro__}
+    return 1 if "_WrappedDataLoader" in names else None

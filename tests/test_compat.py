@@ -110,7 +110,8 @@ def test_every_wrapper_names_its_private_and_version(name):
     doc = getattr(_compat, name).__doc__ or ""
     if name != "aiohttp_payload_reset":  # the one private detail that is a message's text
         assert "._" in doc, f"{name}: say which private it wraps"
-    versions = ("torch 2.", "CPython 3.", "aiohttp 3.", "fsspec 20", "accelerate 1.")
+    versions = ("torch 2.", "CPython 3.", "aiohttp 3.", "fsspec 20", "accelerate 1.", "lightning 2.",
+                "ray 2.")
     assert any(v in doc for v in versions), f"{name}: say which version it was checked against"
 
 
@@ -212,3 +213,67 @@ def test_prepared_by_accelerate_names_the_wrapper_that_sets_the_epoch():
     data_loader.DataLoaderShard(Recorder(), batch_size=None).set_epoch(1)
     Recorder().set_epoch(1)
     assert seen == ["IterableDatasetShard", "DataLoaderShard", None]
+
+
+# --- Lightning, Ray Train ---
+
+
+class _AskedBy:
+    """An iterable whose iterators note, at their first ``next()``, what the frames above it
+    answer (the first frame a function knows)."""
+
+    def __init__(self, ahead, n: int = 4, sized: bool = False) -> None:
+        self.ahead, self.n, self.sized, self.seen = ahead, n, sized, []
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("no len()")
+        return self.n
+
+    def __iter__(self):
+        import sys
+
+        frame = sys._getframe(1)  # the caller of the first next()
+        found = None
+        while frame is not None and found is None:
+            found, frame = self.ahead(frame), frame.f_back
+        self.seen.append(found)
+        yield from range(self.n)
+
+
+@pytest.mark.parametrize("sized,ahead", [(False, 1), (True, 0)])
+def test_ahead_by_lightning_reads_the_prefetching_fetcher(sized, ahead):
+    """``_PrefetchDataFetcher`` takes one ahead of the step only when the loaders have no len()."""
+    fetchers = pytest.importorskip("lightning.pytorch.loops.fetchers")
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    source = _AskedBy(_compat.ahead_by_lightning, sized=sized)
+    fetcher = fetchers._PrefetchDataFetcher()
+    fetcher.setup(CombinedLoader(source, "max_size_cycle"))
+    assert len(list(fetcher)) == 4
+    assert source.seen == [ahead]
+    plain = _AskedBy(_compat.ahead_by_lightning)
+    assert list(plain) == [0, 1, 2, 3] and plain.seen == [None]  # no fetcher: None
+
+
+def test_ahead_by_lightning_a_step_taking_dataloader_iter_holds_none():
+    fetchers = pytest.importorskip("lightning.pytorch.loops.fetchers")
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    source = _AskedBy(_compat.ahead_by_lightning)
+    fetcher = fetchers._DataLoaderIterDataFetcher()
+    fetcher.setup(CombinedLoader(source, "max_size_cycle"))
+    dataloader_iter = next(iter(fetcher))
+    next(dataloader_iter)  # the step asks for its batch itself
+    assert source.seen == [0]
+
+
+def test_ahead_by_ray_train_reads_the_device_wrapper():
+    """``prepare_data_loader(..., move_to_device=True)``'s wrapper takes the next batch as it
+    hands one out."""
+    utils = pytest.importorskip("ray.train.torch.train_loop_utils")
+
+    source = _AskedBy(_compat.ahead_by_ray_train)
+    wrapped = utils._WrappedDataLoader(source, torch.device("cpu"), False)
+    assert list(wrapped) == [0, 1, 2, 3]
+    assert source.seen == [1]

@@ -1,7 +1,8 @@
 """Data-parallel groups under real ``torchrun`` (gloo, CPU): 4 ranks as 2 replicas of 2
 (tensor parallelism's layout), the ranks of a replica fed identical batches, the replicas
 splitting each epoch exactly; a stop mid-epoch resumed on 2 ranks as 1 replica of 2.
-The job: tests/jobs/dp_groups_job.py."""
+The job: tests/jobs/dp_groups_job.py. docs/frameworks.md's DeviceMesh loop (TP inside each replica,
+FSDP2 across them): tests/jobs/mesh_job.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun, write_shards, write_tables
+from tests.helpers import doc_blocks, torchrun, write_shards, write_tables
 
 JOB = Path(__file__).parent / "jobs" / "dp_groups_job.py"
 TIME_LIMIT_S = 240
@@ -95,3 +96,45 @@ def test_a_stop_on_two_replicas_resumes_exactly_on_one(runs, name):
     got = collections.Counter(before + _replica_keys(after, name, 2))
     assert sorted(got) == sorted(everything[kind]), "samples lost across the resume"
     assert max(got.values()) == 1, f"duplicates {[k for k, n in got.items() if n > 1]}"
+
+
+MESH_JOB = Path(__file__).parent / "jobs" / "mesh_job.py"
+MESH_HEADING = "A DeviceMesh loop (torchtitan-style)"
+
+
+def test_the_pages_devicemesh_loop_is_the_job():
+    text = MESH_JOB.read_text()
+    start = text.index("\n", text.index(f"# --- recipe: docs/frameworks.md, {MESH_HEADING} ---")) + 1
+    recipe = text[start:text.index("# --- end of recipe ---")].strip()
+    assert doc_blocks("docs/frameworks.md", f"## {MESH_HEADING}")[0].strip() == recipe
+
+
+@pytest.mark.slow
+def test_the_devicemesh_loop_feeds_tp_peers_alike_and_splits_over_replicas(s3_server, tmp_path):
+    """docs/frameworks.md's loop on 4 ranks, DP=2 x TP=2 (parallelize_module over mesh["tp"],
+    fully_shard over mesh["dp"], sd.loader(mesh=mesh["dp"])), two epochs: the TP peers of a replica
+    train the same batches step by step, the replicas different ones, every sample once per epoch."""
+    import s3fs
+
+    from streamdata.catalog.index import build_index
+
+    bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    try:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
+        everything = write_shards(fs, f"{bucket}/tar", counts=COUNTS)
+        build_index(f"s3://{bucket}/tar/", storage_options=s3_server.storage_options, progress=False)
+        cfg = {"tag": "mesh", "spec": f"s3://{bucket}/tar/", "storage_options": s3_server.storage_options,
+               "dp": 2, "tp": 2}
+        ranks = torchrun(MESH_JOB, tmp_path, 4, cfg, TIME_LIMIT_S)
+    finally:
+        s3_server.delete_bucket(bucket)
+    assert [r["place"] for r in ranks] == [[0, 0], [0, 1], [1, 0], [1, 1]]  # dp outermost, tp innermost
+    for epoch in ("0", "1"):
+        steps = [r["steps"][epoch] for r in ranks]
+        assert steps[0] == steps[1] and steps[2] == steps[3], f"epoch {epoch}: TP peers got different batches"
+        assert steps[0] != steps[2], f"epoch {epoch}: the two replicas got the same batches"
+        assert len({len(s) for s in steps}) == 1, f"epoch {epoch}: unequal steps {[len(s) for s in steps]}"
+        got = collections.Counter(k for r in ranks[::2] for step in r["steps"][epoch] for k in step)
+        assert sorted(got) == sorted(everything), f"epoch {epoch}: samples lost"
+        assert max(got.values()) == 1, f"epoch {epoch}: duplicates {[k for k, n in got.items() if n > 1]}"

@@ -83,6 +83,7 @@ def test_lightning_trainer_ddp_resumes_from_its_checkpoint_exactly(shards, tmp_p
     assert sum(len(v) for v in first[0]["trained"].values()) > 0
     after = torchrun(JOBS / "lightning_job.py", tmp_path, 2, {**cfg, "tag": "after"}, TIME_LIMIT_S)
     _check([first, after], everything)
+    assert [rank["held_ahead"] for rank in first + after] == [1] * 4  # found: HELD-AHEAD-DETECTED
 
 
 @pytest.mark.slow
@@ -203,8 +204,8 @@ def _script(job: str, tmp_path: Path, cfg: dict, time_limit_s: float = TIME_LIMI
 @pytest.mark.parametrize("move_to_device", [False, True])
 def test_ray_train_restarts_a_lost_worker_from_its_last_checkpoint_exactly(shards, tmp_path, move_to_device):
     """TorchTrainer, 2 CPU workers: prepare_data_loader passes the loader through (or, with Ray's
-    default ``move_to_device=True``, wraps it in a loader one batch ahead, and the loader is built
-    with ``held_ahead=1``, as docs/frameworks.md says); rank 1 dies mid-epoch (os._exit) on the
+    default ``move_to_device=True``, wraps it in a loader one batch ahead, which the loader finds
+    without being told: HELD-AHEAD-DETECTED); rank 1 dies mid-epoch (os._exit) on the
     first attempt, FailureConfig restarts both workers from the last reported checkpoint (the
     loader's state in it), and the attempts together train every sample of both epochs exactly
     once, the same steps on both ranks; one listing per attempt."""
@@ -241,6 +242,8 @@ def test_ray_train_restarts_a_lost_worker_from_its_last_checkpoint_exactly(shard
                 for r in range(2)}
         runs.append([{"steps": len(kept[r]), "trained": _by_epoch(kept[r])} for r in range(2)])
     _check(runs, everything)
+    held = {x["held_ahead"] for r in range(2) for x in lines[r]}
+    assert held == {1 if move_to_device else 0}, held  # found, not given: HELD-AHEAD-DETECTED
 
 
 def _by_epoch(lines: list[dict]) -> dict[str, list[str]]:

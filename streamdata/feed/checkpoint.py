@@ -16,20 +16,32 @@ one) holds them when it saves; with ``held_ahead=k`` the last ``k`` batches hand
 of the state until the epoch's iteration has ended (then the framework holds none: it met the end
 while taking ahead), so a resume reads them again. Once an epoch's iteration has ended, the state
 is the next epoch's start: a checkpoint taken at an epoch's end resumes with the next epoch.
+
+HELD-AHEAD-DETECTED: without a ``held_ahead`` given, each iteration takes it from whoever asks for
+its first batch (:func:`held_ahead_of`, once per iteration, not per batch): Lightning's data
+fetchers (one ahead when the loader has no ``len()``, else none), Ray Train's
+``prepare_data_loader`` wrapper (one); 0 for anything else (a plain loop, Fabric, accelerate).
 """
 
 from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from streamdata._compat import ahead_by_lightning, ahead_by_ray_train
 from streamdata.epoch.state import merge_states
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
 
-__all__ = ["Positioned", "Positions", "Stripped", "Tagged"]
+__all__ = ["Positioned", "Positions", "Stripped", "Tagged", "held_ahead_of"]
+
+_FRAMES = 8  # frames above the first next() searched: a fetcher calls it through a few of its own
+_AHEAD: tuple[tuple[str, Callable[[Any], int | None]], ...] = (
+    ("Lightning's data fetcher", ahead_by_lightning),
+    ("Ray Train's prepare_data_loader wrapper", ahead_by_ray_train),
+)
 
 
 class Tagged(NamedTuple):
@@ -151,6 +163,23 @@ class Stripped:
 
     def __len__(self) -> int:
         return len(self.source)
+
+
+def held_ahead_of(caller: Any) -> tuple[int, str | None]:
+    """HELD-AHEAD-DETECTED: the batches the code iterating a loader takes ahead of its training
+    step, and what it is (None: nothing known), from ``caller``, the frame that asked for an
+    iteration's first batch, and the frames above it (at most ``_FRAMES``). The frame walk reads
+    each frame's module name, and the ``self`` of a frame in a known module only."""
+    frame = caller
+    for _ in range(_FRAMES):
+        if frame is None:
+            break
+        for name, ahead in _AHEAD:
+            n = ahead(frame)
+            if n is not None:
+                return n, name
+        frame = frame.f_back
+    return 0, None
 
 
 def _fill(state: dict, base: dict, rank: int) -> dict:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +28,7 @@ from streamdata.batch.batches import batches
 from streamdata.batch.collate import DEFAULT_PREFETCH_FACTOR, collate, to_tensors
 from streamdata.epoch.state import STATE_FORMAT
 from streamdata.errors import SpecError
-from streamdata.feed.checkpoint import Positioned, Positions, Stripped
+from streamdata.feed.checkpoint import Positioned, Positions, Stripped, held_ahead_of
 from streamdata.feed.cuda import CudaPrefetcher
 from streamdata.feed.metrics import Metrics, Stopwatch, gather_ranks, reporter, summary
 from streamdata.feed.together import EndTogether
@@ -38,6 +40,8 @@ __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 _MAX_DEFAULT_WORKERS = 4
 _JOIN_TIMEOUT = 10.0  # seconds close() waits for each worker that is still ending
 _UNSET: Any = object()
+
+log = logging.getLogger("streamdata")
 
 
 def default_num_workers() -> int:
@@ -171,7 +175,8 @@ class Loader:
     def __init__(self, dataloader: DataLoader, feed: CudaPrefetcher[Any] | None = None,
                  batches: _Unwrapped | None = None, *, dataset: Any = None,
                  end_together: bool = True, positions: Positions | None = None,
-                 log_every: int | None = None, on_metrics: Callable[[Metrics], None] | None = None) -> None:
+                 log_every: int | None = None, on_metrics: Callable[[Metrics], None] | None = None,
+                 held_ahead: int | None = None) -> None:
         if log_every is not None and log_every < 1:
             raise SpecError(f"log_every must be >= 1 or None, got {log_every}")
         if on_metrics is not None and log_every is None:
@@ -184,6 +189,9 @@ class Loader:
         self._together = EndTogether() if end_together else None
         self._positions = positions  # mid-epoch resume (``checkpoint``)
         self._running = 0  # iterations started and not ended
+        self._held_ahead_given = held_ahead  # None: each iteration finds it (HELD-AHEAD-DETECTED)
+        self._held_ahead = held_ahead
+        self._held_ahead_logged: tuple[int, str | None] | None = None
         self.stopwatch = Stopwatch(log_every or 0, reporter(log_every, on_metrics, self.metrics))
 
     @property
@@ -196,6 +204,7 @@ class Loader:
 
     def _iterate(self) -> Iterator[Any]:
         """One pass, started at the first ``next()`` (LAZY-START)."""
+        self._hold_ahead(sys._getframe(1))  # the frame asking for the first batch (HELD-AHEAD-DETECTED)
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._running += 1
         try:
@@ -213,6 +222,32 @@ class Loader:
                 self._positions.end()  # CONSUMED-POSITION: the state is the next epoch's start
         finally:
             self._running -= 1
+
+    @property
+    def held_ahead(self) -> int | None:
+        """The batches ``state_dict()`` leaves out as held ahead of the training step while an
+        iteration runs (CONSUMED-POSITION): the ``held_ahead`` given, else what the latest
+        iteration found as its first batch was asked for (HELD-AHEAD-DETECTED, in
+        ``feed/checkpoint.py``); None before that when none was given."""
+        return self._held_ahead
+
+    def _hold_ahead(self, caller: Any) -> None:
+        """An iteration's first ``next()``: the ``held_ahead`` given, else found from ``caller``."""
+        held, by = self._held_ahead_given, None
+        if held is None:
+            held, by = held_ahead_of(caller)
+        self._held_ahead = held
+        if self._positions is not None:
+            self._positions.held_ahead = held
+        if (held, by) == self._held_ahead_logged:  # logged once, and again when it changes
+            return
+        self._held_ahead_logged = (held, by)
+        if by is not None:
+            log.info("sd.loader: held_ahead=%d: %s holds that many batches ahead of the training step; "
+                     "state_dict() leaves them out until the epoch's iteration ends", held, by)
+        else:
+            log.debug("sd.loader: held_ahead=%d (%s)", held, "given" if self._held_ahead_given is not None
+                      else "nothing known iterates the loader ahead of the step")
 
     def metrics(self, all_ranks: bool = False) -> Metrics:
         """Is the training loop waiting for data? A flat, JSON-ready dict (docs/metrics.md):
@@ -311,7 +346,7 @@ def loader(
     recycle_buffers: bool = True,
     reuse_worker_memory: bool = True,
     end_together: bool = True,
-    held_ahead: int = 0,
+    held_ahead: int | None = None,
     log_every: int | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     dp_rank: int | None = None,
@@ -328,6 +363,7 @@ def loader(
     1; a ``collate_fn`` that builds tensors in the workers' shared memory and checks
     ``/dev/shm`` first (with workers, a per-sample IterableDataset is batched in the workers,
     each sample copied into its batch as it arrives: :func:`streamdata.batch.batches.batches`;
+    a streamdata dataset is so without workers too, with its plan's batch sizes, EQUAL-STEPS;
     ``loader.dataloader`` then has ``batch_size=None``).  ``sharing_strategy="file_system"``
     sets that strategy here and in every worker.  ``device`` wraps the loader in a
     :class:`CudaPrefetcher` (``depth``, ``transform``).  ``recycle_buffers`` (with workers): a
@@ -338,10 +374,14 @@ def loader(
     (:mod:`streamdata._alloc`).  ``end_together`` (a multi-rank job): every rank ends an
     epoch at the step where the first rank runs out of batches, so DDP never hangs on uneven
     data; what the other ranks did not deliver is counted in ``loader.undelivered``
-    (:mod:`streamdata.feed.together`).  ``held_ahead``: batches a framework takes ahead of the
-    training step (Lightning's ``Trainer``, Ray's ``prepare_data_loader`` with ``move_to_device``:
-    1); ``state_dict()`` leaves them out until the epoch ends, so a resume reads them again
-    (docs/frameworks.md).  ``log_every`` (steps): every that many steps,
+    (:mod:`streamdata.feed.together`).  ``held_ahead``: batches the code iterating the loader
+    takes ahead of the training step; ``state_dict()`` leaves them out until the epoch ends, so a
+    resume reads them again.  ``None`` (the default): found as each epoch's first batch is asked
+    for: Lightning's ``Trainer`` (1 when the loader has no ``len()``), Ray's
+    ``prepare_data_loader`` wrapper (``move_to_device=True``: 1), else 0 (a plain loop, Fabric,
+    accelerate); set it for other code that holds a fixed number of batches when the state is
+    saved (a loop of your own that takes the next batch before the step: 1); ``loader.held_ahead``
+    reads the value in use (docs/frameworks.md).  ``log_every`` (steps): every that many steps,
     ``on_metrics(loader.metrics())``, or without ``on_metrics`` a line on the ``streamdata``
     logger at INFO (docs/metrics.md).  ``dp_rank``/``dp_size``, ``mesh`` (the data-parallel
     dimension of a ``DeviceMesh``, ``mesh["dp"]``) or ``group`` (the data-parallel process group):
@@ -356,10 +396,15 @@ def loader(
                             "mesh= and group= take a streamdata dataset (TarDataset, ParquetDataset, "
                             "TokenDataset, Mix ...)")
         dataset.set_data_parallel(place)
-    if not isinstance(held_ahead, int) or held_ahead < 0:
-        raise SpecError(f"held_ahead must be an int >= 0, got {held_ahead!r}")
+    if held_ahead is not None and (not isinstance(held_ahead, int) or held_ahead < 0):
+        raise SpecError(f"held_ahead must be None (found as each epoch starts) or an int >= 0, "
+                        f"got {held_ahead!r}")
     if batch_size is _UNSET:
         batch_size = None if getattr(dataset, "batch_size", None) is not None else 1
+        if batch_size is None and "drop_last" in dataloader_kwargs:  # the dataset batches: its drop_last
+            if bool(dataloader_kwargs.pop("drop_last")) != bool(getattr(dataset, "drop_last", False)):
+                raise SpecError(f"{type(dataset).__name__} batches itself (batch_size={dataset.batch_size}): "
+                                "give drop_last to it, or give sd.loader batch_size= with drop_last=")
     if num_workers is None:
         num_workers = default_num_workers()
     if num_workers > 0:
@@ -372,7 +417,9 @@ def loader(
     served = dataset
     if collate_fn is None:
         in_flight = max(1, num_workers * (prefetch_factor or 0))
-        if batch_size is not None and num_workers > 0 and isinstance(dataset, IterableDataset):
+        # with or without workers, a sharded dataset batches with its plan's sizes (EQUAL-STEPS)
+        if (batch_size is not None and (num_workers > 0 or hasattr(dataset, "iter_batches"))
+                and isinstance(dataset, IterableDataset)):
             served = _BatchedInWorkers(dataset, batch_size,
                                        bool(dataloader_kwargs.pop("drop_last", False)), in_flight)
             batch_size, collate_fn = None, _as_is
@@ -386,7 +433,7 @@ def loader(
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
     positions = None
     if getattr(dataset, "state_format", None) == STATE_FORMAT:  # positions to resume (``checkpoint``)
-        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers, held_ahead)
+        collate_fn, positions = Positioned(collate_fn, served), Positions(dataset, num_workers)
     board = recycle.Board(num_workers) if recycle_buffers and num_workers > 0 else None
     if board is not None:
         collate_fn = _Lending(collate_fn)
@@ -415,4 +462,4 @@ def loader(
     feed = (CudaPrefetcher(source if positions is None else Stripped(source, positions), device, depth,
                            transform, thread=own_thread) if device is not None else None)
     return Loader(dataloader, feed, unwrapped, dataset=dataset, end_together=end_together,
-                  positions=positions, log_every=log_every, on_metrics=on_metrics)
+                  positions=positions, log_every=log_every, on_metrics=on_metrics, held_ahead=held_ahead)

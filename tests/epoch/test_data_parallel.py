@@ -58,8 +58,8 @@ def test_a_whole_mesh_is_refused_with_its_dimensions():
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_replica_reads_what_that_rank_reads(parquet_spec, num_workers):
-    """Replica r of n (whatever the global rank) reads rank r of n's batches; the replicas split
-    the epoch exactly."""
+    """REPLICA-PLAN: replica r of n (whatever the global rank) reads rank r of n's batches; the
+    replicas split the epoch exactly."""
     spec, total = parquet_spec
 
     def batches(**place):

@@ -10,6 +10,7 @@ import collections
 
 import fsspec
 import pytest
+import torch
 
 import streamdata as sd
 from streamdata._compat import dataloader_iterator
@@ -119,11 +120,95 @@ def test_held_ahead_leaves_the_fetched_ahead_batches_out_of_the_state(spec, held
 
 
 def test_without_held_ahead_a_fetched_ahead_batch_would_be_lost(spec):
-    """What Lightning's fetcher did to a plain sd.loader: the state counted the batch it held."""
+    """What code that takes a batch ahead, and that the loader does not know, does to the state:
+    it counts the batch held."""
     with _loader(spec) as loader:
         consumed, _ = _ahead(loader, 5)
         state = loader.state_dict()
+        assert loader.held_ahead == 0  # a loop of this module's: nothing known
     assert sum(state["stages"][-1]["delivered"]) == len(_keys(consumed)) + 4  # one batch more
+
+
+def _lightning(loader):
+    """Lightning's fit loop's fetcher over ``loader``, as the loop sets it up, its epoch started
+    (an ``iter()`` of the fetcher starts another)."""
+    fetchers = pytest.importorskip("lightning.pytorch.loops.fetchers")
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    fetcher = fetchers._PrefetchDataFetcher()
+    fetcher.setup(CombinedLoader(loader, "max_size_cycle"))
+    return iter(fetcher)
+
+
+def _steps(fetcher, steps: int | None = None) -> list[str]:
+    """The keys of the batches of a started fetcher's ``steps`` steps (None: to the epoch's end)."""
+    taken = []
+    while steps is None or len(taken) < steps:
+        try:
+            batch, _, _ = next(fetcher)
+        except StopIteration:
+            break
+        taken.append(batch)
+    return _keys(taken)
+
+
+def test_lightnings_fetcher_is_found_and_its_resume_is_exact(spec):
+    """HELD-AHEAD-DETECTED: Lightning's fetcher takes one batch ahead of the step of a loader
+    without len(); the default finds it, and a state saved after 5 steps resumes exactly."""
+    everything = _epoch(spec, 0)
+    with _loader(spec) as loader:
+        assert loader.held_ahead is None  # known at the first batch
+        before = _steps(_lightning(loader), 5)
+        assert loader.held_ahead == 1
+        state = loader.state_dict()
+    assert sum(state["stages"][-1]["delivered"]) == len(before)
+    with _loader(spec) as loader:
+        loader.load_state_dict(state)
+        after = _steps(_lightning(loader))
+        assert loader.held_ahead == 1
+        assert loader.state_dict()["epoch"] == 1  # the epoch ended: every batch consumed
+        assert _keys(loader) == _epoch(spec, 1) and loader.held_ahead == 0  # the next pass: a plain loop
+    _exact(before, after, everything)
+
+
+def test_a_given_held_ahead_wins_over_what_is_found(spec):
+    with _loader(spec, held_ahead=0) as loader:
+        consumed = _steps(_lightning(loader), 5)
+        assert loader.held_ahead == 0
+        state = loader.state_dict()
+    assert sum(state["stages"][-1]["delivered"]) == len(consumed) + 4  # the batch Lightning holds
+
+
+class _Sized(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter({"__key__": [str(i) for i in range(start, start + 4)]} for start in (0, 4, 8))
+
+    def __len__(self) -> int:
+        return 3
+
+
+def test_lightnings_fetcher_takes_no_batch_ahead_of_a_loader_with_a_length():
+    """With len() the fetcher knows the last batch without taking one ahead: nothing held."""
+    with sd.loader(_Sized(), batch_size=None, num_workers=0) as loader:
+        assert len(loader) == 3
+        assert len(_steps(_lightning(loader))) == 12
+        assert loader.held_ahead == 0
+
+
+def test_rays_device_wrapper_is_found_and_its_resume_is_exact(spec):
+    """HELD-AHEAD-DETECTED: ``prepare_data_loader(loader)``'s wrapper (``move_to_device=True``)
+    takes the next batch as it hands one out."""
+    utils = pytest.importorskip("ray.train.torch.train_loop_utils")
+    everything = _epoch(spec, 0)
+    with _loader(spec) as loader:
+        batches = iter(utils._WrappedDataLoader(loader, torch.device("cpu"), False))
+        before = _keys(next(batches) for _ in range(5))
+        assert loader.held_ahead == 1
+        state = loader.state_dict()
+    with _loader(spec) as loader:
+        loader.load_state_dict(state)
+        after = _keys(utils._WrappedDataLoader(loader, torch.device("cpu"), False))
+    _exact(before, after, everything)
 
 
 def test_at_an_epochs_end_the_state_is_the_next_epochs_start(spec):

@@ -7,7 +7,8 @@ identical to the page by the test), trained for two epochs; a first run stops at
 
 CONFIG: ``tag``, ``spec``, ``storage_options``, ``ckpt_dir`` and ``stop`` (the global step at
 which the first run fails; none: run to the end, resuming from ``ckpt_dir/last.ckpt``). Each rank
-writes ``OUT_DIR/{tag}-rank{R}.json``: per epoch, the keys its training_step trained, and its steps.
+writes ``OUT_DIR/{tag}-rank{R}.json``: per epoch, the keys its training_step trained, its steps, and
+the loader's ``held_ahead`` (what it found Lightning's fetcher holds).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self):  # called once torch.distributed is up: rank 0 alone lists
         ds = sd.TarDataset(self.spec, storage_options=self.storage_options, shuffle=True, seed=0)
-        # Lightning's fetcher takes one batch ahead of training_step: held_ahead=1 leaves that
-        # batch out of the state Lightning saves, so a resumed run trains it
-        self.loader = sd.loader(ds, batch_size=8, num_workers=2, held_ahead=1)
+        # the batch Lightning's fetcher takes ahead of training_step is found and left out of the
+        # state Lightning saves, so a resumed run trains it (loader.held_ahead: 1)
+        self.loader = sd.loader(ds, batch_size=8, num_workers=2)
         return self.loader
 
 
@@ -91,7 +92,7 @@ def main(out_dir: str, config_json: str) -> None:
         pass
     data.loader.close()
     with open(f"{out_dir}/{cfg['tag']}-rank{dist.get_rank()}.json", "w") as f:
-        json.dump({"trained": model.trained, "steps": model.steps}, f)
+        json.dump({"trained": model.trained, "steps": model.steps, "held_ahead": data.loader.held_ahead}, f)
     leave()
 
 

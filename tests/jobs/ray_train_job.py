@@ -8,15 +8,15 @@ from the last reported checkpoint.
     python tests/jobs/ray_train_job.py OUT_DIR CONFIG
 
 CONFIG: ``spec``, ``storage_options``, ``storage_path`` (Ray's storage, absolute), ``stop``
-(the global step at which rank 1 dies on the first attempt) and ``move_to_device`` (Ray's
-wrapper, with the loader built ``held_ahead=1``, or ``held_ahead`` if given). Each worker
+(the global step at which rank 1 dies on the first attempt), ``move_to_device`` (Ray's
+wrapper, over the loader as the recipe builds it) and ``held_ahead`` (given to ``sd.loader``
+if there; left out, the loader finds the wrapper's batch ahead). Each worker
 appends one JSON line per trained step to ``OUT_DIR/ray-rank{R}.jsonl``: the checkpoint step its
-attempt started from (``from``), the epoch, the global step and the keys trained.
+attempt started from (``from``), the epoch, the global step, the keys trained and the loader's
+``held_ahead``.
 """
 
 from __future__ import annotations
-
-import functools
 
 # --- recipe: docs/frameworks.md, Ray Train ---
 import os
@@ -110,21 +110,28 @@ def train_step(model, optimizer, batch, epoch, step):  # noqa: F811 - the recipe
     import json
 
     with open(os.path.join(_CONFIG["out_dir"], f"ray-rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"from": started, "epoch": epoch, "step": step,
-                            "keys": list(batch["__key__"])}) + "\n")
+        f.write(json.dumps({"from": started, "epoch": epoch, "step": step, "keys": list(batch["__key__"]),
+                            "held_ahead": _LOADERS[-1].held_ahead}) + "\n")
 
 
 _recipe_loop = train_loop_per_worker
 _sd_loader = sd.loader
 _prepare = ray.train.torch.prepare_data_loader
+_LOADERS: list = []  # the sd.loader this worker process built, its held_ahead recorded
 
 
 def train_loop_per_worker(config):  # noqa: F811 - the recipe's, or its variant for Ray's wrapper
-    """With ``move_to_device`` in the config: the recipe as docs/frameworks.md says to change it for
-    Ray's default ``prepare_data_loader(loader)`` (``move_to_device=True``, a wrapper that takes
-    one batch ahead): the loader built with ``held_ahead=1``."""
+    """With ``move_to_device`` in the config: the recipe with Ray's default
+    ``prepare_data_loader(loader)`` (``move_to_device=True``, a wrapper that takes one batch
+    ahead, which the loader finds); with ``held_ahead``, the loader built with it."""
+    given = {"held_ahead": config["held_ahead"]} if "held_ahead" in config else {}
+
+    def built(*args, **kwargs):
+        _LOADERS.append(_sd_loader(*args, **{**kwargs, **given}))
+        return _LOADERS[-1]
+
+    sd.loader = built
     if config.get("move_to_device"):
-        sd.loader = functools.partial(_sd_loader, held_ahead=config.get("held_ahead", 1))
         ray.train.torch.prepare_data_loader = lambda loader, **kw: _prepare(loader, **{
             **kw, "move_to_device": True})
     _recipe_loop(config)
