@@ -24,6 +24,8 @@ def _torchrun(tmp_path: Path, cases: dict, job: Path = JOB) -> list[dict]:
 
 
 def test_ddp_over_uneven_shards_ends_every_epoch_together(s3_bucket, tmp_path):
+    """END-TOGETHER: without sample counts both ranks end each epoch at the same step, and what
+    a rank did not hand on is counted as undelivered."""
     import s3fs
 
     server, bucket = s3_bucket

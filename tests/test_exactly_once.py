@@ -113,6 +113,8 @@ def test_epochs_advance_per_pass_with_persistent_workers(tmp_path):
 
 @pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_fork_and_spawn_complete_an_epoch_over_s3(s3_shards, context):
+    """LOOP-AFTER-FORK: the parent used s3fs and aiohttp first; forked (and spawned) workers
+    make their own loops and filesystems and read the epoch whole instead of hanging."""
     spec, options, keys = s3_shards
     ds = sd.TarDataset(spec, storage_options=options, shuffle=True)
     list(sd.TarDataset(spec, storage_options=options))  # use s3fs/aiohttp in the parent first

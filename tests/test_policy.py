@@ -37,6 +37,8 @@ def _bad_npy_shards(tmp_path, shards: int = 4) -> str:
 
 
 def test_a_worker_error_reaches_the_loop_with_type_url_key_and_where(tmp_path):
+    """CONTEXT-ACROSS-PROCESSES: the error torch rebuilds from a worker's traceback text has its
+    type, URL, key and place."""
     ds = sd.TarDataset(_bad_npy_shards(tmp_path))
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     exc = _caught(loader)

@@ -132,6 +132,7 @@ def test_http_password_read_repr_and_url(http_shards):
 
 @pytest.mark.parametrize("shard", ["bad", "missing"])
 def test_http_password_errors_in_process(http_shards, shard):
+    """REDACTED-AT-BIRTH: the error's ``url`` attribute and every text of it are redacted."""
     ds = sd.TarDataset([http_shards[shard]], retries=0)
     with pytest.raises(sd.StreamDataError) as info:
         list(ds)
@@ -305,7 +306,8 @@ def test_ls_errors_without_key_ids(denying_s3):
 
 def test_error_chained_to_a_secret_keeps_type_not_text():
     """A backend error whose text quotes a presigned URL, chained with ``from``: the
-    traceback prints it redacted, and it keeps its type for ``except`` clauses."""
+    traceback prints it redacted, and it keeps its type for ``except`` clauses
+    (REDACTED-AT-BIRTH)."""
     cause = ConnectionError(f"GET http://h/k?X-Amz-Credential={KEY_ID}&X-Amz-Signature={SIGNATURE}")
     with pytest.raises(sd.ShardFetchError) as info:
         with contextlib.suppress(KeyError):

@@ -1,6 +1,6 @@
 """How many bytes a reader's prefetcher may hold: the byte budget, grown to what the link needs.
 
-BUDGET-GROWTH (the invariant): a reader starts each pass with ``byte_budget`` (or what an
+Optimisation (BUDGET-GROWTH): a reader starts each pass with ``byte_budget`` (or what an
 earlier pass of this process learned for the same endpoint) and never holds more than
 ``byte_budget_max``. Beyond one step at the start of a pass, by what its first first bytes
 say of the endpoint (far or near: below), the budget grows only when the budget itself cost
@@ -12,26 +12,24 @@ the product, with a quarter more and one part, if that is more), capped.
 
 The product alone would not do as the rule: a budget-bound reader's rate is set by its budget,
 and the bytes it holds are not only in flight (fetched parts wait to be parsed, budget comes
-back a MiB at a time), so at 64 MiB and 100 ms one-way the product read 28-48 MB while the
-reader stalled. The latency is the first byte's, not the last's: a reader whose link is the
-limit waits for each part about ``budget / bandwidth`` to its last byte, which would read as
-latency at any distance (found in review: 54 ms at 1.25 GB/s and 0 ms one-way). Only backends
-that stream the body to streamdata tell the first byte (S3's presigned and LITE-S3 GETs:
-``AsyncClient.get(first_byte=...)``); on the others the budget stays as set. So:
+back a MiB at a time), so the product reads below the budget while the reader stalls. The
+latency is the first byte's, not the last's: a reader whose link is the limit waits for each
+part about ``budget / bandwidth`` to its last byte, which would read as latency at any
+distance. Only backends that stream the body to streamdata tell the first byte (S3's presigned
+and LITE-S3 GETs: ``AsyncClient.get(first_byte=...)``); on the others the budget stays as set.
+So:
 
 - at a short round trip a part arrives in milliseconds and the product stays far below the
   budget: no growth, no extra memory (a fresh worker page-faults in every byte it holds);
-- at a long one (another region: benchmarks/README.md, "Latency", where a fixed budget held
-  the pass below the grown one's rate) the budget grows within the first shards;
+- at a long one (another region) the budget grows within the first shards;
 - a reader that is slower than the network never stalls, so its budget never grows;
 - a far endpoint is known sooner: where the pass's first first bytes took ``FAR_S`` or more
   (the shorter of two: ``tune.FAR_PARTS``; a round trip of 100 ms or more: another region or
   continent, not one cold answer of a server), the budget takes one step at once (``far``),
-  instead of after the first stall, which comes a round trip after the reader's first release
-  (0.5-0.8 s into the first pass at 100 ms one-way). The step is ``STEP`` times the distance
-  (``latency / FAR_S``): the bytes in flight that a link keeps busy grow with its round trip,
-  so at 250 ms one-way the budget takes in one step what one ``STEP`` a round trip would take
-  in four round trips;
+  instead of after the first stall, which comes a round trip after the reader's first release.
+  The step is ``STEP`` times the distance (``latency / FAR_S``): the bytes in flight that a
+  link keeps busy grow with its round trip, so at 250 ms one-way the budget takes in one step
+  what one ``STEP`` a round trip would take in four round trips;
 - a near endpoint (the pass's first first byte under ``FAR_S``: NEAR-START, ``tune``) takes a
   budget too small to cut full-size parts to that size at once (``near``: ``PARTS_IN_BUDGET``
   parts of ``part_size``, 32 MiB by default, within the cap): there a request costs the

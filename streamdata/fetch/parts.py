@@ -1,19 +1,17 @@
 """How an item's byte ranges are cut into the parts a reader requests, and which of them the
 rest of the window waits for.
 
-Invariant (FIRST-BYTES-FIRST): a reader's first shard (sized, not a range of an index) starts
-with a small part, each next one twice as big up to ``part_size``, and the rest of the window
-waits, at most FIRST_HOLD_MAX_S, until the parts that start in its first FIRST_HOLD_BYTES
-(by default 256 KiB, 512 KiB, 1 MiB, 2 MiB: 3.75 MiB, a first batch) have arrived. Sent beside
-the window, those parts shared the server's (or the link's) bandwidth with every request in
-flight (measured: benchmarks/README.md, "Start-up"). The wait is short (0.1 s) on purpose:
-it matters where those parts arrive fast (a short round trip); beyond it, the window's new
-connections (two round trips) keep their bytes behind them anyway, and a longer wait only
-delays the window (0.1 against 0.5 s at 100 ms one-way delay: whole run 1.03×, near noise). The
-wait holds no reference to their
-bytes (BYTE-BUDGET, ``fetch``). With a connection handed over to the reader (WARM-HANDOVER,
-``handover``) those bytes are one GET on it (``first_part_size``): one round trip, where each
-of the small parts but one would open a connection of its own first.
+Optimisation (FIRST-BYTES-FIRST): a reader's first shard (sized, not a range of an index)
+starts with a small part, each next one twice as big up to ``part_size``, and the rest of the
+window waits, at most FIRST_HOLD_MAX_S, until the parts that start in its first
+FIRST_HOLD_BYTES (by default 256 KiB, 512 KiB, 1 MiB, 2 MiB: 3.75 MiB, a first batch) have
+arrived. Sent beside the window, those parts would share the server's (or the link's)
+bandwidth with every request in flight. The wait is short on purpose: it matters where those
+parts arrive fast (a short round trip); beyond it, the window's new connections (two round
+trips) keep their bytes behind them anyway, and a longer wait only delays the window. The wait
+holds no reference to their bytes (BYTE-BUDGET, ``fetch``). With a connection handed over to
+the reader (WARM-HANDOVER, ``handover``) those bytes are one GET on it (``first_part_size``):
+one round trip, where each of the small parts but one would open a connection of its own first.
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ def test_proportions_within_two_percent_over_10000_samples(data):
 
 
 def test_choices_are_seeded_per_epoch_and_worker_and_resumable():
+    """MIX-CHOICES: a reader's choices are a function of seed, epoch, stage, worker and position."""
     probs = np.array([0.5, 0.5])
     head = lambda it, n: [next(it) for _ in range(n)]  # noqa: E731
     a = head(choices(probs, 0, 1, 0, 0), 3000)

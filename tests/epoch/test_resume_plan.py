@@ -91,7 +91,7 @@ def _check(case):
                 if batch is not None:
                     rest = batch_sizes(first[slot], batch)
                     assert sum(rest) - delivered[slot] == sum(batch_sizes(span, batch))
-        elif batch is not None:
+        elif batch is not None:  # RESUME-ELASTIC: what is left, re-divided into equal spans
             assert len(set(_steps(after_spans, new).values())) == 1  # EQUAL-STEPS on the new ranks
             if not drop_last:
                 own = [span.samples - span.pad for span in after_spans.values()]

@@ -194,6 +194,8 @@ def _corrupt(path: Path, how: str) -> None:
 
 
 def test_a_corrupt_entry_is_refetched_and_never_served(s3_bucket, tmp_path):
+    """CACHE-VERIFY: entries corrupt early, late (after a MiB was served) and truncated are
+    deleted and fetched again, counted, and the samples are the first epoch's."""
     server, bucket = s3_bucket
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
     counts = [40, 40, 40, 3]  # 40 samples of 32 KiB: shards of about 1.3 MiB (two segments)

@@ -180,6 +180,8 @@ def test_byte_ranges_are_fetched_in_order(tmp_path):
 
 
 def test_memory_stays_within_budget_plus_one_part(tmp_path):
+    """BYTE-BUDGET: a reader that runs ahead of a slow consumer never holds more than its budget
+    and one part of requested or unconsumed bytes."""
     sizes = [3 * MiB, 5 * MiB, 1, 4 * MiB]
     for i, n in enumerate(sizes):
         (tmp_path / f"big-{i}").write_bytes(b"x" * n)

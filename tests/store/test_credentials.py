@@ -243,9 +243,9 @@ def test_moto_checks_no_presigned_url_and_the_front_does(front: tuple[Front, Any
 
 def test_a_run_longer_than_the_lifetime_re_signs_by_age_and_reads_every_sample_once(
         front: tuple[Front, Any, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """LITE-S3, lifetime 2 s, a 4.5 s read of small parts under a small byte budget: the same
-    shards' URLs are needed again and again, and are re-signed before the front would refuse
-    them (it refuses none), every sample arriving once."""
+    """PRESIGN-LIFETIME and RESIGN-COUNTED ("age"): LITE-S3, lifetime 2 s, a 4.5 s read of small
+    parts under a small byte budget: the same shards' URLs are needed again and again, and are
+    re-signed before the front would refuse them (it refuses none), every sample arriving once."""
     import s3fs
 
     fr, server, bucket = front
@@ -294,7 +294,8 @@ print(json.dumps({"Version": 1, "AccessKeyId": key, "SecretAccessKey": secret, "
 
 def test_credentials_from_a_credential_process_are_refreshed_and_no_url_outlives_them(
         s3_bucket: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """botocore's path (no keys in the options: a profile's ``credential_process``), session
+    """PRESIGN-LIFETIME (the credentials' expiry) and RESIGN-ON-STALE (ExpiredToken): botocore's
+    path (no keys in the options: a profile's ``credential_process``), session
     tokens that live 3 s, objects read part by part over 6 s with the default lifetime
     (900 s: half of it is far away). The front refuses a token past its expiry; none is
     sent past it: URLs are re-signed before their credentials expire, with refreshed ones
@@ -362,9 +363,10 @@ def test_credentials_from_a_credential_process_are_refreshed_and_no_url_outlives
 
 
 def test_a_request_has_expired_answer_is_re_signed_once_and_counted(front: tuple[Front, Any, str]) -> None:
-    """LITE-S3 with the default lifetime: the front's clock moves past the end of the URL it
-    has seen; the URL is refused as expired, re-signed (a later X-Amz-Date) and accepted by
-    the same rule. Refused again after that, it is an AccessDeniedError, not retried."""
+    """RESIGN-ON-STALE and RESIGN-COUNTED ("expired"): LITE-S3 with the default lifetime: the
+    front's clock moves past the end of the URL it has seen; the URL is refused as expired,
+    re-signed (a later X-Amz-Date) and accepted by the same rule. Refused again after that, it
+    is an AccessDeniedError, not retried."""
     fr, server, bucket = front
     blob = bytes(range(256)) * 64
     server.boto3_client().put_object(Bucket=bucket, Key="a.bin", Body=blob)

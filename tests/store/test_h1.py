@@ -601,6 +601,8 @@ def _fault(make, url: str, timeout: float | None = None) -> BaseException:
 
 @pytest.mark.parametrize("which", ["http1", "aiohttp"])
 def test_a_refused_connection_is_the_same_type_from_both_sessions(which: str) -> None:
+    """TYPED-TRANSPORT-ERRORS, as each test of this section: the same fault raises the same
+    ``TransportError`` subclass from either session, and ``classify`` decides by it."""
     from streamdata.errors import ConnectRefusedError
 
     dead = socket.socket()

@@ -168,6 +168,8 @@ with sd.ShardWriter(spec, maxcount=4, storage_options=options, index=False, part
 
 @pytest.mark.parametrize("where", [pytest.param("local", marks=pytest.mark.slow), "s3"])
 def test_a_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path, request, s3_server, where):
+    """PUBLISH-WHOLE: a writer killed mid-upload leaves only whole shards under final names
+    (the rest are temporary keys)."""
     if where == "s3":
         server, bucket = request.getfixturevalue("s3_bucket")
         options, spec = server.storage_options, f"s3://{bucket}/k/shard-%05d.tar"
