@@ -26,18 +26,9 @@ import torch.distributed as dist
 import streamdata as sd
 from tests.helpers import ddp_steps
 from tests.jobs._leave import leave
+from tests.jobs.resume_job import _features, _keys
 
 DATASETS = {"tar": sd.TarDataset, "parquet": sd.ParquetDataset}
-
-
-def _keys(batch) -> list:
-    return list(batch["__key__"]) if "__key__" in batch else batch["id"].tolist()
-
-
-def _features(batch) -> torch.Tensor:
-    if "npy" in batch:
-        return batch["npy"].float()
-    return batch["id"].float()[:, None].repeat(1, 8)
 
 
 def _place(how: str, tp: int, groups: list) -> dict:
