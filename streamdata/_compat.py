@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 __all__ = ["ahead_by_lightning", "ahead_by_ray_train", "aiohttp_forget", "aiohttp_no_hidden_retry",
-           "aiohttp_payload_reset", "aiohttp_session_of", "dataloader_iterator", "default_executor",
-           "detach_dataloader_iterator", "executor_threads", "new_shared_storage", "prepared_by_accelerate",
-           "shutdown_workers", "storage_use_count", "worker_processes"]
+           "aiohttp_payload_reset", "aiohttp_session_of", "dataloader_asking", "dataloader_iterator",
+           "default_executor", "detach_dataloader_iterator", "executor_threads", "new_shared_storage",
+           "prepared_by_accelerate", "shutdown_workers", "storage_use_count", "worker_processes"]
 
 
 # --- torch ---
@@ -49,6 +49,19 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     import torch
 
     return torch.UntypedStorage._new_shared(nbytes)
+
+
+def dataloader_asking(caller: Any) -> DataLoader | None:
+    """The ``DataLoader`` whose ``__len__`` the frame ``caller`` (the caller's ``sys._getframe(1)``)
+    runs, or None: for an IterableDataset, ``DataLoader.__len__`` calls ``len(self.dataset)`` itself
+    and keeps it in ``DataLoader._IterableDataset_len_called`` (torch 2.13.0); a dataset that
+    batches in its readers counts by the loader's ``num_workers``."""
+    if caller is None or caller.f_code.co_name != "__len__":
+        return None
+    owner = caller.f_locals.get("self")
+    from torch.utils.data import DataLoader
+
+    return owner if isinstance(owner, DataLoader) else None
 
 
 def dataloader_iterator(loader: DataLoader) -> Any | None:

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -79,6 +80,20 @@ def test_torch_single_process_iterators_have_no_workers():
     assert _compat.worker_processes(iterator) == []
     _compat.shutdown_workers(iterator)  # nothing to stop: no error
     assert next(iterator) == 0
+
+
+class _Asks(IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        asking = _compat.dataloader_asking(sys._getframe(1))
+        return -1 if asking is None else asking.num_workers
+
+
+def test_torch_dataloader_asking_is_the_loader_whose_len_asks():
+    assert len(DataLoader(_Asks(), batch_size=None, num_workers=3)) == 3
+    assert _Asks().__len__() == -1  # nobody's DataLoader.__len__
 
 
 def test_stdlib_executor_threads_are_the_pools_threads():

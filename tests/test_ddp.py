@@ -40,6 +40,7 @@ def test_ddp_over_uneven_shards_ends_every_epoch_together(s3_bucket, tmp_path):
         for epoch in range(2):
             r0, r1 = (ranks[r][name][epoch] for r in (0, 1))
             assert r0["steps"] == r1["steps"] > 0 and r0["all_steps"] == [r0["steps"]] * 2, (name, epoch)
+            assert r0["len"] is r1["len"] is None  # no counts: no len()
             delivered = r0["keys"] + r1["keys"]
             assert len(delivered) == len(set(delivered)) and set(delivered) <= set(keys[name])
             assert len(delivered) + r0["undelivered"] + r1["undelivered"] == len(keys[name]), (name, epoch)
@@ -129,6 +130,7 @@ def _check_exact(name: str, case: dict, ranks: dict, everything: list, batch_siz
     for epoch in range(2):
         r0, r1 = (ranks[r][name][epoch] for r in (0, 1))
         assert r0["steps"] == r1["steps"] and r0["all_steps"] == [r0["steps"]] * 2, (name, epoch)
+        assert r0["len"] == r1["len"] == r0["steps"], (name, epoch)  # len(): the plan's steps
         assert r0["steps"] > 0 or case.get("drop_last") and len(everything) < 2 * 2 * batch_size
         assert r0["undelivered"] == r1["undelivered"] == 0, (name, epoch)
         delivered = r0["keys"] + r1["keys"]

@@ -81,6 +81,7 @@ def test_trainer_resumes_from_its_checkpoint_exactly(shards, tmp_path, where):
     stop = random.Random(19).randint(2, 7) if where == "mid-epoch" else "epoch_end"
     cfg = {**case, "trainer": "trainer", "output_dir": str(tmp_path / "out")}
     first = _run(tmp_path, {**cfg, "tag": "first", "stop": stop})
+    assert all(rank["has_len"] for rank in first)  # the index: the Trainer counts epochs by len()
     batches = first[0]["epoch_batches"]
     saved = batches if stop == "epoch_end" else stop - 1
     assert isinstance(saved, int) and 1 <= saved <= batches
@@ -98,7 +99,7 @@ def test_trl_sft_trainer_trains_an_epoch_exactly_once(shards, tmp_path):
     (SFT's collator in the loader's workers), one epoch over 2 ranks: every sample once."""
     case, everything = shards
     ranks = _run(tmp_path, {**case, "trainer": "sft", "tag": "sft", "output_dir": str(tmp_path / "sft")})
-    assert ranks[0]["steps"] == ranks[0]["epoch_batches"]
+    assert ranks[0]["has_len"] and ranks[0]["steps"] == ranks[0]["epoch_batches"]
     _exactly_once([ranks], 0, everything)
 
 
@@ -143,12 +144,11 @@ def test_misuse_is_refused_with_what_to_do(local, tmp_path):
     with pytest.raises(sd.SpecError, match="collate_fn"):
         StreamdataTrainer(model=_model(), args=args, data_collator=lambda rows: rows,
                           train_dataset=sd.loader(sd.TarDataset(local), batch_size=2, num_workers=0))
+    unindexed = sd.loader(sd.TarDataset(local, index=None), batch_size=2, num_workers=0)  # no len()
+    with pytest.raises(sd.SpecError, match="no length.*streamdata index.*max_steps"):
+        StreamdataTrainer(model=_model(), args=_args(tmp_path), train_dataset=unindexed)
     loader = sd.loader(sd.TarDataset(local), batch_size=2, num_workers=0)
-    try:
-        len(loader)
-    except TypeError:
-        with pytest.raises(sd.SpecError, match="max_steps"):
-            StreamdataTrainer(model=_model(), args=_args(tmp_path), train_dataset=loader)
+    assert len(loader) == 4  # 3 + 5 samples in batches of 2, from the index
     with pytest.raises(sd.SpecError, match="Trainer subclass"):
         streamdata_trainer(torch.nn.Module)
     assert streamdata_trainer(Trainer) is StreamdataTrainer

@@ -61,7 +61,11 @@ def _npy_tars(root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
-    root = tmp_path_factory.mktemp("static-shapes")
+    return make_corpora(tmp_path_factory.mktemp("static-shapes"))
+
+
+def make_corpora(root: Path) -> dict[str, str]:
+    """Tar with and without an index, Parquet, .bin tokens and tar of .npy tokens under ``root``."""
     (root / "pq").mkdir()
     n = 0
     for i, groups in enumerate(ROW_GROUPS):

@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch.utils.data
 
+from streamdata._compat import dataloader_asking
 from streamdata.batch.batches import batches
 from streamdata.datasets.passes import EpochIterator
 from streamdata.datasets.sharded import ShardedDataset, refuse_resplitting
@@ -42,6 +43,7 @@ from streamdata.epoch.mix import (
     source_stages,
     split_budget,
     start_entry,
+    taken_in_stage,
 )
 from streamdata.epoch.resume import Stage
 from streamdata.epoch.state import STATE_FORMAT, Loaded, check_header, stages_json, start_state
@@ -52,6 +54,7 @@ from streamdata.ranks import DataParallel, data_parallel
 
 __all__ = ["Mix"]
 
+_OWN: Any = object()  # ``steps``: the mix's own batch size
 _EMPTY_CYCLES = 3  # a source that yields nothing this many cycles in a row: an error, not a hang
 
 
@@ -167,6 +170,62 @@ class Mix(torch.utils.data.IterableDataset):
     def resigned(self) -> dict[str, int]:
         """The sources' presigned URLs signed again, per reason, summed."""
         return _summed(s.resigned for s in self.sources)
+
+    def __len__(self) -> int:
+        """What this rank yields this epoch (:meth:`steps`): batches with a ``batch_size``, else
+        samples; a DataLoader asking counts with its ``num_workers``."""
+        asking = dataloader_asking(sys._getframe(1))
+        return self.steps(num_workers=asking.num_workers if asking is not None else 0)
+
+    def steps(self, batch_size: int | None | Any = _OWN, drop_last: bool | None = None, *,
+              num_workers: int = 0) -> int:
+        """The batches (``batch_size`` None: samples) this rank yields this epoch with
+        ``num_workers`` readers, from the choices and the sources' counts (``samples=N``, or every
+        source's sample counts known); an epoch resumed on another world shape as the datasets'
+        ``steps``. TypeError where a source's counts are unknown (its end is met when read)."""
+        if batch_size is _OWN:
+            batch_size = self.batch_size
+        drop_last = self.drop_last if drop_last is None else bool(drop_last)
+
+        def steps(samples: int) -> int:
+            if batch_size is None:
+                return samples
+            return samples // batch_size if drop_last else -(-samples // batch_size)
+
+        def stage_samples(before: list[Stage[dict]], w: World) -> int:
+            limits = _limits(self, w, self.epoch, before)
+            if limits.budget is not None:
+                return limits.budget
+            if limits.quotas is None:
+                unknown = [i for i, s in enumerate(self.sources) if s.sample_counts() is None]
+                raise TypeError(f"this Mix has no length: the samples of its sources {unknown} are unknown "
+                                "until they are read (tar without an index: `streamdata index SPEC`); give "
+                                "samples=N, or the trainer the steps to run (max_steps=...)")
+            assert self.stop is not None
+            return taken_in_stage(self.probs, self.seed, self.epoch, len(before), w.worker, limits.quotas,
+                                  self.stop)
+
+        world = self.world()
+        nw = max(int(num_workers), 1)
+
+        def rank_steps(before: list[Stage[dict]], world_size: int, workers: int, rank: int) -> int:
+            return sum(steps(stage_samples(before, World(rank, world_size, w, workers)))
+                       for w in range(workers))
+
+        whole = rank_steps([], world.world_size, nw, world.rank)
+        earlier: list[Stage[dict]] = []
+        if self._live is not None and self._live.epoch == self.epoch:
+            earlier = list(self._live.before)
+        elif self._resume is not None and self._resume.epoch == self.epoch:
+            stages = self._resume.stages
+            earlier = stages[:-1] if stages and stages[-1].same_shape(World(
+                world.rank, world.world_size, 0, nw)) else list(stages)
+        if not earlier:
+            return whole
+        done = sum(max(sum(steps(int(e["t"])) for e in stage.known()[r * stage.num_workers:
+                                                                  (r + 1) * stage.num_workers])
+                       for r in range(stage.world_size)) for stage in earlier)
+        return max(whole, done + rank_steps(earlier, world.world_size, nw, world.rank))
 
     # ---- the state -------------------------------------------------------------------
 
@@ -307,25 +366,9 @@ class _Run:
         self.iters: list[Any] = [None] * n
         self.empty = [0] * n
         self.chosen = counts_before(mix.probs, mix.seed, epoch, len(before), world.worker, self.t)
-        shape = (world.world_size, world.num_workers)
-        self.budget: int | None = None
-        if mix.samples is not None:
-            left = mix.samples  # each earlier stage gave out what its ranks could share equally
-            for stage in before:
-                left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.known())
-            self.budget, lost = split_budget(left, shape, world.worker)
-            if lost and world.slot == 0 and self.t == 0:
-                mix._counters.add("mix.left_out", lost)
-        self.quotas: list[int] | None = None
-        self.own: list[int] | None = None
-        counts = [c for c in (s.sample_counts() for s in mix.sources) if c is not None]
-        if mix.samples is None and len(counts) == len(mix.sources):
-            per_rank = [quotas(c, source_stages(before, k, "samples"), shape, world.worker, seed=s.seed,
-                               epoch=epoch, shuffle=s.shuffle)
-                        for k, (s, c) in enumerate(zip(mix.sources, counts, strict=True))]
-            agg = min if mix.stop == "first" else max
-            self.quotas = [agg(q) for q in per_rank]
-            self.own = [q[world.rank] for q in per_rank]
+        self.budget, lost, self.quotas, self.own = _limits(mix, world, epoch, before)
+        if lost and world.slot == 0 and self.t == 0:
+            mix._counters.add("mix.left_out", lost)
 
     def over(self, k: int) -> bool:
         """Whether the epoch ends before taking the choice ``k`` (with a budget, or quotas)."""
@@ -393,6 +436,35 @@ class _Run:
         for it in self.iters:
             if it is not None:
                 it.close()
+
+
+class _Limits(NamedTuple):
+    """Where a reader's pass of a stage ends: ``budget`` samples (``samples=N``; ``lost``: what the
+    division left out), or the ``quotas`` of each source (counts known: every rank's the same) and
+    the reader's ``own`` share of each; neither: where the sources run out."""
+
+    budget: int | None
+    lost: int
+    quotas: list[int] | None
+    own: list[int] | None
+
+
+def _limits(mix: Mix, world: World, epoch: int, before: list[Stage[dict]]) -> _Limits:
+    shape = (world.world_size, world.num_workers)
+    if mix.samples is not None:
+        left = mix.samples  # each earlier stage gave out what its ranks could share equally
+        for stage in before:
+            left -= split_budget(left, (stage.world_size, 1), 0)[1] + sum(e["t"] for e in stage.known())
+        budget, lost = split_budget(left, shape, world.worker)
+        return _Limits(budget, lost, None, None)
+    counts = [c for c in (s.sample_counts() for s in mix.sources) if c is not None]
+    if len(counts) < len(mix.sources):
+        return _Limits(None, 0, None, None)
+    per_rank = [quotas(c, source_stages(before, k, "samples"), shape, world.worker, seed=s.seed,
+                       epoch=epoch, shuffle=s.shuffle)
+                for k, (s, c) in enumerate(zip(mix.sources, counts, strict=True))]
+    agg = min if mix.stop == "first" else max
+    return _Limits(None, 0, [agg(q) for q in per_rank], [q[world.rank] for q in per_rank])
 
 
 def _tail_counted(samples: Iterator[Any], batch_size: int, drop_last: bool,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from streamdata._compat import prepared_by_accelerate
+from streamdata._compat import dataloader_asking, prepared_by_accelerate
 from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Sightings, Spec, expand_spec
@@ -29,7 +29,7 @@ from streamdata.config import FetchConfig, stage_times
 from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stale_count
 from streamdata.epoch import blocks
 from streamdata.epoch.buffer import shuffled
-from streamdata.epoch.plan import SampleSlice, Segment, Skip, Span
+from streamdata.epoch.plan import SampleSlice, Segment, Skip, Span, batch_sizes
 from streamdata.epoch.resume import Stage, resume_span, resume_units
 from streamdata.epoch.rewind import Rewind, dropped, placeholder_items, rewind_point, skipped, undelivered
 from streamdata.epoch.sharding import assign, reader_seed
@@ -42,7 +42,7 @@ from streamdata.epoch.state import (
     parse_state,
     reader_state,
 )
-from streamdata.epoch.world import World
+from streamdata.epoch.world import World, pinned
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
 from streamdata.formats.images import for_pass
@@ -58,6 +58,7 @@ log = logging.getLogger("streamdata")
 
 DEFAULT_SHUFFLE_BUFFER = 512  # samples, per reader, with shuffle=True
 DECODE_TIMEOUT = 300.0  # seconds one sample may take on the decode threads (``decode_threads``)
+_OWN: Any = object()  # ``steps``: the dataset's own batch size
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,69 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """Each reader's ``metrics.READER_STATS`` so far (nanoseconds and counts), one dict per
         reader that read (the main process's first, with ``num_workers=0``)."""
         return self._stats.rows()
+
+    def __len__(self) -> int:
+        """What this rank yields this epoch: batches with a ``batch_size``, else samples
+        (:meth:`steps`). A DataLoader asking counts with its ``num_workers``; anyone else, one
+        reader per rank. TypeError where the plan does not know (no sample counts)."""
+        asking = dataloader_asking(sys._getframe(1))
+        return self.steps(num_workers=asking.num_workers if asking is not None else 0)
+
+    def steps(self, batch_size: int | None | Any = _OWN, drop_last: bool | None = None, *,
+              num_workers: int = 0) -> int:
+        """The batches this rank yields this epoch with ``num_workers`` readers (``batch_size``
+        None: samples), from the plan alone: the same on every rank (EQUAL-STEPS). The dataset's
+        own ``batch_size`` and ``drop_last`` unless given. An epoch resumed on another world shape
+        counts what the ranks delivered before the resume with what is left, when that is more
+        than a whole epoch's (a framework that counts the steps it trained reaches the end with
+        the loader). TypeError where the sample counts are unknown (a shard-level split)."""
+        if batch_size is _OWN:
+            batch_size = self.batch_size
+        drop_last = self.drop_last if drop_last is None else bool(drop_last)
+        if self.sample_counts() is None:
+            raise TypeError(
+                f"{type(self).__name__} over {redact_url(self.shards[0].url)!r}... has no length: the "
+                "samples of its shards are unknown until they are read. Build the sample index "
+                "(`streamdata index SPEC`, tar), or give the trainer the steps to run (max_steps=...)")
+        world = self.world()
+        nw = max(int(num_workers), 1)
+        earlier: list[Stage] = []
+        if self._live is not None and self._live.epoch == self.epoch:  # a pass under way here
+            earlier = list(self._live.before)
+        elif self._resume is not None and self._resume.epoch == self.epoch:  # a state loaded
+            stages = self._resume.stages
+            earlier = stages[:-1] if stages and stages[-1].same_shape(World(
+                world.rank, world.world_size, 0, nw)) else list(stages)
+
+        def spans(before: list[Stage], world_size: int, workers: int, rank: int) -> list[Span]:
+            """The spans of ``rank``'s readers in a stage of that shape that began after ``before``."""
+            out = []
+            for w in range(workers):
+                with pinned(World(rank, world_size, w, workers)):
+                    span = self._plan_pass(self.epoch, batch_size, drop_last, before).span
+                assert span is not None  # (sample counts known: an exact epoch)
+                out.append(span)
+            return out
+
+        def steps(span: Span, delivered: int | None = None) -> int:
+            """A span's steps, or those its first ``delivered`` samples made (a saved position
+            stands between two of its batches)."""
+            if batch_size is None:
+                return span.samples if delivered is None else min(delivered, span.samples)
+            sizes = batch_sizes(span, batch_size)
+            return len(sizes) if delivered is None else int(np.searchsorted(np.cumsum(sizes), delivered,
+                                                                            side="right"))
+
+        whole = sum(steps(s) for s in spans([], world.world_size, nw, world.rank))
+        if not earlier:
+            return whole
+        done = 0  # steps delivered in the stages before this one: the most any rank delivered
+        for i, stage in enumerate(earlier):
+            delivered = stage.known()
+            done += max(sum(steps(span, int(delivered[rank * stage.num_workers + w])) for w, span in
+                            enumerate(spans(earlier[:i], stage.world_size, stage.num_workers, rank)))
+                        for rank in range(stage.world_size))
+        return max(whole, done + sum(steps(s) for s in spans(earlier, world.world_size, nw, world.rank)))
 
     # ---- what a format supplies --------------------------------------------------------
 
@@ -555,3 +619,4 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, e.g. {redact_url(self.shards[0].url)!r}, "
                 f"shuffle={self.shuffle}, batch_size={self.batch_size})")
+

@@ -323,8 +323,7 @@ class TokenDataset(ShardedDataset):
 
     @property
     def num_sequences(self) -> int:
-        """Sequences in one epoch, over every reader (no ``len()``: a DataLoader would take it
-        for its batches)."""
+        """Sequences in one epoch, over every reader (``len()`` is this rank's batches: ``steps``)."""
         return self.plan().sequences
 
     def _plan_pass(self, epoch: int, batch_size: int | None, drop_last: bool,

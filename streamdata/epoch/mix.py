@@ -30,7 +30,7 @@ from streamdata.epoch.resume import Stage, UnitPosition, resume_span
 from streamdata.epoch.world import World
 
 __all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "choices", "counts_before", "entry_of", "mix_fingerprint",
-           "parse_entry", "quotas", "source_stages", "split_budget", "start_entry"]
+           "parse_entry", "quotas", "source_stages", "split_budget", "start_entry", "taken_in_stage"]
 
 BLOCK = 1024  # choices per seeded block: position t is reached without drawing what is before it
 CYCLE_STRIDE = 1 << 32  # a source's epoch in cycle c of mix epoch e: e + c * CYCLE_STRIDE
@@ -56,6 +56,32 @@ def counts_before(probs: np.ndarray, seed: int, epoch: int, stage: int, worker: 
         draws = rng.choice(len(probs), BLOCK, p=probs)[: t - block * BLOCK]
         out += np.bincount(draws, minlength=len(probs))
     return out.tolist()
+
+
+def taken_in_stage(probs: np.ndarray, seed: int, epoch: int, stage: int, worker: int, quotas: Sequence[int],
+                   stop: str) -> int:
+    """The samples a reader takes in a stage whose quotas are ``quotas``: ``stop="first"``, up to
+    the first choice of a source that has delivered its quota; ``"all"``, until every source has
+    (the choices drawn as the pass draws them, a block at a time: no sample read)."""
+    need = np.asarray(quotas, dtype=np.int64)
+    if stop == "all" and not need.any():
+        return 0
+    counts = np.zeros(len(probs), dtype=np.int64)
+    block = 0
+    while True:
+        rng = np.random.default_rng([seed, epoch, stage, worker, block, _MAGIC])
+        draws = rng.choice(len(probs), BLOCK, p=probs)
+        seen = np.zeros((BLOCK, len(probs)), dtype=np.int64)  # choices of each source before each draw
+        seen[np.arange(BLOCK), draws] = 1
+        before = counts + np.cumsum(seen, axis=0) - seen
+        if stop == "first":
+            over = np.flatnonzero(before[np.arange(BLOCK), draws] >= need[draws])
+        else:
+            over = np.flatnonzero((before >= need).all(axis=1))
+        if len(over):
+            return block * BLOCK + int(over[0])
+        counts += seen.sum(axis=0)
+        block += 1
 
 
 def mix_fingerprint(describe: dict) -> str:

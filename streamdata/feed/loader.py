@@ -92,13 +92,19 @@ class _Lending:
 
 class _BatchedInWorkers(IterableDataset):
     """A per-sample IterableDataset batched inside each worker, each sample collated into
-    the batch as it arrives (:mod:`streamdata.batch.batches`): what ``sd.loader`` hands the
-    DataLoader (with ``batch_size=None``) when the caller keeps the default collation."""
+    the batch as it arrives (:mod:`streamdata.batch.batches`), or by the caller's ``collate_fn``:
+    what ``sd.loader`` hands the DataLoader (with ``batch_size=None``). A streamdata dataset
+    batches with its plan's sizes (EQUAL-STEPS), and its ``len()`` is its plan's steps with
+    ``num_workers`` readers."""
+
+    _OWN = ("dataset", "batch_size", "drop_last", "in_flight", "collate_fn", "num_workers")
 
     def __init__(self, dataset: IterableDataset, batch_size: int, drop_last: bool,
-                 in_flight: int) -> None:
+                 in_flight: int, collate_fn: Callable[[list], Any] | None = None,
+                 num_workers: int = 0) -> None:
         self.dataset, self.batch_size, self.drop_last, self.in_flight = (
             dataset, batch_size, drop_last, in_flight)
+        self.collate_fn, self.num_workers = collate_fn, num_workers
 
     def __getattr__(self, name: str) -> Any:  # worker_init_fn may read the user's dataset's
         try:  # attributes through get_worker_info().dataset
@@ -108,7 +114,7 @@ class _BatchedInWorkers(IterableDataset):
         return getattr(dataset, name)
 
     def __setattr__(self, name: str, value: Any) -> None:  # ... and set them (start/end splits)
-        if name in ("dataset", "batch_size", "drop_last", "in_flight"):
+        if name in self._OWN:
             object.__setattr__(self, name, value)
         else:
             setattr(self.dataset, name, value)
@@ -116,11 +122,15 @@ class _BatchedInWorkers(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         iter_batches = getattr(self.dataset, "iter_batches", None)
         if iter_batches is not None:  # a sharded dataset batches with its plan (EQUAL-STEPS)
-            return iter_batches(self.batch_size, drop_last=self.drop_last, in_flight=self.in_flight)
-        return batches(iter(self.dataset), self.batch_size, drop_last=self.drop_last,
-                       in_flight=self.in_flight)
+            return iter_batches(self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn,
+                                in_flight=self.in_flight)
+        return batches(iter(self.dataset), self.batch_size, collate_fn=self.collate_fn,
+                       drop_last=self.drop_last, in_flight=self.in_flight)
 
     def __len__(self) -> int:  # as DataLoader counts batches of an IterableDataset
+        steps = getattr(self.dataset, "steps", None)
+        if steps is not None:  # the plan's: every reader's batches, this rank's share of the epoch
+            return int(steps(self.batch_size, self.drop_last, num_workers=self.num_workers))
         n = len(self.dataset)  # type: ignore[arg-type]  # TypeError when it has no len
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
@@ -163,9 +173,10 @@ class _Unwrapped:
 class Loader:
     """What :func:`loader` returns: iterate it once per epoch.
 
-    ``len()`` works when the DataLoader's does; ``set_epoch`` reaches the dataset in this
-    process (persistent workers hold their own copy: the dataset must make the epoch reach
-    them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
+    ``len()``: this rank's batches of the epoch where the plan knows them (a streamdata dataset
+    with sample counts: ``ShardedDataset.steps``), else the DataLoader's; ``set_epoch`` reaches
+    the dataset in this process (persistent workers hold their own copy: the dataset must make
+    the epoch reach them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
     An iterator starts nothing (workers, requests) before its first ``next()`` (LAZY-START):
     a framework's probing ``iter()`` costs nothing and leaves the epoch as it was.
     """
@@ -415,17 +426,17 @@ def loader(
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     served = dataset
-    if collate_fn is None:
-        in_flight = max(1, num_workers * (prefetch_factor or 0))
-        # with or without workers, a sharded dataset batches with its plan's sizes (EQUAL-STEPS)
-        if (batch_size is not None and (num_workers > 0 or hasattr(dataset, "iter_batches"))
-                and isinstance(dataset, IterableDataset)):
-            served = _BatchedInWorkers(dataset, batch_size,
-                                       bool(dataloader_kwargs.pop("drop_last", False)), in_flight)
-            batch_size, collate_fn = None, _as_is
-        else:
-            collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
-                                           in_flight=in_flight)
+    in_flight = max(1, num_workers * (prefetch_factor or 0))
+    # with or without workers, a sharded dataset batches with its plan's sizes (EQUAL-STEPS), with
+    # the caller's collate_fn too; other datasets in the workers with the default collation
+    if (batch_size is not None and isinstance(dataset, IterableDataset)
+            and (hasattr(dataset, "iter_batches") or num_workers > 0 and collate_fn is None)):
+        served = _BatchedInWorkers(dataset, batch_size, bool(dataloader_kwargs.pop("drop_last", False)),
+                                   in_flight, collate_fn, num_workers)
+        batch_size, collate_fn = None, _as_is
+    elif collate_fn is None:
+        collate_fn = functools.partial(collate if batch_size is not None else to_tensors,
+                                       in_flight=in_flight)
     if sharing_strategy is not None:
         if sharing_strategy not in torch.multiprocessing.get_all_sharing_strategies():
             raise SpecError(f"unknown sharing_strategy {sharing_strategy!r}; one of "

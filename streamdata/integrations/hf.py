@@ -124,14 +124,11 @@ def last_checkpoint(output_dir: str) -> str | None:
 
 
 def _placeholder() -> Any:
-    """The one-row 🤗 dataset a TRL trainer is built with (it checks the type and reads a row)."""
+    """The one-row 🤗 dataset a TRL trainer is built with (it checks the type and reads a row; a
+    map-style one, which has a length: the Trainer asks for one unless ``max_steps`` is given)."""
     import datasets
 
-    return datasets.IterableDataset.from_generator(_one_row)
-
-
-def _one_row() -> Iterator[dict]:
-    yield {"input_ids": [0]}
+    return datasets.Dataset.from_dict({"input_ids": [[0]]})
 
 
 class StreamdataTrainer(Trainer):

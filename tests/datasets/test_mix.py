@@ -39,7 +39,11 @@ def pq_row(row):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mix")
+    return make_data(tmp_path_factory.mktemp("mix"))
+
+
+def make_data(root) -> str:
+    """A tar source with an index and a Parquet source under ``root``."""
     (root / "tar").mkdir()
     (root / "pq").mkdir()
     write_shards(fsspec.filesystem("file"), str(root / "tar"), counts=COUNTS)

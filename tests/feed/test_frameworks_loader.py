@@ -27,8 +27,16 @@ def spec(tmp_path_factory):
     return str(root) + "/"
 
 
-def _loader(spec: str, workers: int = 2, **kw) -> sd.Loader:
-    ds = sd.TarDataset(spec, shuffle=True, seed=5, decode=False)
+@pytest.fixture(scope="module")
+def raw_spec(tmp_path_factory):
+    """The same shards without an index: split by shard, no ``len()``."""
+    root = tmp_path_factory.mktemp("frameworks-raw")
+    write_shards(fsspec.filesystem("file"), str(root), counts=COUNTS)
+    return str(root) + "/"
+
+
+def _loader(spec: str, workers: int = 2, shuffle: bool = True, **kw) -> sd.Loader:
+    ds = sd.TarDataset(spec, shuffle=shuffle, seed=5, decode=False)
     return sd.loader(ds, batch_size=4, num_workers=workers, **kw)
 
 
@@ -36,9 +44,9 @@ def _keys(batches) -> list[str]:
     return [k for b in batches for k in b["__key__"]]
 
 
-def _epoch(spec: str, epoch: int, workers: int = 2) -> list[str]:
+def _epoch(spec: str, epoch: int, workers: int = 2, shuffle: bool = True) -> list[str]:
     """The epoch as an uninterrupted loader delivers it."""
-    with _loader(spec, workers) as loader:
+    with _loader(spec, workers, shuffle) as loader:
         loader.set_epoch(epoch)
         return _keys(loader)
 
@@ -152,31 +160,36 @@ def _steps(fetcher, steps: int | None = None) -> list[str]:
     return _keys(taken)
 
 
-def test_lightnings_fetcher_is_found_and_its_resume_is_exact(spec):
+@pytest.mark.parametrize("indexed", [False, True])
+def test_lightnings_fetcher_is_found_and_its_resume_is_exact(spec, raw_spec, indexed):
     """HELD-AHEAD-DETECTED: Lightning's fetcher takes one batch ahead of the step of a loader
-    without len(); the default finds it, and a state saved after 5 steps resumes exactly."""
-    everything = _epoch(spec, 0)
-    with _loader(spec) as loader:
+    without len() (shards without an index, read in order: an exact resume), none of one with a
+    len() (the index); the default finds which, and a state saved after 5 steps resumes exactly."""
+    where, shuffle, ahead = (spec, True, 0) if indexed else (raw_spec, False, 1)
+    everything = _epoch(where, 0, shuffle=shuffle)
+    with _loader(where, shuffle=shuffle) as loader:
         assert loader.held_ahead is None  # known at the first batch
         before = _steps(_lightning(loader), 5)
-        assert loader.held_ahead == 1
+        assert loader.held_ahead == ahead
         state = loader.state_dict()
-    assert sum(state["stages"][-1]["delivered"]) == len(before)
-    with _loader(spec) as loader:
+    if indexed:  # (without counts a position is [shards done, samples into the next])
+        assert sum(state["stages"][-1]["delivered"]) == len(before)
+    with _loader(where, shuffle=shuffle) as loader:
         loader.load_state_dict(state)
         after = _steps(_lightning(loader))
-        assert loader.held_ahead == 1
+        assert loader.held_ahead == ahead
         assert loader.state_dict()["epoch"] == 1  # the epoch ended: every batch consumed
-        assert _keys(loader) == _epoch(spec, 1) and loader.held_ahead == 0  # the next pass: a plain loop
+        next_epoch = _keys(loader)  # the next pass: a plain loop
+        assert next_epoch == _epoch(where, 1, shuffle=shuffle) and loader.held_ahead == 0
     _exact(before, after, everything)
 
 
 def test_a_given_held_ahead_wins_over_what_is_found(spec):
-    with _loader(spec, held_ahead=0) as loader:
+    with _loader(spec, held_ahead=1) as loader:  # Lightning takes none ahead of a loader with len()
         consumed = _steps(_lightning(loader), 5)
-        assert loader.held_ahead == 0
+        assert loader.held_ahead == 1
         state = loader.state_dict()
-    assert sum(state["stages"][-1]["delivered"]) == len(consumed) + 4  # the batch Lightning holds
+    assert sum(state["stages"][-1]["delivered"]) == len(consumed) - 4  # the last batch left out
 
 
 class _Sized(torch.utils.data.IterableDataset):

@@ -48,6 +48,10 @@ def main(out_dir: str, config_json: str) -> None:
             epochs = []
             for epoch in range(2):
                 (ds if plain else loader).set_epoch(epoch)
+                try:
+                    length = len(loader)  # the plan's steps on this rank (None: no counts)
+                except TypeError:
+                    length = None
                 steps, keys, sizes = 0, [], []
                 for batch in loader:
                     x = batch["npy"] if "npy" in batch else batch["x"].reshape(-1, 1).expand(-1, 8)
@@ -64,7 +68,7 @@ def main(out_dir: str, config_json: str) -> None:
                 all_steps: list = [None] * dist.get_world_size()
                 dist.all_gather_object(all_steps, steps)
                 epochs.append({"steps": steps, "all_steps": all_steps, "keys": keys, "sizes": sizes,
-                               "undelivered": 0 if plain else loader.undelivered,
+                               "len": length, "undelivered": 0 if plain else loader.undelivered,
                                "counts": ds.counts})
         results[name] = epochs
     with open(f"{out_dir}/{cfg['tag']}-rank{rank}.json", "w") as f:

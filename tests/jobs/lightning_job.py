@@ -8,7 +8,8 @@ identical to the page by the test), trained for two epochs; a first run stops at
 CONFIG: ``tag``, ``spec``, ``storage_options``, ``ckpt_dir`` and ``stop`` (the global step at
 which the first run fails; none: run to the end, resuming from ``ckpt_dir/last.ckpt``). Each rank
 writes ``OUT_DIR/{tag}-rank{R}.json``: per epoch, the keys its training_step trained, its steps, and
-the loader's ``held_ahead`` (what it found Lightning's fetcher holds).
+the loader's ``held_ahead`` (what it found Lightning's fetcher holds) and, per epoch, Lightning's
+``num_training_batches`` (its progress bar's total; None where the loader has no ``len()``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self):  # called once torch.distributed is up: rank 0 alone lists
         ds = sd.TarDataset(self.spec, storage_options=self.storage_options, shuffle=True, seed=0)
-        # the batch Lightning's fetcher takes ahead of training_step is found and left out of the
-        # state Lightning saves, so a resumed run trains it (loader.held_ahead: 1)
+        # with the sample index the loader has a len(): Lightning's progress bar shows the total and
+        # its fetcher takes no batch ahead; without, the batch it takes ahead of training_step is
+        # found and left out of the state Lightning saves (loader.held_ahead: 1)
         self.loader = sd.loader(ds, batch_size=8, num_workers=2)
         return self.loader
 
@@ -67,7 +69,12 @@ class Stop(Exception):
 class Recorded(Model):
     def __init__(self, stop: int | None):
         super().__init__()
-        self.stop, self.trained, self.steps = stop, {}, 0
+        self.stop, self.trained, self.steps, self.totals, self.epoch_steps = stop, {}, 0, {}, {}
+
+    def on_train_epoch_start(self):
+        super().on_train_epoch_start()
+        total = self.trainer.num_training_batches
+        self.totals[str(self.current_epoch)] = None if total == float("inf") else int(total)
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step == self.stop:  # after the checkpoint of the step before
@@ -76,6 +83,7 @@ class Recorded(Model):
     def training_step(self, batch, batch_idx):
         self.trained.setdefault(str(self.current_epoch), []).extend(batch["__key__"])
         self.steps += 1
+        self.epoch_steps[str(self.current_epoch)] = self.epoch_steps.get(str(self.current_epoch), 0) + 1
         return super().training_step(batch, batch_idx)
 
 
@@ -92,7 +100,8 @@ def main(out_dir: str, config_json: str) -> None:
         pass
     data.loader.close()
     with open(f"{out_dir}/{cfg['tag']}-rank{dist.get_rank()}.json", "w") as f:
-        json.dump({"trained": model.trained, "steps": model.steps, "held_ahead": data.loader.held_ahead}, f)
+        json.dump({"trained": model.trained, "steps": model.steps, "held_ahead": data.loader.held_ahead,
+                   "totals": model.totals, "epoch_steps": model.epoch_steps}, f)
     leave()
 
 
