@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from streamdata.store.handover import waiting
 
-__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Range", "WARM_FIRST_PART", "first_part_size",
+if TYPE_CHECKING:
+    from streamdata.fetch.tune import Held
+
+__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Part", "Range", "WARM_FIRST_PART", "first_part_size",
            "first_parts", "split_parts"]
 
 Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
@@ -30,6 +35,28 @@ Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end o
 FIRST_HOLD_BYTES = 2 << 20
 FIRST_HOLD_MAX_S = 0.1
 WARM_FIRST_PART = 4 << 20  # the first part on a handed-over connection: what the hold covers
+
+
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
+class Part:
+    """One of an item's parts, the bytes one request asks for: the scheduler sends it, the reader
+    waits on its future, and each drops it as soon as it is done with it (BYTE-BUDGET); its bytes
+    are its future's result, never a field of its own."""
+
+    range: Range  # the bytes it asks for
+    need: int  # the bytes it reserves of the budget: an open-ended part, the part size it was cut at
+    future: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future)  # its bytes (or error), for the reader
+    held: Held | None = None  # once arrived: the knobs that held it back when sent (AUTOTUNE); None: none
+    latency: float | None = None  # once arrived, with ``held``: its first byte's wait in seconds, if told
+    reserved_fix: int = 0  # once arrived: its real size less ``need`` (an open-ended part's)
+
+    @classmethod
+    def cut(cls, part: Range, part_size: int) -> Part:
+        """The part for range ``part``, one ``split_parts`` cut at ``part_size`` (what an
+        open-ended one reserves)."""
+        start, end = part
+        return cls(part, (end if end is not None else start + part_size) - start)
 
 
 def first_part_size(configured: int, endpoint: tuple[str, str, int] | None) -> int:
@@ -60,13 +87,14 @@ class Arrivals:
         return len(self._arrived) >= self._count
 
 
-def first_parts(todo: collections.deque) -> Arrivals:
-    """Watch ``todo``'s ((start, end), future) parts that start in its first FIRST_HOLD_BYTES."""
+def first_parts(todo: collections.deque[Part]) -> Arrivals:
+    """Watch ``todo``'s parts that start in its first FIRST_HOLD_BYTES."""
     futures, at = [], 0
-    for (start, end), fut in todo:
+    for part in todo:
         if at >= FIRST_HOLD_BYTES:
             break
-        futures.append(fut)
+        futures.append(part.future)
+        start, end = part.range
         at += FIRST_HOLD_BYTES if end is None else end - start
     return Arrivals(futures)
 

@@ -29,6 +29,7 @@ import concurrent.futures
 import functools
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +39,7 @@ from streamdata.fetch.cache import Cache, CorruptEntry, Entry
 from streamdata.fetch.parts import (
     FIRST_HOLD_MAX_S,
     Arrivals,
+    Part,
     Range,
     first_part_size,
     first_parts,
@@ -66,7 +68,7 @@ class FetchItem(NamedTuple):
 
 
 # an item's plan: its parts in order, each with the future that will hold its bytes
-_Plan = collections.deque  # of ((start, end), concurrent.futures.Future)
+_Plan = collections.deque[Part]
 
 
 _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for a consumed plan
@@ -352,84 +354,117 @@ class Prefetcher:
         return size
 
     async def _schedule(self) -> None:
-        cfg = self.config
+        """Each item in turn, in consumption order (``extend``'s too, as they come): when it is
+        due, its parts are planned, then sent one by one within the byte budget and the
+        request limit; after the reader's first shard, the window waits for its first bytes."""
         sizing: dict[int, asyncio.Future] = {}  # unsized items' size probes, in flight
         for index in itertools.count():  # items may be added (``extend``): wait for them
-            by_window = self.tuner.window if self._window_holds(index) else None
-            if by_window is not None and self.tuner.on:
-                # WINDOW-IDLE (``tune``): the window alone holds this item while the link idles
-                await self._until(functools.partial(self._due_or_idle, index))
-                if not self._due(index):
-                    self._tuned(self.tuner.idle_window, by_window)
-            await self._until(functools.partial(self._due, index))
-            item = self.items[index]
-            part_size = self.tuner.part_size  # AUTOTUNE: the item's parts are cut as the knob is now
-            try:
-                ranges = item.ranges
-                if ranges is None:
-                    size = item.size if item.size is not None else await self._size_ahead(index, sizing)
-                    ranges = ((0, size),)
-                # only the reader's first shard starts with a small part: it is what the first
-                # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
-                # cost the client and the server less CPU per byte (one bigger first part on a
-                # handed-over connection: ``parts.first_part_size``)
-                opening = index == 0 and item.ranges is None
-                small = first_part_size(cfg.first_part, self._endpoint) if opening else None
-                parts = split_parts(ranges, part_size, small)
-                if self._tee is not None:
-                    entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
-                    if entry is not None:  # from disk: no request, no budget
-                        self._plans[index].set_result(entry)
-                        continue
-            except Exception as exc:
-                self._plans[index].set_exception(translate_error(exc, item.url))
+            by_window = await self._turn(index)
+            url = self.items[index].url
+            planned = await self._plan(index, sizing)
+            if planned is None:  # from the cache, or failed: the reader has its plan already
                 continue
-            # each part's offset in the item's bytes (the cache entry): parts tile the ranges
-            offsets = itertools.accumulate(((e if e is not None else s) - s for s, e in parts), initial=0)
-            todo: collections.deque[tuple[Range, concurrent.futures.Future]] = collections.deque(
-                (part, _part_future(part, part_size)) for part in parts)
-            # the reader gets its own queue of the same futures: each side drops a future
-            # as soon as it is done with it, so consumed bytes are freed (BYTE-BUDGET)
-            self._plans[index].set_result(collections.deque(todo))
-            first = first_parts(todo) if small is not None else None
-            # CONNECT-AHEAD (``store.http1``): the window's connections
+            todo, opening = planned
+            first = first_parts(todo) if opening else None
             if index == 0 and self._endpoint is not None:
-                ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(self.tuner)))
-                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
+                self._connect_ahead()
+            offset = 0  # the part's offset in the item's bytes (the cache entry): parts tile the ranges
             while todo:
-                (start, end), fut = todo.popleft()
-                offset = next(offsets)
-                need = fut.need  # type: ignore[attr-defined]
-                # No slow start: the window's requests all go out at once, in consumption
-                # order (a slow start cost throughput for no better first batch:
-                # benchmarks/README.md, "Latency"). READER-THROTTLE (``retry``): at most as many
-                # parts in flight as the reader's throttle allows (max_requests, unless throttled).
-                held = self._holds(need, Held(window=by_window))
+                part = todo.popleft()
+                await self._send(url, index, part, offset, by_window)
                 by_window = None  # the item's first part only
-                await self._until(functools.partial(self._may_send, need))
-                self._reserved += need
-                self._inflight += 1
-                self.peak_inflight = max(self.peak_inflight, self._inflight)
-                self.peak_reserved = max(self.peak_reserved, self._reserved)
-                asyncio.ensure_future(self._fetch(item.url, start, end, need, fut, index, offset, held,
-                                                  self._inflight))
-                del fut
+                start, end = part.range
+                offset += (end if end is not None else start) - start
+                del part
             if first is not None:  # the reader's first shard: FIRST-BYTES-FIRST
-                try:
-                    async with asyncio.timeout(FIRST_HOLD_MAX_S):
-                        await self._until(functools.partial(_arrived, first))
-                except TimeoutError:
-                    pass
+                await self._hold_first(first)
 
-    async def _fetch(self, url: str, start: int, end: int | None, reserved: int,
-                     fut: concurrent.futures.Future, index: int, offset: int,
+    async def _turn(self, index: int) -> int | None:
+        """Wait until item ``index`` is due (``_due``); the window then, where the window alone
+        held it back (it goes with the item's first part to the tuner, AUTOTUNE), else None. While
+        the link idles, the tuner may grow the window at once (WINDOW-IDLE)."""
+        by_window = self.tuner.window if self._window_holds(index) else None
+        if by_window is not None and self.tuner.on:
+            # WINDOW-IDLE (``tune``): the window alone holds this item while the link idles
+            await self._until(functools.partial(self._due_or_idle, index))
+            if not self._due(index):
+                self._tuned(self.tuner.idle_window, by_window)
+        await self._until(functools.partial(self._due, index))
+        return by_window
+
+    async def _plan(self, index: int, sizing: dict[int, asyncio.Future]) -> tuple[_Plan, bool] | None:
+        """Item ``index``'s parts, also handed to its reader, and whether they start small (the
+        reader's first shard); None where the reader's plan is its cache entry (no request, no
+        budget) or its error."""
+        item = self.items[index]
+        part_size = self.tuner.part_size  # AUTOTUNE: the item's parts are cut as the knob is now
+        try:
+            ranges = item.ranges
+            if ranges is None:
+                size = item.size if item.size is not None else await self._size_ahead(index, sizing)
+                ranges = ((0, size),)
+            # only the reader's first shard starts with a small part: it is what the first
+            # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
+            # cost the client and the server less CPU per byte (one bigger first part on a
+            # handed-over connection: ``parts.first_part_size``)
+            opening = index == 0 and item.ranges is None
+            small = first_part_size(self.config.first_part, self._endpoint) if opening else None
+            parts = split_parts(ranges, part_size, small)
+            if self._tee is not None:
+                entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
+                if entry is not None:  # from disk: no request, no budget
+                    self._plans[index].set_result(entry)
+                    return None
+        except Exception as exc:
+            self._plans[index].set_exception(translate_error(exc, item.url))
+            return None
+        todo = collections.deque(Part.cut(part, part_size) for part in parts)
+        # the reader gets its own queue of the same parts: each side drops a part as soon as it
+        # is done with it, so consumed bytes are freed (BYTE-BUDGET)
+        self._plans[index].set_result(collections.deque(todo))
+        return todo, small is not None
+
+    def _connect_ahead(self) -> None:
+        """CONNECT-AHEAD (``store.http1``): the window's connections, opened while the reader's
+        first parts travel (best effort)."""
+        ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(self.tuner)))
+        ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
+
+    async def _send(self, url: str, index: int, part: Part, offset: int, by_window: int | None) -> None:
+        """Send ``part`` (at ``offset`` in item ``index``'s bytes) once it fits the byte budget
+        (BYTE-BUDGET) and the requests in flight allow it (READER-THROTTLE); what held it back
+        goes with it (AUTOTUNE: ``by_window``, the window, for an item's first part)."""
+        # No slow start: the window's requests all go out at once, in consumption
+        # order (a slow start cost throughput for no better first batch:
+        # benchmarks/README.md, "Latency"). READER-THROTTLE (``retry``): at most as many
+        # parts in flight as the reader's throttle allows (max_requests, unless throttled).
+        held = self._holds(part.need, Held(window=by_window))
+        await self._until(functools.partial(self._may_send, part.need))
+        self._reserved += part.need
+        self._inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self._inflight)
+        self.peak_reserved = max(self.peak_reserved, self._reserved)
+        asyncio.ensure_future(self._fetch(url, part, index, offset, held, self._inflight))
+
+    async def _hold_first(self, first: Arrivals) -> None:
+        """FIRST-BYTES-FIRST (``parts``): the rest of the window waits, at most
+        FIRST_HOLD_MAX_S, until the reader's first shard's first parts have arrived."""
+        try:
+            async with asyncio.timeout(FIRST_HOLD_MAX_S):
+                await self._until(functools.partial(_arrived, first))
+        except TimeoutError:
+            pass
+
+    async def _fetch(self, url: str, part: Part, index: int, offset: int,
                      held: Held | None = None, inflight: int = 1) -> None:
+        start, end = part.range
+        reserved, fut = part.need, part.future
         latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
         try:
             data = await self.client.get(url, start, end, chunks=True, first_byte=latency)
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
-                fut.held = held  # type: ignore[attr-defined]
-                fut.latency = latency[0] if latency else None  # type: ignore[attr-defined]
+                part.held = held
+                part.latency = latency[0] if latency else None
             if latency and self.tuner.on:  # the far step, QUEUE-FIT (``inflight``: when it was sent)
                 self._tuned(self.tuner.first_byte, latency[0], inflight)
             size = body_size(data)
@@ -438,7 +473,7 @@ class Prefetcher:
                     "requests": 1, "bytes": size, "first_byte_ns": int(latency[0] * 1e9), "first_bytes": 1})
             if size != reserved:  # only for open-ended parts: account for the real size
                 self._reserved += size - reserved
-                fut.reserved_fix = size - reserved  # type: ignore[attr-defined]
+                part.reserved_fix = size - reserved
             if fut.set_running_or_notify_cancel():
                 fut.set_result(data)  # the reader first: the cache adds no wait
             else:
@@ -463,13 +498,14 @@ _DECISION = {"window": "tuned.window", "max_requests": "tuned.max_requests", "by
              "part_size": "tuned.part_size"}
 
 
-def _part_future(part: Range, part_size: int) -> concurrent.futures.Future:
-    """A part's future, with the bytes it reserves (``need``: an open-ended part reserves the
-    part size it was cut with) for BYTE-BUDGET's accounting on either side."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    start, end = part
-    fut.need = (end if end is not None else start + part_size) - start  # type: ignore[attr-defined]
-    return fut
+def _release_landed(fetcher: Prefetcher, part: weakref.ref[Part], fut: concurrent.futures.Future) -> None:
+    """A part its reader gave up on has landed: its budget back (BYTE-BUDGET), what it reserved
+    and its real size's fix; none where it was cancelled. ``part`` is a weak reference (alive
+    while its future can land: ``_fetch`` holds it), as its future holds this callback and keeps
+    its bytes."""
+    landed = part()
+    if landed is not None and not fut.cancelled():
+        fetcher.release_soon(landed.need + landed.reserved_fix)
 
 
 def _as_item(item: FetchItem | Shard) -> FetchItem:
@@ -495,7 +531,7 @@ class ItemReader:
         """Yield the item's bytes in order, in pieces of any size. Budget is released once the
         reader has asked for the next piece (a MiB at a time, and at the end of each part)."""
         f = self._fetcher
-        pending: collections.deque = collections.deque()
+        pending: _Plan = collections.deque()
         try:
             plan = f.take_plan(self.index)
             if isinstance(plan, Entry):
@@ -503,16 +539,17 @@ class ItemReader:
                 return
             pending = plan
             while pending:
-                (start, end), fut = pending[0]
-                stalled = not fut.done()
+                part = pending[0]
+                start, end = part.range
+                stalled = not part.future.done()
                 waiting = time.perf_counter_ns() if stalled else 0
-                data = f.wait(fut, f"bytes {start}..{end}", self.url)
+                data = f.wait(part.future, f"bytes {start}..{end}", self.url)
                 if stalled:
                     f.waited(waiting)
-                if stalled and hasattr(fut, "held"):  # AUTOTUNE, BUDGET-GROWTH
-                    f.stalled(fut.held, fut.latency)
+                if stalled and part.held is not None:  # AUTOTUNE, BUDGET-GROWTH
+                    f.stalled(part.held, part.latency)
                 pending.popleft()
-                del fut
+                del part
                 # a part may come as the chunks it arrived in (``Chunks``): hand them on one
                 # by one, and give their budget back a MiB at a time as the reader moves on
                 held = body_size(data)
@@ -536,10 +573,8 @@ class ItemReader:
                 exc.where = f.where
             raise
         finally:
-            for _, fut in pending:  # abandoned mid-item: free the budget as parts land
-                need = fut.need
-                fut.add_done_callback(lambda fu, n=need: f.release_soon(
-                    n + getattr(fu, "reserved_fix", 0)) if not fu.cancelled() else None)
+            for part in pending:  # abandoned mid-item: free the budget as parts land
+                part.future.add_done_callback(functools.partial(_release_landed, f, weakref.ref(part)))
 
     def _from_cache(self, entry: Entry) -> Iterator[bytes]:
         """The item's bytes from its cache entry, each segment verified before it is handed

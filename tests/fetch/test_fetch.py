@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import gc
 import os
 import threading
@@ -65,7 +64,7 @@ def _first_shard_then_window(s3_bucket, delay_s: float) -> tuple[list[float], fl
     from urllib.parse import urlsplit
 
     from benchmarks.proxy import LatencyProxy
-    from streamdata.fetch.parts import first_parts, split_parts
+    from streamdata.fetch.parts import Part, first_parts, split_parts
 
     server, bucket = s3_bucket
     s3 = server.boto3_client()
@@ -85,7 +84,7 @@ def _first_shard_then_window(s3_bucket, delay_s: float) -> tuple[list[float], fl
     first = [r for r in requests if r[2] == "blob-0"]
     # parts 256 KiB, 512 KiB, 1 MiB, 2 MiB start in the first 2 MiB (3.75 MiB); then 4 MiB, the rest
     parts = split_parts([(0, len(blobs[0]))], 4 * MiB, FetchConfig().first_part)
-    held = first_parts(collections.deque((part, concurrent.futures.Future()) for part in parts)).count
+    held = first_parts(collections.deque(Part.cut(part, 4 * MiB) for part in parts)).count
     assert held == 4 and len(first) == len(parts) == 6
     answered = []
     for when, conn, _ in first:  # each one's answer: the next response on its connection
