@@ -181,8 +181,9 @@ def test_torchrun_a_tar_corpus_without_counts_is_counted_in_shares(s3_bucket, tm
     assert sorted(s.url for share in shares for s in share) == sorted(s.url for s in alone.shards)
     for r, ((requests, gets), share) in enumerate(zip(seen, shares, strict=True)):
         assert 0 < len(share) < len(COUNT_SHARDS)
-        # rank 0 lists (and looks for a tokens.json), LIST-ONCE; each rank GETs its share's shards
-        want = {"list": 1, "get": len(share) + 1} if r == 0 else {"get": len(share)}
+        # rank 0 lists, LIST-ONCE (no tokens.json looked for: that is a flat .bin's); each rank GETs
+        # its share's shards
+        want = {"list": 1, "get": len(share)} if r == 0 else {"get": len(share)}
         assert requests == want, (r, requests)
         assert sorted(path.rsplit("/", 1)[1] for _, path, _, _ in gets) == sorted(
             s.url.rsplit("/", 1)[1] for s in share), (r, gets)
@@ -190,8 +191,8 @@ def test_torchrun_a_tar_corpus_without_counts_is_counted_in_shares(s3_bucket, tm
         assert ranks[r]["npy"]["here"] == len(share)
     for r in ranks:
         assert r["npy"]["counted"] == len(COUNT_SHARDS) and r["npy"]["tokens"] == alone.num_tokens
-        assert r["npy"]["counts"] == [c.tolist() for c, _ in alone._tar_counts] == COUNT_SHARDS
-        assert r["npy"]["offsets"] == [o.tolist() for _, o in alone._tar_counts]
+        assert r["npy"]["counts"] == [c.tolist() for c, _ in alone.token_layout.counted] == COUNT_SHARDS
+        assert r["npy"]["offsets"] == [o.tolist() for _, o in alone.token_layout.counted]
         assert r["bad"]["error"] == "FormatError" and "part-5.tar" in r["bad"]["url"], r["bad"]
 
 

@@ -10,11 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from streamdata.catalog.specs import listing_deadline
 from streamdata.config import FetchConfig
-from streamdata.errors import FormatError, SpecError, StreamDataError
+from streamdata.errors import FormatError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
 from streamdata.formats import arrow as fmt
 from streamdata.policy import ErrorPolicy
-from streamdata.store.urls import Shard, split_url
+from streamdata.store.urls import Shard, known_size, split_url
 
 __all__ = ["read_batch_rows", "read_footers", "with_sizes"]
 
@@ -70,12 +70,6 @@ def _fetch(requests: Sequence[tuple[Shard, tuple[fmt.Range, ...]]], storage_opti
     return out
 
 
-def _size(shard: Shard) -> int:
-    """A shard's size: the constructors fill in every missing size before footers are read."""
-    if shard.size is None:
-        raise SpecError(f"{shard.url}: size unknown; its footer is read from the end of the object")
-    return shard.size
-
 
 def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchConfig, *,
                  tail_bytes: int, footer_length: Callable[[bytes, Shard], int],
@@ -96,12 +90,12 @@ def read_footers(shards: Sequence[Shard], storage_options: dict, config: FetchCo
             elif second:
                 raise FormatError(f"corrupt footer in {shard.url}", url=shard.url, key="footer")
             else:
-                size = _size(shard)
+                size = known_size(shard)
                 again.append((shard, ((size - need, size),)))
         except StreamDataError as exc:
             policy.check(exc)
 
-    first = [(s, ((max(0, _size(s) - tail_bytes), _size(s)),)) for s in shards]
+    first = [(s, ((max(0, known_size(s) - tail_bytes), known_size(s)),)) for s in shards]
     for shard, data in _fetch(first, storage_options, config):
         take(shard, data, False)
     for shard, data in _fetch(list(again), storage_options, config):
@@ -115,7 +109,7 @@ def read_batch_rows(shards: Sequence[Shard], footers: Mapping[str, bytes], stora
     headers: one item per file (its headers' ranges coalesced), all files in parallel.  None:
     a count past any plausible size (more rows than body bits + 64 Ki, e.g. a corrupt header, or
     a batch of null columns) is not trusted.  An unreadable file is left out per ``policy``."""
-    wanted = {s.url: fmt.ipc_batch_meta_ranges(footers[s.url], s.url, _size(s)) for s in shards}
+    wanted = {s.url: fmt.ipc_batch_meta_ranges(footers[s.url], s.url, known_size(s)) for s in shards}
     requests = [(s, tuple(fmt.coalesce([r for r, _ in wanted[s.url]], _HEADER_GAP)))
                 for s in shards if wanted[s.url]]
     out: dict[str, list[int] | None] = {url: [] for url, ranges in wanted.items() if not ranges}

@@ -44,7 +44,7 @@ from streamdata.policy import ErrorPolicy
 from streamdata.progress import progress
 from streamdata.ranks import each_rank, from_rank0, is_rank0
 from streamdata.redact import redact_url
-from streamdata.store.urls import Shard
+from streamdata.store.urls import Shard, known_size
 
 __all__ = ["COUNTS_NAME", "SIDECAR", "TarCounted", "count_tar_tokens", "default_counts_url", "idx_url",
            "read_indexes", "rank_share", "save_tar_counts", "sidecar_dtype"]
@@ -63,23 +63,18 @@ def idx_url(bin_url: str) -> str:
     return bin_url[:-4] + ".idx" if bin_url.endswith(".bin") else bin_url + ".idx"
 
 
-def _size(shard: Shard) -> int:
-    if shard.size is None:
-        raise SpecError(f"{redact_url(shard.url)}: size unknown")
-    return shard.size
-
 
 def read_indexes(shards: Sequence[Shard], storage_options: dict, config: FetchConfig) -> list[MegatronIndex]:
     """The ``.idx`` of each of ``shards`` (``.bin`` files of known size), in order: one GET each,
     all at once, on rank 0; a missing, malformed or mismatched index raises, naming it."""
     def read() -> dict[str, bytes]:
         idx = with_sizes([Shard(idx_url(s.url)) for s in shards], storage_options, config)
-        most = max(_size(s) for s in idx)
+        most = max(known_size(s) for s in idx)
         return read_footers(idx, storage_options, config, tail_bytes=max(most, 16),
-                            footer_length=lambda tail, s: _size(s), policy=ErrorPolicy("raise"))
+                            footer_length=lambda tail, s: known_size(s), policy=ErrorPolicy("raise"))
 
     data = from_rank0(read)
-    return [parse_idx(data[idx_url(s.url)], idx_url(s.url), s.url, _size(s)) for s in shards]
+    return [parse_idx(data[idx_url(s.url)], idx_url(s.url), s.url, known_size(s)) for s in shards]
 
 
 def _read_small(url: str, storage_options: dict, config: FetchConfig, *, looked_up: bool = True
@@ -172,7 +167,7 @@ def save_tar_counts(url: str, field: str, shards: Sequence[Shard],
                     config: FetchConfig) -> None:
     """The counting pass's results for ``shards`` kept at ``url`` (``encode_tar_counts``), so
     that later jobs count only shards that are new or changed."""
-    entries = [TarCounts(entry_name(url, s.url), _size(s), s.etag, c, o)
+    entries = [TarCounts(entry_name(url, s.url), known_size(s), s.etag, c, o)
                for s, (c, o) in zip(shards, counted, strict=True)]
     write_object(url, encode_tar_counts(field, entries), storage_options, config,
                  what="write the token counts")
@@ -196,11 +191,11 @@ def rank_share(shards: Sequence[Shard], rank: int, world_size: int) -> list[Shar
         return list(shards)
     loads = [(0, r) for r in range(world_size)]
     mine: list[int] = []
-    for i in sorted(range(len(shards)), key=lambda i: (-_size(shards[i]), i)):
+    for i in sorted(range(len(shards)), key=lambda i: (-known_size(shards[i]), i)):
         load, r = heapq.heappop(loads)
         if r == rank:
             mine.append(i)
-        heapq.heappush(loads, (load + _size(shards[i]), r))
+        heapq.heappush(loads, (load + known_size(shards[i]), r))
     return [shards[i] for i in sorted(mine)]
 
 
@@ -237,10 +232,10 @@ def count_tar_tokens(shards: Sequence[Shard], field: str, storage_options: dict,
         if rank == 0 and todo:
             log.info("counting the tokens of %d tar shards (%d bytes)%s; ds.save_counts() or `streamdata "
                      "index SPEC --tokens %s` keeps the counts for later jobs", len(todo),
-                     sum(_size(s) for s in todo),
+                     sum(known_size(s) for s in todo),
                      f", split over {world_size} ranks" if world_size > 1 else "", field)
         desc = f"counting tokens in {len(mine)}{f' of {len(todo)}' if len(mine) < len(todo) else ''} shards"
-        bar = progress(sum(_size(s) for s in mine), desc=desc, unit="B", unit_scale=True,
+        bar = progress(sum(known_size(s) for s in mine), desc=desc, unit="B", unit_scale=True,
                        enabled=show if mine and rank == 0 else False)
         with bar:
             return _count(mine, field, storage_options, config, bar)

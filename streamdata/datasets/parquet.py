@@ -30,7 +30,7 @@ from streamdata.batch.tables import DROPPED, TensorOptions, rebatch, shuffle_row
 from streamdata.catalog.footers import read_batch_rows, read_footers, with_sizes
 from streamdata.catalog.specs import Spec
 from streamdata.config import UNIT_WINDOW
-from streamdata.datasets.passes import Batching, stale_count
+from streamdata.datasets.passes import Batching, ReaderPass, stale_count
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.epoch.blocks import block_shuffled
 from streamdata.epoch.rewind import dropped, placeholder_tables, record_size
@@ -43,7 +43,7 @@ from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
-from streamdata.store.urls import Shard
+from streamdata.store.urls import Shard, known_size
 
 __all__ = ["ArrowDataset", "ParquetDataset", "RecordBatchUnit", "RowGroup"]
 
@@ -183,7 +183,7 @@ class _ArrowTables(ShardedDataset):
     def shuffled(self, tables: Iterable[pa.Table], seed: list[int]) -> Iterator[pa.Table]:
         return shuffle_rows(tables, self.shuffle_buffer, np.random.default_rng(seed))
 
-    def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, seed: list[int],
+    def stages(self, records: Iterator[pa.Table], policy: ErrorPolicy, p: ReaderPass,
                batching: Batching) -> Iterator[Any]:
         """Tables -> row shuffle -> batches of exactly ``batch_size`` rows -> dicts of tensors
         (one per batch, or one per row without ``batch_size``) -> ``map``. A batch that cannot be
@@ -195,7 +195,7 @@ class _ArrowTables(ShardedDataset):
         rewind = None if self._live is None else self._live.rewind
         if rewind is not None:  # RESUME-BUFFER: stand-ins for what was delivered before the position
             tables = placeholder_tables(tables, rewind.sizes, rewind.first)
-        tables = self.shuffled(tables, seed) if batching.windows is None else block_shuffled(
+        tables = self.shuffled(tables, p.seed(self.seed)) if batching.windows is None else block_shuffled(
             tables, batching.windows)
         if rewind is not None:
             tables = dropped(tables, rewind.delivered)
@@ -228,13 +228,6 @@ def _check_decode(decode: Any) -> None:
                     f"decoders={{column: f}})")
 
 
-def _size(shard: Shard) -> int:
-    """An object's size in bytes: known for every object once ``with_sizes`` has run (``__init__``)."""
-    if shard.size is None:
-        raise SpecError(f"the size of {redact_url(shard.url)} is unknown: footers are read from "
-                        "the object's end, so an Arrow format needs its objects' sizes")
-    return shard.size
-
 
 def _use_threads() -> bool:
     """pyarrow's own threads only in the main process; DataLoader workers are the parallelism."""
@@ -260,7 +253,8 @@ class ParquetDataset(_ArrowTables):
         policy = self._policy()
         self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
-            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, _size(s), s.url), policy=policy))
+            footer_length=lambda tail, s: fmt.parquet_footer_length(tail, known_size(s), s.url),
+            policy=policy))
         self._meta_cache: dict[str, Any] = {}
         self._leaf_cache: dict[str, list[int]] = {}
         self._extra: list[str] = []
@@ -276,7 +270,7 @@ class ParquetDataset(_ArrowTables):
             for index in range(meta.num_row_groups):
                 rows = meta.row_group(index).num_rows
                 if rows:
-                    self._units.append(RowGroup(shard.url, _size(shard), index, rows))
+                    self._units.append(RowGroup(shard.url, known_size(shard), index, rows))
         self.num_rows = sum(u.rows for u in self._units)
         if self._units:
             first = self._units[0].url
@@ -364,7 +358,7 @@ class ArrowDataset(_ArrowTables):
         policy = self._policy()
         self._footers = from_rank0(lambda: read_footers(  # LIST-ONCE: footers read once per job
             self.shards, self.storage_options, self.fetch_config, tail_bytes=self.footer_bytes,
-            footer_length=lambda tail, s: fmt.ipc_footer_length(tail, _size(s), s.url) or 0,
+            footer_length=lambda tail, s: fmt.ipc_footer_length(tail, known_size(s), s.url) or 0,
             policy=policy))
         self._blocks: dict[str, tuple[list[fmt.Range], list[fmt.Range]]] = {}
         files: list[Shard] = []
@@ -373,16 +367,17 @@ class ArrowDataset(_ArrowTables):
             if footer is None:
                 continue  # skipped under on_error
             if not footer:  # no IPC file magic at the end: a stream, read whole
-                self._units.append(RecordBatchUnit(shard.url, _size(shard), -1))
+                self._units.append(RecordBatchUnit(shard.url, known_size(shard), -1))
                 continue
             try:
-                dicts, batches = self._blocks[shard.url] = fmt.ipc_blocks(footer, shard.url, _size(shard))
+                blocks = fmt.ipc_blocks(footer, shard.url, known_size(shard))
+                dicts, batches = self._blocks[shard.url] = blocks
                 self._check_columns(footer, shard)
             except FormatError as exc:
                 policy.check(exc)
                 continue
             files.append(shard)
-            self._units.extend(RecordBatchUnit(shard.url, _size(shard), i) for i in range(len(batches)))
+            self._units.extend(RecordBatchUnit(shard.url, known_size(shard), i) for i in range(len(batches)))
         self._rows: dict[str, list[int] | None] = {}
         if self.filter is None and all(u.index >= 0 for u in self._units):  # else: no exact epoch
             self._rows = from_rank0(lambda: read_batch_rows(  # LIST-ONCE: rank 0 reads them
@@ -404,9 +399,9 @@ class ArrowDataset(_ArrowTables):
         return np.array(counts, dtype=np.int64)
 
     def _check_columns(self, footer: bytes, shard: Shard) -> None:
-        parts = [(_size(shard) - len(footer), footer)]
+        parts = [(known_size(shard) - len(footer), footer)]
         try:
-            schema = pa.ipc.open_file(fmt.SparseFile(parts, _size(shard), shard.url).pyarrow()).schema
+            schema = pa.ipc.open_file(fmt.SparseFile(parts, known_size(shard), shard.url).pyarrow()).schema
         except (OSError, pa.ArrowException) as exc:
             raise FormatError(f"corrupt Arrow IPC footer in {shard.url}: {exc}", url=shard.url,
                               key="footer") from exc

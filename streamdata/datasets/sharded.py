@@ -495,9 +495,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         records = policy.units(self._read(p, read.unit, read.part, r) for read, r in opened)
         batching = Batching(batch_size, drop_last, collate_fn, in_flight, p.batch_sizes(batch_size),
                             p.windows)
-        return EpochIterator(self.stages(records, policy, p.seed(self.seed), batching), fetcher.close,
+        return EpochIterator(self.stages(records, policy, p, batching), fetcher.close,
                              keep=lambda: self._hand_on(queued), clock=clock,
-                             batched=batch_size is not None, stages_timed=self.decode_threads <= 1)
+                             batched=batch_size is not None, stages_timed=self._times_stages())
 
     def _read(self, p: ReaderPass, unit: Any, part: SampleSlice | Skip | None,
               reader: ItemReader) -> Iterable[Any]:
@@ -586,9 +586,16 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         """The pass's shuffle buffer (``shuffle_buffer`` samples; seeded per reader and epoch)."""
         return shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
 
-    def stages(self, records: Iterator[Any], policy: ErrorPolicy, seed: list[int],
+    def _times_stages(self) -> bool:
+        """Whether a sample's stages (``policy.each``'s timings) sum to the reader's busy time
+        (STAGE-SAMPLE), else each ``next()`` is timed: decoding on a pool is timed nowhere else."""
+        return self.decode_threads <= 1
+
+    def stages(self, records: Iterator[Any], policy: ErrorPolicy, p: ReaderPass,
                batching: Batching) -> Iterator[Any]:
-        """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches."""
+        """Records -> what the reader yields: prepare, ``map``, shuffle buffer, batches (the
+        format's strategy: Arrow formats shuffle and batch tables, tokens pack sequences)."""
+        seed = p.seed(self.seed)
         if self.decode_threads > 1:  # decode and map on a pool (formats.images releases the GIL)
             samples = policy.pooled(records, _Prepared(self.prepare, self._map), self.decode_threads,
                                     timeout=DECODE_TIMEOUT)

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from streamdata.errors import SpecError
+from streamdata.redact import redact_url
 
-__all__ = ["Shard", "etag_of", "split_url"]
+__all__ = ["Shard", "etag_of", "known_size", "split_url"]
 
 
 class Shard(NamedTuple):
@@ -22,6 +23,15 @@ class Shard(NamedTuple):
     url: str
     size: int | None = None
     etag: str | None = None
+
+
+def known_size(shard: Shard) -> int:
+    """``shard``'s size in bytes, which a reader of its end (footers, index files) or of byte
+    ranges needs: a SpecError naming the object where the listing left it unknown."""
+    if shard.size is None:
+        raise SpecError(f"the size of {redact_url(shard.url)} is unknown: it is read by byte ranges or "
+                        "from its end; list it (listing=True), or give its size")
+    return shard.size
 
 
 def etag_of(details: Mapping[str, Any]) -> str | None:

@@ -67,6 +67,32 @@ def test_the_next_epochs_requests_go_out_before_its_iter_and_none_twice(proxied)
     assert 2 * len(COUNTS) <= after <= 3 * len(COUNTS), proxy.requests
 
 
+def test_a_token_dataset_s_next_epoch_goes_out_before_its_iter(s3_bucket):
+    """The same for ``sd.TokenDataset`` (its pass is the one every dataset runs): flat .bin
+    files read in byte ranges, the next epoch's ranges asked for before its ``iter()``."""
+    import numpy as np
+    import s3fs
+
+    server, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+    for i, n in enumerate(COUNTS):
+        with fs.open(f"{bucket}/tok/part-{i}.bin", "wb") as f:
+            f.write(np.arange(n * 100, dtype=np.uint16).tobytes())
+    with FaultProxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.url}
+        ds = sd.TokenDataset(f"s3://{bucket}/tok/", seq_len=64, dtype="uint16", storage_options=options)
+        proxy.reset_counters()
+        with sd.loader(ds, batch_size=4, num_workers=2) as loader:
+            first = [row.tolist() for b in loader for row in b["input_ids"]]
+            time.sleep(1.0)
+            before_iter = proxy.requests.get("get", 0)
+            second = [row.tolist() for b in loader for row in b["input_ids"]]
+            after = proxy.requests.get("get", 0)
+    assert first == second and len(first) == sum(COUNTS) * 100 // 64
+    assert before_iter > len(COUNTS), proxy.requests  # epoch 1's ranges and some of epoch 2's
+    assert 2 * len(COUNTS) <= after <= 3 * len(COUNTS) + 2, proxy.requests
+
+
 def test_a_loop_that_stops_leaves_no_requests_behind(proxied):
     spec, options, proxy = proxied
     ds = sd.TarDataset(spec, storage_options=options, decode=False, index=None)

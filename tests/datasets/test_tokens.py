@@ -626,3 +626,59 @@ def test_a_tar_of_empty_samples_still_has_its_documents(tmp_path):
     _write_tar(tmp_path / "b.tar", [("k2", {"npy": _npy(np.array([7, 8], np.int32))})])
     ds = sd.TokenDataset(str(tmp_path) + "/", seq_len=4, field="npy", bos_id=1, eos_id=2, partial="pad")
     assert [b["input_ids"].tolist() for b in ds] == [[1, 2, 1, 2], [1, 7, 8, 2]]
+
+
+# ---- the one pass: what every dataset's pass gives, tokens too ------------------------------
+
+
+LAYOUTS = ["bin", "idx", "parquet", "tar"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_persistent_worker_queues_the_next_epoch_in_the_same_prefetcher(tmp_path, layout):
+    """NEXT-EPOCH-EARLY: the pass a token dataset runs is the one every dataset runs, so a
+    persistent worker's next epoch is queued behind the current one (the same plan, adopted); the
+    epochs are the ones a loader without it reads (its requests: ``tests/datasets/test_next_epoch.py``)."""
+    spec, kw, _ = _corpus(tmp_path, layout)
+
+    def epochs(early: bool) -> tuple[list, object]:
+        ds = sd.TokenDataset(spec, seq_len=8, batch_size=3, shuffle=True, seed=2, **kw)
+        loader = sd.loader(ds, num_workers=2, persistent_workers=True)
+        ds.early_next_epoch = early
+        with loader:
+            got = []
+            for epoch in range(3):
+                loader.set_epoch(epoch)
+                got.append([row.tolist() for b in loader for row in b["input_ids"]])
+        return got, ds
+
+    early, ds = epochs(True)
+    late, _ = epochs(False)
+    assert early == late and early[0] != early[1]
+    tokens = [sorted(t for row in epoch for t in row) for epoch in early]
+    assert tokens[0] == tokens[1] == tokens[2]  # (partial="drop": the epoch's last partial sequence aside)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_pass_s_stage_timings_and_a_collate_fn(tmp_path, layout):
+    """Stage timings (``loader.metrics()``: the readers' waits for bytes, packing and batching) and a
+    caller's ``collate_fn`` work for tokens as for every dataset."""
+    spec, kw, _ = _corpus(tmp_path, layout)
+    ds = sd.TokenDataset(spec, seq_len=8, batch_size=3, collate_fn=lambda rows: len(rows), **kw)
+    assert set(ds) and all(isinstance(b, int) and 1 <= b <= 3 for b in ds)  # the collate_fn's batches
+    ds = sd.TokenDataset(spec, seq_len=8, **kw)
+    with sd.loader(ds, batch_size=4, num_workers=2) as loader:
+        steps = sum(1 for _ in loader)
+        metrics = loader.metrics()
+    assert steps == len(loader) and metrics["steps"] == steps
+    assert metrics["requests"] > 0 and metrics["samples"] == ds.num_sequences
+    assert metrics["stage.wait_bytes_s"] > 0 and metrics["stage.collate_s"] > 0, metrics
+
+
+@pytest.mark.parametrize("layout", ["parquet", "tar"])
+def test_a_tokens_json_beside_other_layouts_is_not_read_as_their_dtype(tmp_path, layout):
+    """The ``tokens.json`` that names a flat ``.bin``'s dtype says nothing about Parquet or tar."""
+    spec, kw, docs = _corpus(tmp_path, layout)
+    (tmp_path / layout / "tokens.json").write_text('{"dtype": "uint16"}')
+    ds = sd.TokenDataset(spec, seq_len=8, **kw)
+    assert ds.layout == layout and ds.num_tokens == sum(len(d) for file in docs for d in file)

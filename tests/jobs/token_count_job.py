@@ -34,8 +34,8 @@ def main(out_dir: str, config_json: str) -> None:
         try:
             ds = sd.TokenDataset(case["spec"], **options)
             out[name] = {"counted": ds.counted_shards, "here": ds.counted_here, "tokens": ds.num_tokens,
-                         "counts": [c.tolist() for c, _ in ds._tar_counts],
-                         "offsets": [o.tolist() for _, o in ds._tar_counts]}
+                         "counts": [c.tolist() for c, _ in ds.token_layout.counted],
+                         "offsets": [o.tolist() for _, o in ds.token_layout.counted]}
         except sd.StreamDataError as exc:
             out[name] = {"error": type(exc).__name__, "url": exc.url, "message": str(exc)}
     with open(f"{out_dir}/{cfg['tag']}-rank{dist.get_rank()}.json", "w") as f:
