@@ -27,7 +27,7 @@ signing is done by the orchestrator and not counted).
     python -m benchmarks.startup --epochs 2      # also epoch 2's first batch (persistent workers)
     python -m benchmarks.startup --sd-options '{"listing": false}'   # expand_spec(listing=False)
     python -m benchmarks.startup --job-gc done   # the collection owed after `import torch` run first
-    python -m benchmarks.startup --methods streamdata --sd-env '{"nohandover": {"STREAMDATA_HANDOVER": "0"}}'
+    python -m benchmarks.startup --methods streamdata --sd-env '{"aiohttp": {"STREAMDATA_LITE_HTTP": "0"}}'
 
 ``--job-gc``: right after ``import torch`` Python owes a full garbage collection (some 170,000
 objects, 0.07-0.1 s here) that runs wherever the next few hundred allocations happen; in a

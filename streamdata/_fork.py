@@ -1,13 +1,11 @@
 """The package's one ``os.register_at_fork`` hook: the resets a forked child runs, in a fixed order.
 
 ``import streamdata`` registers nothing with the interpreter. :func:`install` does, once: the
-first time a dataset or ``sd.loader`` iterates, and the first time an owner below holds state
-a child could inherit (a loop thread starts, a connection is offered for the next reader);
-the hooks then run at every fork of the process. An owner calls :func:`install` *before* it
-holds such state, from whichever thread makes it: a plain ``DataLoader`` forks its workers
-from a process that may never iterate, after a constructor that only listed (seen: two
-workers inherited the listing's offered connections without the reset, and each read the
-other's answers).
+first time a dataset or ``sd.loader`` iterates, and the first time an owner below holds state a
+child could inherit (a loop thread starts); the hooks then run at every fork of the process. An
+owner calls :func:`install` *before* it holds such state, from whichever thread makes it: a
+plain ``DataLoader`` forks its workers from a process that may never iterate, after a
+constructor that only listed.
 
 Invariant (FORK-RESET): a process forked from one that did I/O (a DataLoader worker) inherits
 objects bound to threads and sockets that exist only in its parent. Right after the fork, in
@@ -23,9 +21,6 @@ stage in ``STAGES`` order (within a stage, in registration order):
             ``store.http1``) is dropped without closing its connections; closing them in the child
             would close the parent's keep-alive sockets under it (seen: the parent's next request
             hung until its time-out).
-            ``store.handover``: of the idle connections offered for the next reader, the child keeps
-            the one its parent handed it and closes its copies of the others' descriptors
-            (never ``shutdown``: the connections are the parent's) (WARM-HANDOVER).
             ``testing._loop``: a test's proxy and TLS front run in the parent; the child
             closes its copies of their sockets, so a connection ends when the parent's does.
   pools     ``batch.recycle``: a worker's buffer pool lends slots of its own board; a process
@@ -40,7 +35,7 @@ or raise; nothing is reset for spawned processes (they inherit nothing). An owne
 with ``at_fork_in_child(stage, reset)``; this module imports nothing from the package.
 
 Two more hook lists, for an owner whose parent-side state must agree with what the child got
-(``handover``): ``at_fork_before(hook)`` runs in the forking thread just before the fork (it
+(``_alloc``'s collector pause): ``at_fork_before(hook)`` runs in the forking thread just before the fork (it
 may take the owner's own lock, bounded by a time-out, so that no other thread changes that
 state across the fork), ``at_fork_in_parent(hook)`` in the parent just after it (it releases
 that lock). Same rules: no I/O beyond closing descriptors, never raise.

@@ -13,8 +13,7 @@ from typing import Any
 from streamdata.errors import SpecError
 
 __all__ = ["OBJECT_MAX_REQUESTS", "PRESIGN_LIFETIME_MAX", "UNIT_WINDOW", "FetchConfig", "env_int",
-           "env_setdefault", "env_snapshot", "env_str", "handover", "lite_http", "spare_connections",
-           "stage_times"]
+           "env_setdefault", "env_snapshot", "env_str", "freeze_at_fork", "lite_http", "stage_times"]
 
 MiB = 1 << 20
 
@@ -49,22 +48,6 @@ def lite_http() -> bool:
     imports aiohttp for them. ``STREAMDATA_LITE_HTTP=0`` puts them back on aiohttp (the A/B of
     benchmarks/startup.py; a way out if a server needs what only aiohttp does)."""
     return env_str("STREAMDATA_LITE_HTTP", "1") != "0"
-
-
-def handover() -> bool:
-    """WARM-HANDOVER (``handover``): the constructor's idle plain-http keep-alive connections go to
-    the reader that sends next. ``STREAMDATA_HANDOVER=0`` closes them instead (the A/B)."""
-    return env_str("STREAMDATA_HANDOVER", "1") != "0"
-
-
-def spare_connections() -> int:
-    """WARM-SPARES (``handover``): connections the constructor opens while its listing's request
-    is in flight, offered to the readers (plain http only). ``STREAMDATA_SPARE_CONNECTIONS``,
-    default 8 (two workers' first shards and more); ``0`` opens none."""
-    count = env_int("STREAMDATA_SPARE_CONNECTIONS", 8)
-    if count is None or count < 0:
-        raise SpecError(f"STREAMDATA_SPARE_CONNECTIONS must be >= 0, got {count}")
-    return count
 
 
 def freeze_at_fork() -> bool:

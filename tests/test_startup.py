@@ -257,19 +257,11 @@ def test_lite_listing_follows_every_page(s3_bucket) -> None:
         assert sorted(k for k, _, _ in flat) == sorted(k for k in keys[:5])
 
 
-@pytest.mark.parametrize("handed", [True, False])
-def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, monkeypatch, handed) -> None:
-    """WARM-HANDOVER + FIRST-BYTES-FIRST: with the listing's connection waiting for the reader,
-    its first shard's first part is the bytes the hold covers (4 MiB) as one GET on it, not
-    256 KiB doubling (each of those others would open a connection first)."""
+def test_the_first_shard_starts_with_small_parts(s3_bucket) -> None:
+    """FIRST-BYTES-FIRST: a reader's first shard's parts start at 256 KiB and double (the first
+    batch waits for the first of them only)."""
     import os
 
-    from streamdata.fetch.parts import WARM_FIRST_PART
-    from streamdata.store import handover
-    from streamdata.store.s3lite import LiteS3
-
-    if not handed:
-        monkeypatch.setenv("STREAMDATA_HANDOVER", "0")
     server, bucket = s3_bucket
     blob = [{"__key__": f"k{i}", "bin": os.urandom(1 << 20)} for i in range(6)]  # 6 MiB and headers
     server.boto3_client().put_object(Bucket=bucket, Key="w/s-0.tar", Body=tar_bytes(blob))
@@ -277,9 +269,6 @@ def test_a_handed_over_connection_brings_the_first_batch_in_one_get(s3_bucket, m
         options = dict(server.storage_options, endpoint_url=proxy.url)
         ds = sd.TarDataset(f"s3://{bucket}/w/s-{{0..0}}.tar", storage_options=options, decode=False,
                            index=None)
-        assert bool(handover.waiting(LiteS3.from_options(options, {}).conn_key)) is handed
         assert [s["__key__"] for s in ds] == [b["__key__"] for b in blob]
         gets = [t for kind, _, t, _ in proxy.history if kind == "get" and "/w/s-0.tar" in t]
-    # 6 MiB and the tar headers: one 4 MiB GET and the rest, or 256 KiB, 512 KiB, 1 MiB, 2 MiB, the rest
-    assert len(gets) == (2 if handed else 5), gets
-    assert WARM_FIRST_PART == 4 << 20
+    assert len(gets) == 5, gets  # 256 KiB, 512 KiB, 1 MiB, 2 MiB, the rest

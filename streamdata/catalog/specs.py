@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from streamdata.config import FetchConfig, lite_http
+from streamdata.config import FetchConfig
 from streamdata.errors import AccessDeniedError, ShardNotFoundError, SpecError
 from streamdata.store.backends import (
     call_with_deadline,
@@ -163,8 +163,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
                delimiter: str | None = None, url: str | None = None) -> list[Shard] | None:
     """The objects whose path starts with ``path`` (``bucket/prefix``),
     listed by the LITE-S3 signer in one request per page; ``None`` where it cannot (use the
-    filesystem). The first request overlaps the readers' imports (``warm_imports``) and the
-    readers' spare connections' handshakes (WARM-SPARES, ``handover``)."""
+    filesystem). The first request overlaps the readers' imports (``warm_imports``)."""
     lite = b.lite(protocol)
     if lite is None:
         return None
@@ -179,7 +178,7 @@ def _lite_list(b: _Backends, protocol: str, path: str, config: FetchConfig, *,
         try:
             # each request bounded by ``timeout``, as the backend's own are (backends._bounded)
             return lite.list(bucket, prefix, timeout=min(config.timeout, limit), delimiter=delimiter,
-                             while_waiting=warm, spares=lite_http())  # readers on LITE-HTTP claim them
+                             while_waiting=warm)
         except LiteUnsupported:
             return None
 

@@ -33,7 +33,6 @@ from streamdata.feed.cuda import CudaPrefetcher
 from streamdata.feed.metrics import Metrics, Stopwatch, gather_ranks, reporter, summary
 from streamdata.feed.together import EndTogether
 from streamdata.ranks import data_parallel
-from streamdata.store.handover import share_among
 
 __all__ = ["DEFAULT_PREFETCH_FACTOR", "Loader", "default_num_workers", "loader"]
 
@@ -219,10 +218,6 @@ class Loader:
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._running += 1
         try:
-            loader = self.dataloader
-            kept = loader.persistent_workers and dataloader_iterator(loader) is not None
-            if loader.num_workers > 0 and not kept:
-                share_among(loader.num_workers)  # workers start: the constructor's connections (WARM-SPARES)
             source = iter(self._source)
             if self._positions is not None:
                 source = self._positions.deliver(source)

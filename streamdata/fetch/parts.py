@@ -9,9 +9,7 @@ arrived. Sent beside the window, those parts would share the server's (or the li
 bandwidth with every request in flight. The wait is short on purpose: it matters where those
 parts arrive fast (a short round trip); beyond it, the window's new connections (two round
 trips) keep their bytes behind them anyway, and a longer wait only delays the window. The wait
-holds no reference to their bytes (BYTE-BUDGET, ``fetch``). With a connection handed over to
-the reader (WARM-HANDOVER, ``handover``) those bytes are one GET on it (``first_part_size``):
-one round trip, where each of the small parts but one would open a connection of its own first.
+holds no reference to their bytes (BYTE-BUDGET, ``fetch``).
 """
 
 from __future__ import annotations
@@ -22,19 +20,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from streamdata.store.handover import waiting
-
 if TYPE_CHECKING:
     from streamdata.fetch.tune import Held
 
-__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Part", "Range", "WARM_FIRST_PART", "first_part_size",
-           "first_parts", "split_parts"]
+__all__ = ["FIRST_HOLD_BYTES", "FIRST_HOLD_MAX_S", "Part", "Range", "first_parts", "split_parts"]
 
 Range = tuple[int, int | None]  # [start, end) in bytes; end None = to the end of the object
 
 FIRST_HOLD_BYTES = 2 << 20
 FIRST_HOLD_MAX_S = 0.1
-WARM_FIRST_PART = 4 << 20  # the first part on a handed-over connection: what the hold covers
 
 
 @dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
@@ -57,14 +51,6 @@ class Part:
         open-ended one reserves)."""
         start, end = part
         return cls(part, (end if end is not None else start + part_size) - start)
-
-
-def first_part_size(configured: int, endpoint: tuple[str, str, int] | None) -> int:
-    """The reader's first shard's first part: ``configured`` (the config's ``first_part``), or,
-    with a handed-over connection to its ``endpoint`` waiting (WARM-HANDOVER), the bytes the
-    hold covers as one GET on it: one round trip, where the small parts' others would each
-    open a connection first (two)."""
-    return max(configured, WARM_FIRST_PART) if waiting(endpoint) else configured
 
 
 class Arrivals:

@@ -41,7 +41,6 @@ from streamdata.fetch.parts import (
     Arrivals,
     Part,
     Range,
-    first_part_size,
     first_parts,
     split_parts,
 )
@@ -76,13 +75,6 @@ _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
 
 
-def _ahead_count(tuner: Tuner) -> int:
-    """Connections a reader opens ahead (CONNECT-AHEAD): as many parts as its byte budget
-    keeps in flight, within ``max_requests``."""
-    return max(1, min(tuner.max_requests, tuner.budget.limit // tuner.part_size))
-
-
-
 def _arrived(first: Arrivals) -> bool:
     return first.done
 
@@ -110,7 +102,6 @@ class Prefetcher:
                                   self.config, name="fetch",
                                   url=self.items[0].url if self.items else None, counters=counters)
         self.stats = self.client.stats
-        self._endpoint = self.client.endpoint  # LITE-S3's (scheme, host, port): WARM-HANDOVER
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         cfg = self.config
         self._io = self.client.io
@@ -118,7 +109,7 @@ class Prefetcher:
         self._tee = (CacheTee(self.cache, cfg.byte_budget, self._io.call_soon, self._wait_timeout())
                      if self.cache is not None else None)
         self.peak_reserved = 0
-        self.tuner = Tuner(cfg, key=self._endpoint or self.client.protocol)  # AUTOTUNE
+        self.tuner = Tuner(cfg, key=self.client.endpoint or self.client.protocol)  # AUTOTUNE
         self.budget = self.tuner.budget  # BUDGET-GROWTH
         self._counters = counters
         # READER_STATS (``metrics``): the parts fetched, written by the loop's thread; and the
@@ -366,8 +357,6 @@ class Prefetcher:
                 continue
             todo, opening = planned
             first = first_parts(todo) if opening else None
-            if index == 0 and self._endpoint is not None:
-                self._connect_ahead()
             offset = 0  # the part's offset in the item's bytes (the cache entry): parts tile the ranges
             while todo:
                 part = todo.popleft()
@@ -405,10 +394,9 @@ class Prefetcher:
                 ranges = ((0, size),)
             # only the reader's first shard starts with a small part: it is what the first
             # batch waits for; later shards are fetched ahead, where fewer, bigger GETs
-            # cost the client and the server less CPU per byte (one bigger first part on a
-            # handed-over connection: ``parts.first_part_size``)
+            # cost the client and the server less CPU per byte
             opening = index == 0 and item.ranges is None
-            small = first_part_size(self.config.first_part, self._endpoint) if opening else None
+            small = self.config.first_part if opening else None
             parts = split_parts(ranges, part_size, small)
             if self._tee is not None:
                 entry = await self._tee.entry(index, item.url, ranges, item.size, item.etag)
@@ -423,12 +411,6 @@ class Prefetcher:
         # is done with it, so consumed bytes are freed (BYTE-BUDGET)
         self._plans[index].set_result(collections.deque(todo))
         return todo, small is not None
-
-    def _connect_ahead(self) -> None:
-        """CONNECT-AHEAD (``store.http1``): the window's connections, opened while the reader's
-        first parts travel (best effort)."""
-        ahead = asyncio.ensure_future(self.client.connect_ahead(_ahead_count(self.tuner)))
-        ahead.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort
 
     async def _send(self, url: str, index: int, part: Part, offset: int, by_window: int | None) -> None:
         """Send ``part`` (at ``offset`` in item ``index``'s bytes) once it fits the byte budget

@@ -149,8 +149,8 @@ class AsyncClient:
 
     @property
     def endpoint(self) -> tuple[str, str, int] | None:
-        """Where LITE-S3's GETs go on LITE-HTTP's pool, keyed as it keys connections
-        (WARM-HANDOVER); ``None`` on any other path."""
+        """Where LITE-S3's GETs go on LITE-HTTP's pool, ``(scheme, host, port)`` (the tuner's key
+        for what it learned of the endpoint); ``None`` on any other path."""
         lite = self._lite() if lite_http() else None
         return None if lite is None else lite.conn_key
 
@@ -280,16 +280,6 @@ class AsyncClient:
         else:
             self.stats.add(received=body.wire)
         return total
-
-    async def connect_ahead(self, count: int) -> None:
-        """CONNECT-AHEAD (``h1.Pool.connect_ahead``): on LITE-HTTP's pool, start opening up to
-        ``count`` connections to LITE-S3's endpoint for the requests to come; elsewhere nothing."""
-        key = self.endpoint
-        if key is None:
-            return
-        await self._open()
-        if self._presigned is not None:
-            self._presigned.session.connect_ahead(key, count)
 
     async def get(self, url: str, start: int = 0, end: int | None = None, *,
                   chunks: bool = False, first_byte: list[float] | None = None) -> bytes | Chunks:

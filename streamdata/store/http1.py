@@ -24,22 +24,16 @@ released. Rules, each a test in tests/store/test_h1.py:
   with a ``Location`` is followed (at most ``MAX_REDIRECTS``), with the same headers, as
   aiohttp did;
 - after fork the child drops an inherited pool without touching its sockets (``forget``);
-- a new plain-http connection is first claimed from ``handover`` (WARM-HANDOVER): an idle
-  one the constructor left (``adopted``, not ``opened``);
-- ``connect_ahead`` opens connections before the requests that will use them (CONNECT-AHEAD):
-  a reader's window goes out on connections already open, one round trip earlier;
 - a pool made with a ``network.Network`` goes through the proxy it names for each URL
   (PROXY-ROUTE): ``http://`` as absolute-form requests on a connection to the proxy,
-  ``https://`` through a ``CONNECT`` tunnel, TLS then started inside it; such connections are
-  never claimed from ``handover`` (those go direct). TLS verifies with the network's context
-  (TRUST); a certificate that fails is a ``CertificateError`` whose message says what to do.
+  ``https://`` through a ``CONNECT`` tunnel, TLS then started inside it. TLS verifies with the
+  network's context (TRUST); a certificate that fails is a ``CertificateError`` whose message says what to do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import re
 import time
 import urllib.parse
@@ -55,7 +49,6 @@ from streamdata.errors import (
     TransportError,
     TransportTimeoutError,
 )
-from streamdata.store.handover import claim, waiting
 from streamdata.store.network import Network, Proxy
 from streamdata.store.session import connect_error, transport_error
 
@@ -239,11 +232,7 @@ class Pool:
         self._slots: asyncio.Semaphore | None = None
         self._busy: set[_Conn] = set()
         self.opened = 0  # connections opened (tests count reuse with it)
-        self.adopted = 0  # connections taken over from the constructor (WARM-HANDOVER, ``handover``)
         self.closed = False
-        self._ahead: dict[tuple[str, str, int], list[asyncio.Task]] = {}  # CONNECT-AHEAD, not taken yet
-        self._opening: dict[tuple[str, str, int], int] = {}  # connections requests are opening now
-        self.ahead_failed = 0  # connections opened ahead that failed (a request opens its own)
 
     def get(self, url: str, headers: Mapping[str, str] | None = None, timeout: float | None = None) -> _Get:
         """``async with pool.get(url, headers, timeout) as resp``: one GET, never re-sent;
@@ -278,14 +267,8 @@ class Pool:
         conn = None
         try:
             conn = self._reuse(key)
-            if conn is None and (proxy is not None or not waiting(key)):  # a handed-over one goes first
-                conn = await self._take_ahead(key)
             if conn is None:
-                self._opening[key] = self._opening.get(key, 0) + 1  # counted by connect_ahead
-                try:
-                    conn = await self._connect(key)
-                finally:
-                    self._opening[key] -= 1
+                conn = await self._connect(key)
             self._busy.add(conn)
             conn.timeout = self.timeout if timeout is None else timeout
             sent = time.monotonic()
@@ -309,61 +292,6 @@ class Pool:
             conn.abort()
         return None
 
-    def connect_ahead(self, key: tuple[str, str, int], count: int) -> None:
-        """CONNECT-AHEAD: start opening connections to ``key`` now (TCP, and TLS for https),
-        so that the requests to come find them ready (a round trip earlier): up to ``count``
-        (at most ``limit``) with those idle, in use, opening or handed over (WARM-HANDOVER).
-        A request that finds none idle takes one still opening rather than opening another.
-        One that fails is dropped (``ahead_failed``): a request then opens its own, retried as
-        any connection is. Bounded by ``timeout``."""
-        if self.closed:
-            return
-        pending = self._ahead.setdefault(key, [])
-        have = (len(self._idle.get(key, ())) + len(pending) + waiting(key)
-                + self._opening.get(key, 0) + sum(conn.key == key for conn in self._busy))
-        for _ in range(min(count, self.limit) - have):
-            task = asyncio.ensure_future(self._connect(key, handed=False))
-            pending.append(task)
-            task.add_done_callback(functools.partial(self._ahead_done, key))
-
-    def _ahead_done(self, key: tuple[str, str, int], task: asyncio.Task) -> None:
-        pending = self._ahead.get(key, [])
-        if task not in pending:  # taken by a request, which reads its result itself
-            return
-        pending.remove(task)
-        if task.cancelled() or task.exception() is not None:
-            self.ahead_failed += not task.cancelled()
-            return
-        conn = task.result()
-        if self.closed or not conn.usable or len(self._idle.get(key, ())) >= self.limit:
-            conn.abort()
-        else:
-            self._idle.setdefault(key, []).append(conn)
-
-    async def _take_ahead(self, key: tuple[str, str, int]) -> _Conn | None:
-        """A connection opened ahead and still opening (``None``: none, or it failed)."""
-        pending = self._ahead.get(key)
-        if not pending:
-            return None
-        task = pending.pop(0)
-        try:
-            conn = await asyncio.shield(task)  # a request cancelled here leaves the open to the pool
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and not (current is not None and current.cancelling()):
-                raise TransportError("the HTTP connection pool is closed") from None  # not this request
-            pending.append(task)  # pooled (or closed) by _ahead_done, never lost
-            if task.done():
-                self._ahead_done(key, task)
-            raise
-        except OSError:  # TransportError, for any failure to connect
-            self.ahead_failed += 1
-            return None
-        if conn.usable:
-            return conn
-        conn.abort()
-        return None
-
     def _proxy(self, key: tuple[str, str, int]) -> Proxy | None:
         return None if self.network is None else self.network.proxy(f"{key[0]}://{key[1]}:{key[2]}")
 
@@ -372,7 +300,7 @@ class Pool:
             return self._ssl
         return self.network.ssl_context(origin) if self.network is not None else default_ssl_context()
 
-    async def _connect(self, key: tuple[str, str, int], handed: bool = True) -> _Conn:
+    async def _connect(self, key: tuple[str, str, int]) -> _Conn:
         scheme, hostname, port = key
         origin = f"{scheme}://{hostname}:{port}"
         tls = self._tls(origin) if scheme == "https" else None
@@ -382,22 +310,16 @@ class Pool:
             self.opened += 1
             return conn
         loop = asyncio.get_running_loop()
-        # WARM-HANDOVER: the constructor's idle one (not for CONNECT-AHEAD: a request takes it)
-        sock = claim(key) if tls is None and handed else None
-        where = {"sock": sock} if sock is not None else {"host": hostname, "port": port}
         try:
             async with asyncio.timeout(self.timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), **where,
+                _, conn = await loop.create_connection(lambda: _Conn(key, self.timeout), hostname, port,
                                                        ssl=tls, server_hostname=hostname if tls else None)
         except TimeoutError:
             raise TransportTimeoutError(f"connecting to {origin} took over {self.timeout:g} s",
                                         url=origin) from None
         except OSError as exc:  # refused, unreachable, a name not resolved, a TLS handshake
             raise connect_error(exc, origin, self.network) from exc
-        if sock is not None:
-            self.adopted += 1
-        else:
-            self.opened += 1
+        self.opened += 1
         return conn
 
     async def _through(self, proxy: Proxy, key: tuple[str, str, int], tls: Any) -> _Conn:
@@ -504,8 +426,6 @@ class Pool:
     async def close(self) -> None:
         """Close every connection (on the pool's loop)."""
         self.closed = True
-        for task in [t for pending in self._ahead.values() for t in pending]:
-            task.cancel()  # one that completes anyway is closed by _ahead_done
         for conn in [c for idle in self._idle.values() for c in idle] + list(self._busy):
             conn.abort()
         self._idle.clear()
@@ -517,8 +437,7 @@ class Pool:
         self.closed = True
         _ABANDONED.extend(c for idle in self._idle.values() for c in idle)
         _ABANDONED.extend(self._busy)
-        _ABANDONED.extend(t for pending in self._ahead.values() for t in pending)
-        self._idle, self._busy, self._ahead, self._opening = {}, set(), {}, {}
+        self._idle, self._busy = {}, set()
 
 
 class Headers(dict):

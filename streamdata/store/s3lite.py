@@ -10,15 +10,9 @@ requester-pays, virtual addressing, ...) keeps the botocore path, and so does a 
 signer cannot make (a 4xx other than 404: a region or signature it got wrong; the botocore
 path then gives its usual answer). Path-style addressing: ``{endpoint}/{bucket}/{key}``.
 
-WARM-HANDOVER (``handover``): on a plain-http endpoint a request starts on an offered idle
-connection when there is one, and a connection whose last answer was read whole and that the
-server keeps alive is offered, not closed, so the next request (a reader's first GET, in this
-process or in the DataLoader worker forked next) skips the TCP handshake.
-
 PROXY-ROUTE and TRUST (``network``): a request goes through the forward proxy the options or
 the environment name for the endpoint (absolute-form for http, a ``CONNECT`` tunnel for
-https) and verifies TLS against the bundle they name; a proxied connection is never offered
-or claimed (those go direct), and no spare is opened for it.
+https) and verifies TLS against the bundle they name.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from streamdata.errors import ProxyAuthError, ProxyError
-from streamdata.store.handover import claim, offer, spare, withdraw
 from streamdata.store.network import Network, network_for
 from streamdata.store.session import connect_error
 
@@ -158,19 +151,16 @@ class LiteS3:
 
     def list(self, bucket: str, prefix: str, *, timeout: float, delimiter: str | None = None,
              while_waiting: Callable[[], None] | None = None,
-             page_size: int | None = None, spares: bool = False) -> list[tuple[str, int, str | None]]:
+             page_size: int | None = None) -> list[tuple[str, int, str | None]]:
         """``(key, size, etag)`` of every object under ``prefix`` (all pages: ListObjectsV2), over
         one connection (``page_size``: keys per page, the server's default 1,000 when ``None``).
         ``while_waiting`` runs once, after the first request is sent, before its answer is read
-        (work that overlaps the round trip); so does, with ``spares``, the opening of spare
-        connections for the readers (WARM-SPARES, ``handover.spare``). Raises
+        (work that overlaps the round trip). Raises
         ``FileNotFoundError`` (404: no such bucket), ``LiteUnsupported`` (another 4xx),
         ``OSError`` (the rest)."""
         conn = self._connection(timeout)
-        resp: http.client.HTTPResponse | None = None
         out: list[tuple[str, int, str | None]] = []
         token: str | None = None
-        started: list = []  # spares opened for the readers: closed again if the listing fails
         try:
             while True:
                 query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
@@ -180,14 +170,7 @@ class LiteS3:
                     query["max-keys"] = str(page_size)
                 if token:
                     query["continuation-token"] = token
-                resp = None  # until this page's answer is read, the connection is in no state to offer
                 self._send(conn, self._target(bucket, "", query))
-                if spares and conn.sock is not None and self.proxy is None:
-                    spares = False
-                    try:
-                        started = spare(self.conn_key, conn.sock.getpeername())
-                    except OSError:  # the peer is gone already: the listing's answer will say so
-                        started = []
                 if while_waiting is not None:
                     hook, while_waiting = while_waiting, None  # once: the first page's wait
                     hook()
@@ -211,13 +194,10 @@ class LiteS3:
                 token = top.get("NextContinuationToken")
                 if top.get("IsTruncated") != "true" or not token:
                     return out
-        except BaseException as exc:
-            withdraw(started)  # nobody reads next: the spares close again
-            if isinstance(exc, ET.ParseError):
-                raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
-            raise
+        except ET.ParseError as exc:
+            raise OSError(f"listing s3://{bucket}/{prefix}: unreadable answer ({exc})") from exc
         finally:
-            self._finish(conn, resp)
+            conn.close()
 
     def get(self, bucket: str, key: str, *, timeout: float,
             while_waiting: Callable[[], None] | None = None) -> tuple[int, bytes]:
@@ -225,7 +205,6 @@ class LiteS3:
         as in :meth:`list`. Raises as :meth:`list` does: ``FileNotFoundError`` (404),
         ``LiteUnsupported`` (another 4xx but 408 and 429), ``OSError`` (the rest)."""
         conn = self._connection(timeout)
-        resp: http.client.HTTPResponse | None = None
         try:
             self._send(conn, self._target(bucket, key))
             if while_waiting is not None:
@@ -242,9 +221,9 @@ class LiteS3:
                 raise OSError(f"GET {what}: HTTP {resp.status} {body[:200]!r}")
             return resp.status, body
         finally:
-            self._finish(conn, resp)
+            conn.close()
 
-    # ---- connections (WARM-HANDOVER) ---------------------------------------------------------
+    # ---- connections -----------------------------------------------------------------------
 
     def _target(self, bucket: str, key: str = "", query: Mapping[str, str] | None = None) -> str:
         signed = self.url(bucket, key, query)
@@ -276,8 +255,7 @@ class LiteS3:
                                  origin)
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        """A connection to the endpoint (through the proxy where one routes it); on plain http
-        an offered idle one where there is one."""
+        """A connection to the endpoint (through the proxy where one routes it)."""
         proxy = self.proxy
         if self.scheme == "https":
             context = self.ssl_context or self.network.ssl_context(f"https://{self.host}")
@@ -290,22 +268,7 @@ class LiteS3:
             return tunnel
         if proxy is not None:
             return http.client.HTTPConnection(proxy.host, proxy.port, timeout=timeout)
-        conn = http.client.HTTPConnection(self.host, timeout=timeout)
-        sock = claim(self.conn_key)
-        if sock is not None:
-            sock.settimeout(timeout)
-            conn.sock = sock
-        return conn
-
-    def _finish(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse | None) -> None:
-        """Close ``conn``, or offer its socket where it may be reused: plain http, its last
-        answer read whole, kept alive by the server."""
-        sock = conn.sock
-        if (self.scheme == "http" and self.proxy is None and sock is not None and resp is not None
-                and resp.isclosed() and not resp.will_close):
-            conn.sock = None  # detached: ``close`` below leaves it open
-            offer(self.conn_key, sock)
-        conn.close()
+        return http.client.HTTPConnection(self.host, timeout=timeout)
 
 
 def _proxy_refused(shown: str, source: str, answer: str, url: str) -> ProxyError:

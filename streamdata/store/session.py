@@ -79,10 +79,6 @@ class Session(Protocol):
         Failures below HTTP raise ``TransportError``'s subclasses."""
         ...
 
-    def connect_ahead(self, key: tuple[str, str, int], count: int) -> None:
-        """CONNECT-AHEAD where the session can open connections ahead; else nothing."""
-        ...
-
     async def close(self) -> None:
         """Close every connection (on the session's loop)."""
         ...
@@ -120,9 +116,6 @@ class AiohttpSession:
         """As ``Session.get``; ``url`` may be a ``yarl.URL`` too (fsspec HTTP's ``encode_url``:
         sent as it is encoded)."""
         return _AiohttpGet(self, url, dict(headers or {}), timeout)
-
-    def connect_ahead(self, key: tuple[str, str, int], count: int) -> None:
-        """aiohttp opens its connections as requests need them: nothing to do ahead."""
 
     async def close(self) -> None:
         if self.owned:

@@ -142,8 +142,7 @@ def test_a_wrong_guess_falls_back_to_the_listed_location(s3_bucket) -> None:
     with FaultProxy(server.endpoint_url) as proxy:
         options = dict(server.storage_options, endpoint_url=proxy.url)
         # the listing held a moment: the early GET's answer is in before the second GET goes out
-        # (the proxy logs answers, not requests; the second may reuse the listing's connection,
-        # WARM-HANDOVER, and its answer overtake an early GET still connecting upstream)
+        # (the proxy logs answers, not requests)
         proxy.add(Fault("hang", match="list", seconds=1.0, times=1))
         ds = sd.TarDataset(f"s3://{bucket}/d/", storage_options=options, decode=False)
         assert proxy.requests == {"list": 1, "get": 2}

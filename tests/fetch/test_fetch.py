@@ -114,44 +114,6 @@ def test_the_window_waits_no_longer_than_its_bound(s3_bucket):
     assert later < min(answered), (later, answered)
 
 
-def test_the_windows_requests_go_out_on_connections_opened_while_the_first_parts_travel(
-        s3_bucket, monkeypatch):
-    """CONNECT-AHEAD (``h1``): while the first shard's first parts are in flight, the reader
-    opens the connections its window will use. A 2 MiB object (four parts, all under the hold,
-    whose bound is raised so the window waits for their answers), then ten objects of 1 MiB,
-    asked for at once when those answers are in: each of the ten goes out on a connection the
-    proxy accepted before the first parts were answered (without CONNECT-AHEAD, six of them
-    open new connections after those answers: four are the first parts', reused)."""
-    from urllib.parse import urlsplit
-
-    from benchmarks.proxy import LatencyProxy
-    from streamdata.fetch import prefetcher as fetch
-
-    monkeypatch.setattr(fetch, "FIRST_HOLD_MAX_S", 30.0)
-    server, bucket = s3_bucket
-    s3 = server.boto3_client()
-    blobs = [os.urandom(2 * MiB)] + [os.urandom(MiB) for _ in range(10)]
-    for i, blob in enumerate(blobs):
-        s3.put_object(Bucket=bucket, Key=f"ahead-{i:02d}", Body=blob)
-    up = urlsplit(server.endpoint_url)
-    with LatencyProxy(up.hostname, up.port, delay_s=0.05) as proxy:
-        shards = sd.expand_spec(f"s3://{bucket}/ahead-{{00..10}}", server.storage_options)
-        proxy.record_events(True)
-        with Prefetcher(shards, _proxied_options(server, proxy), FetchConfig(part_size=MiB)) as fetcher:
-            got = [b"".join(reader.chunks()) for reader in fetcher]
-        events = list(proxy.events)
-    assert got == blobs
-    accepted = {conn: when for kind, when, conn, _ in events if kind == "accept"}
-    requests = [(when, conn, line) for kind, when, conn, line in events if kind == "request"]
-    first = [(when, conn) for when, conn, line in requests if "ahead-00" in line]
-    answered = [min(t for kind, t, c, _ in events if kind == "response" and c == conn and t > when)
-                for when, conn in first]
-    later = [(when, conn) for when, conn, line in requests if "ahead-00" not in line]
-    assert len(first) == 4 and len(later) == 10
-    assert all(when > max(answered) for when, _ in later), (later, answered)  # the hold
-    assert all(accepted[conn] < min(answered) for _, conn in later), (accepted, later, answered)
-
-
 def test_tar_parsed_from_partial_arrivals_equals_whole_parse(s3fs_fs):
     from urllib.parse import urlsplit
 

@@ -73,7 +73,6 @@ def silent() -> Iterator[SilentListener]:
 ])
 @pytest.mark.parametrize("index", [pytest.param(None, marks=pytest.mark.slow), "auto"])
 def test_silent_s3_endpoint_times_out_in_the_constructor(silent, spec, named, ahead, index, monkeypatch):
-    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "0")  # counted below: the constructor's own
     start = time.monotonic()
     with pytest.raises(sd.FetchTimeoutError) as info:
         sd.TarDataset(spec, storage_options={"endpoint_url": silent.url, **KEYS}, timeout=TIMEOUT,
@@ -87,22 +86,6 @@ def test_silent_s3_endpoint_times_out_in_the_constructor(silent, spec, named, ah
     # the index's name only where the listing covers its directory, else both names (LISTED-NAMES);
     # under LITE-S3 an early GET that failed is read again only after a listing that worked
     assert len(silent.accepted) == 2 + (ahead if index == "auto" else 0)
-
-
-def test_a_listing_that_times_out_leaves_no_spare_connection_open(silent, monkeypatch):
-    """WARM-SPARES: the spares opened while a listing travelled are closed when it fails."""
-    from streamdata.store import handover
-    from streamdata.store.s3lite import LiteS3
-
-    monkeypatch.setenv("STREAMDATA_SPARE_CONNECTIONS", "3")
-    before = handover.stats()
-    with pytest.raises(sd.FetchTimeoutError):
-        sd.TarDataset("s3://bkt/x-{0..3}.tar", storage_options={"endpoint_url": silent.url, **KEYS},
-                      timeout=TIMEOUT, index=None)
-    after = handover.stats()
-    assert after["spared"] - before["spared"] == 6  # three for each of the two tries
-    assert handover.waiting(LiteS3(silent.url, "us-east-1").conn_key) == 0
-    assert after["dropped"] - before["dropped"] >= 6
 
 
 def test_refused_connection_fails_fast_with_our_error():
