@@ -29,11 +29,7 @@ So:
   instead of after the first stall, which comes a round trip after the reader's first release.
   The step is ``STEP`` times the distance (``latency / FAR_S``): the bytes in flight that a
   link keeps busy grow with its round trip, so at 250 ms one-way the budget takes in one step
-  what one ``STEP`` a round trip would take in four round trips;
-- a near endpoint (the pass's first first byte under ``FAR_S``: NEAR-START, ``tune``) takes a
-  budget too small to cut full-size parts to that size at once (``near``: ``PARTS_IN_BUDGET``
-  parts of ``part_size``, 32 MiB by default, within the cap): there a request costs the
-  server's own work, not a round trip, and a small budget's small parts multiply the requests.
+  what one ``STEP`` a round trip would take in four round trips.
 
 The rate is what the reader released (consumed) over the last ``RATE_WINDOW_S`` seconds; no
 decision is taken on less than ``MIN_HISTORY_S`` of it. Everything here runs on the
@@ -97,14 +93,6 @@ class Budget:
         if distance(latency) < 1 or self.grown or self.limit >= self.most or self.limit > self.floor:
             return False
         return self._grow(round(self.limit * STEP * distance(latency)))
-
-    def near(self, full: int) -> bool:
-        """The pass's first first byte says the endpoint is near (NEAR-START, ``tune``): a budget
-        under ``full`` (the bytes that cut full-size parts) grows to it at once, within the cap,
-        if nothing grew it yet. True if it grew."""
-        if self.grown or self.limit >= min(full, self.most):
-            return False
-        return self._grow(full)
 
     def _grow(self, limit: int) -> bool:
         self.limit = min(self.most, limit)

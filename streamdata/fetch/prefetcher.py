@@ -294,11 +294,6 @@ class Prefetcher:
         return (index < min(len(self.items), self._consumer + self.tuner.window)
                 and (index <= self._fence or self._consumer >= self._fence - 1))
 
-    def _due_or_idle(self, index: int) -> bool:
-        """Item ``index`` is due, or nothing is in flight and its first part would fit the
-        budget: only the window keeps the link from fetching it (WINDOW-IDLE)."""
-        return self._due(index) or (self._inflight == 0 and self._fits(self.tuner.part_size))
-
     def _fits(self, need: int) -> bool:
         """A part of ``need`` bytes fits the budget now (BYTE-BUDGET: or nothing is reserved)."""
         return self._reserved == 0 or self._reserved + need <= self.budget.limit
@@ -337,11 +332,11 @@ class Prefetcher:
 
     async def _probe(self, url: str) -> int | None:
         """The reader's first item's size probe (probed alone), its first byte to the tuner (the
-        far step, NEAR-START) before the window's requests go out."""
+        far step) before the window's requests go out."""
         latency: list[float] = []
         size = await self.client.size(url, first_byte=latency)
         if latency and self.tuner.on:
-            self._tuned(self.tuner.first_byte, latency[0], 1)
+            self._tuned(self.tuner.first_byte, latency[0])
         return size
 
     async def _schedule(self) -> None:
@@ -370,14 +365,8 @@ class Prefetcher:
 
     async def _turn(self, index: int) -> int | None:
         """Wait until item ``index`` is due (``_due``); the window then, where the window alone
-        held it back (it goes with the item's first part to the tuner, AUTOTUNE), else None. While
-        the link idles, the tuner may grow the window at once (WINDOW-IDLE)."""
+        held it back (it goes with the item's first part to the tuner, AUTOTUNE), else None."""
         by_window = self.tuner.window if self._window_holds(index) else None
-        if by_window is not None and self.tuner.on:
-            # WINDOW-IDLE (``tune``): the window alone holds this item while the link idles
-            await self._until(functools.partial(self._due_or_idle, index))
-            if not self._due(index):
-                self._tuned(self.tuner.idle_window, by_window)
         await self._until(functools.partial(self._due, index))
         return by_window
 
@@ -426,7 +415,7 @@ class Prefetcher:
         self._inflight += 1
         self.peak_inflight = max(self.peak_inflight, self._inflight)
         self.peak_reserved = max(self.peak_reserved, self._reserved)
-        asyncio.ensure_future(self._fetch(url, part, index, offset, held, self._inflight))
+        asyncio.ensure_future(self._fetch(url, part, index, offset, held))
 
     async def _hold_first(self, first: Arrivals) -> None:
         """FIRST-BYTES-FIRST (``parts``): the rest of the window waits, at most
@@ -438,7 +427,7 @@ class Prefetcher:
             pass
 
     async def _fetch(self, url: str, part: Part, index: int, offset: int,
-                     held: Held | None = None, inflight: int = 1) -> None:
+                     held: Held | None = None) -> None:
         start, end = part.range
         reserved, fut = part.need, part.future
         latency: list[float] = []  # its first byte's, where the backend can tell (BUDGET-GROWTH)
@@ -447,8 +436,8 @@ class Prefetcher:
             if held is not None and held != _NOT_HELD:  # a knob held it back: a wait for it may grow it
                 part.held = held
                 part.latency = latency[0] if latency else None
-            if latency and self.tuner.on:  # the far step, QUEUE-FIT (``inflight``: when it was sent)
-                self._tuned(self.tuner.first_byte, latency[0], inflight)
+            if latency and self.tuner.wants_first_byte:  # the far step
+                self._tuned(self.tuner.first_byte, latency[0])
             size = body_size(data)
             if self._stats is not None:  # the loop's thread: its own columns (ONE-WRITER-PER-ROW)
                 self._stats.add_many({"requests": 1, "bytes": size} if not latency else {

@@ -247,7 +247,7 @@ class AsyncClient:
     async def size(self, url: str, first_byte: list[float] | None = None) -> int | None:
         """The object's size, for objects a listing did not size, retried like a part.
         ``first_byte``, where the probe is a GET on LITE-HTTP's pool, gets its first byte's
-        latency as ``get`` does (the far step and NEAR-START read the reader's first probe).
+        latency as ``get`` does (the far step reads the reader's first probe).
 
         HEAD-START: on S3's presigned GETs and HTTP(S) the size comes from a ranged GET's
         ``Content-Range``, not a HEAD, and the client's first such probe asks for the object's
@@ -290,7 +290,7 @@ class AsyncClient:
         the backend streams the body here (S3's presigned GETs), gets the seconds from the
         successful try's request (as it went out on its connection, where the session tells)
         to its first byte: the latency, without the transfer, the waits of earlier tries, or
-        waiting for and opening a connection (BUDGET-GROWTH, QUEUE-FIT).
+        waiting for and opening a connection (BUDGET-GROWTH, the far step).
 
         RESUME: on S3's presigned GETs a retry asks only for the bytes after those already
         received (a connection reset after k bytes re-requests ``[start + k, end)``), and the

@@ -168,8 +168,7 @@ def test_a_reader_slower_than_its_link_grows_only_for_a_far_endpoint(s3_bucket, 
 def test_a_slow_transfer_at_a_short_round_trip_is_not_a_far_endpoint(s3_bucket):
     """The latency is the first byte's: a near endpoint behind a slow link (2 MB/s a
     connection, 0 ms) takes 0.1 s and more to deliver a part's last byte, but its first byte
-    comes at once, so the budget stays (measured to the last byte, it doubled: found in review).
-    It already holds PARTS_IN_BUDGET full parts: NEAR-START's budget step has nothing to do."""
+    comes at once, so the budget stays (measured to the last byte, it doubled)."""
     from benchmarks.proxy import LatencyProxy
 
     server, blobs, spec = _objects(s3_bucket, 2, 512 * 1024)
@@ -208,7 +207,7 @@ def test_growth_is_counted_on_the_dataset(s3_bucket):
 def test_the_first_byte_is_timed_from_the_request_on_its_connection(s3_bucket):
     """HTTPS 100 ms one-way from the server: opening the connection costs the TLS handshake's
     round trip before the request goes out, and the first byte's latency (BUDGET-GROWTH, the
-    far step, QUEUE-FIT) leaves it out: it is the request's own round trip, timed from when it
+    far step) leaves it out: it is the request's own round trip, timed from when it
     went out on its connection, not from the try's start."""
     from benchmarks.proxy import LatencyProxy
     from streamdata.store.client import AsyncClient

@@ -45,7 +45,7 @@ def test_bytes_exact_and_in_order_through_a_splitting_delaying_proxy(s3fs_fs):
     up = urlsplit(server.endpoint_url)
     with LatencyProxy(up.hostname, up.port, delay_s=0.01, split=977) as proxy:
         shards = sd.expand_spec(f"s3://{bucket}/blob-{{0..4}}", server.storage_options)
-        # four parts: the budget a near endpoint's first answer leaves as it is (NEAR-START)
+        # a budget of four parts
         config = FetchConfig(part_size=65_536, window=3, byte_budget=4 * 65_536)
         with Prefetcher(shards, _proxied_options(server, proxy), config) as fetcher:
             got = [b"".join(reader.chunks()) for reader in fetcher]

@@ -5,7 +5,6 @@ throttling wins; the data order is the same with and without; every decision is 
 from __future__ import annotations
 
 import os
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -109,99 +108,18 @@ def test_a_cold_first_answer_alone_is_not_a_far_endpoint():
     assert far.knobs()["byte_budget"] == 40 * MiB and (far.window, far.max_requests) == (10, 10)
 
 
-def _sent(t: Tuner, latency_at) -> None:
-    """A first burst: parts sent with 1, 2, ... FIT_PARTS in flight, each first byte ``latency_at(n)``."""
-    for n in range(1, tune_module.FIT_PARTS + 1):
-        t.first_byte(latency_at(n), n)
-
-
-def test_queue_fit_holds_the_request_limit_where_first_bytes_queue_at_the_server():
-    """QUEUE-FIT: a server that serves requests one after another (each one more in flight adds
-    its service time to the first byte) gets 1 + round trip / service time requests; one whose
-    latency does not grow with them keeps the bound."""
-    near = Tuner(FetchConfig())  # a busy server next door: 12 ms of work a part, 1 ms of wire
-    _sent(near, lambda n: 0.001 + 0.012 * n)
-    # NEAR-START on the first first byte (32 -> 4), then the fit (4 -> 1)
-    assert near.max_requests == 1 and near.ceiling == 1 and near.decisions["max_requests"] == 2
-    assert not near.stalled(Held(max_requests=1), 0.013)  # stalls grow it no further
-    farther = Tuner(FetchConfig(), key="farther")  # the same server 25 ms away (a 50 ms round trip)
-    _sent(farther, lambda n: 0.05 + 0.012 * n)
-    assert farther.ceiling == round(1 + 0.05 / 0.012) == 5 and farther.max_requests == tune_module.NEAR_START
-    assert farther.stalled(Held(max_requests=4), 0.1) and farther.max_requests == 5  # up to the ceiling
-    flat = Tuner(FetchConfig(tune_from=SMALLEST))  # S3: latency the same whatever is in flight
-    _sent(flat, lambda n: 0.025 + 0.0003 * n + (0.004 if n % 3 == 0 else 0.0))
-    assert flat.ceiling == 32 and flat.decisions["max_requests"] == 0
-    assert flat.stalled(Held(max_requests=1), 0.03) and flat.max_requests == 4  # grows as stalls ask
-    alike = Tuner(FetchConfig(), key="alike")  # all sent at one count: no slope to fit
-    for _ in range(tune_module.FIT_PARTS):
-        alike.first_byte(0.05, 4)
-    assert alike.max_requests == tune_module.NEAR_START and alike.ceiling == 32
-    assert alike.stalled(Held(max_requests=4), 0.05) and alike.max_requests == 16  # stalls grow it
-    far = Tuner(FetchConfig())  # a far endpoint (the far step fired): its requests cover the round trip
-    _sent(far, lambda n: 0.2 + 0.03 * n)
-    assert far.max_requests == 32 and far.ceiling == 32 and far.decisions["max_requests"] == 0
-    off = Tuner(FetchConfig(autotune=False))
-    _sent(off, lambda n: 0.001 + 0.012 * n)
-    assert off.max_requests == 32 and sum(off.decisions.values()) == 0
-
-
-def test_where_queue_fit_holds_one_or_two_requests_the_parts_carry_more_of_the_budget():
-    """A ceiling of one or two requests cuts the budget into ceiling + 1 parts, not
-    PARTS_IN_BUDGET: a queueing server charges per request; the parts follow a refit back. (The
-    cap is the budget: NEAR-START's budget step cannot cut full parts.)"""
-    t = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=8 * MiB, tune_from=SMALLEST), key="q")
-    assert t.part_size == 8 * MiB // tune_module.PARTS_IN_BUDGET
-    _sent(t, lambda n: 0.001 + 0.012 * n)  # one request: two parts of the budget
-    assert t.ceiling == 1 and t.part_size == 4 * MiB and t.decisions["part_size"] == 1
-    _sent(t, lambda n: 0.012 + 0.012 * n)  # two requests: three parts (each refit on the way counted)
-    assert t.ceiling == 2 and t.part_size == 8 * MiB // 3 and t.decisions["part_size"] >= 2
-    _sent(t, lambda n: 0.05 + 0.0001 * n)  # the queue is gone: a quarter again
-    assert t.ceiling == 32 and t.part_size == 2 * MiB and t.decisions["part_size"] >= 3
-    big = Tuner(FetchConfig(), key="big")  # the default budget: the configured part size bounds it
-    _sent(big, lambda n: 0.001 + 0.012 * n)
-    assert big.ceiling == 1 and big.part_size == 8 * MiB and big.decisions["part_size"] == 0
-
-
-def test_near_start_lowers_the_request_limit_on_the_first_first_byte_only():
-    """NEAR-START: the pass's first first byte under FAR_S starts a request limit that sits at
-    its bound at NEAR_START (before the window's burst); a far one, a later one, or a limit
-    that starts lower (``tune_from``) leaves it."""
+def test_a_near_endpoint_s_first_bytes_move_nothing():
+    """Only the far step reads first bytes: at a near endpoint (every first byte under FAR_S,
+    whatever the requests in flight) the knobs stay where they start, and grow as stalls ask."""
     near = Tuner(FetchConfig())
-    assert near.first_byte(0.02) and near.max_requests == tune_module.NEAR_START
-    assert near.decisions["max_requests"] == 1
-    far = Tuner(FetchConfig(byte_budget_max=128 * MiB))
-    far.first_byte(0.3)
-    far.first_byte(0.02)  # only the first first byte decides (and the shorter of two: not far)
-    assert far.max_requests == 32
-    low = Tuner(FetchConfig(tune_from=SMALLEST))
-    assert not low.first_byte(0.02) and low.max_requests == 1
-    small = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
-                  key="small")
-    assert small.first_byte(0.02)  # a small budget takes full parts at once: a step, counted
-    assert small.knobs() == {"window": 1, "max_requests": 1, "byte_budget": 32 * MiB, "part_size": 8 * MiB}
-    assert small.decisions == {"window": 0, "max_requests": 0, "byte_budget": 1, "part_size": 1}
-    assert not small.first_byte(0.3) and small.budget.grown == 1  # one step; the shorter first byte: near
-    capped = Tuner(FetchConfig(byte_budget=8 * MiB, tune_from=SMALLEST), key="capped")  # default cap: twice
-    assert capped.first_byte(0.02) and capped.knobs()["byte_budget"] == 16 * MiB
-    farther = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST),
-                    key="farther")
-    assert not farther.first_byte(0.15) and farther.knobs()["byte_budget"] == 8 * MiB  # not near
-    assert near.knobs()["byte_budget"] == 64 * MiB and near.decisions["byte_budget"] == 0  # 4 full parts
-    off = Tuner(FetchConfig(byte_budget=8 * MiB, autotune=False))
-    assert not off.first_byte(0.02) and off.knobs()["byte_budget"] == 8 * MiB
-    mine = Tuner(FetchConfig(max_requests=2))  # the user's bound, below NEAR_START
-    assert not mine.first_byte(0.02) and mine.max_requests == 2
-
-
-def test_queue_fit_follows_the_latest_parts():
-    """The ceiling is refitted as parts come: once the server stops queueing (a slope that adds
-    less than FLAT of the intercept over the spread) stalls may grow the limit again."""
-    t = Tuner(FetchConfig())
-    _sent(t, lambda n: 0.001 + 0.012 * n)
-    assert t.max_requests == 1
-    _sent(t, lambda n: 0.05 + 0.0001 * n)  # the same counts, now no queue
-    assert t.ceiling == 32 and t.max_requests == 1
-    assert t.stalled(Held(max_requests=1), 0.05) and t.max_requests == 4
+    for n in range(1, 9):
+        assert not near.first_byte(0.001 + 0.012 * n)
+    assert near.knobs() == {"window": 32, "max_requests": 32, "byte_budget": 64 * MiB, "part_size": 8 * MiB}
+    assert sum(near.decisions.values()) == 0
+    small = Tuner(FetchConfig(byte_budget=8 * MiB, byte_budget_max=128 * MiB, tune_from=SMALLEST))
+    assert not small.first_byte(0.02) and not small.first_byte(0.02)
+    assert small.knobs() == {"window": 1, "max_requests": 1, "byte_budget": 8 * MiB, "part_size": 2 * MiB}
+    assert small.stalled(Held(max_requests=1), 0.02) and small.max_requests == 4  # as stalls ask
 
 
 def test_autotune_off_keeps_every_knob_as_set():
@@ -258,9 +176,8 @@ def _objects(s3_bucket, count: int, size: int) -> tuple[object, list[bytes], str
 
 def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_the_same(s3_bucket):
     """30 ms one-way, one object ahead and one request at a time, a 1 MiB budget: the reader
-    waits, the window and request limit grow (to their bounds, or the request limit to
-    QUEUE-FIT's ceiling), the budget within its cap; the bytes come in the same order as with
-    the knobs fixed, and the fetcher never holds more than its cap and a part."""
+    waits, the window and request limit grow, the budget within its cap; the bytes come in the
+    same order as with the knobs fixed, and the fetcher never holds more than its cap and a part."""
     from benchmarks.proxy import LatencyProxy
 
     server, blobs, spec = _objects(s3_bucket, 24, 512 * 1024)
@@ -275,9 +192,8 @@ def test_from_the_smallest_behind_a_slow_link_the_knobs_grow_and_the_bytes_are_t
                 got[on] = [b"".join(reader.chunks()) for reader in fetcher]
             if on:
                 tuned = fetcher.tuner
-                # the window to its bound; the request limit grew, to its bound or to where
-                # QUEUE-FIT found the server queueing (a loaded machine's server does, at 30 ms)
-                assert tuned.window == 8 and 1 < tuned.max_requests <= min(8, tuned.ceiling)
+                # the window to its bound; the request limit grew, within its bound
+                assert tuned.window == 8 and 1 < tuned.max_requests <= 8
                 assert tuned.decisions["window"] >= 1 and tuned.decisions["max_requests"] >= 1
                 assert MiB <= tuned.budget.limit <= 4 * MiB
                 assert fetcher.peak_reserved <= 4 * MiB + config.part_size
@@ -337,30 +253,3 @@ def test_the_docs_recipe_runs(s3_bucket, monkeypatch, capsys):
     window, requests, budget = (int(v) for v in capsys.readouterr().out.split())
     assert window >= 0 and requests >= 0 and 8 * MiB <= budget <= 128 * MiB
     assert ns["ds"].fetch_config.tune_from == (("max_requests", 1), ("window", 1))
-
-
-@pytest.mark.parametrize("autotune", [True, False])
-def test_a_window_that_idles_the_link_grows_before_the_reader_waits(s3_bucket, autotune):
-    """WINDOW-IDLE: a window of one object (the reader's own), the first object read whole and
-    the reader not yet on the next: nothing is in flight, the budget has room, and only the
-    window holds the next back, so the window grows, and again while the link idles, to its
-    bound (the budget holds the bytes ahead): every object is fetched before the reader gets
-    to it. With autotune off a window of one stays one: nothing is fetched ahead. The bytes
-    are the same."""
-    size, count = 64 * 1024, 8
-    server, blobs, spec = _objects(s3_bucket, count, size)
-    knobs = {"window": 8, "tune_from": SMALLEST} if autotune else {"window": 1}
-    config = FetchConfig(part_size=size, max_requests=8, byte_budget=4 * MiB, autotune=autotune, **knobs)
-    with Prefetcher(sd.expand_spec(spec, server.storage_options), server.storage_options, config) as fetcher:
-        readers = iter(fetcher)
-        got = [b"".join(next(readers).chunks())]  # its bytes let go soon: what stays reserved is ahead
-        deadline = time.monotonic() + (10 if autotune else 1)
-        while fetcher._reserved != (count - 1) * size and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if autotune:
-            assert fetcher.tuner.window == 8 and fetcher.tuner.decisions["window"] == 2  # 1 -> 4 -> 8
-            assert fetcher._reserved == (count - 1) * size  # the other seven, fetched ahead
-        else:
-            assert fetcher.tuner.window == 1 and fetcher._reserved == 0  # none ahead
-        got += [b"".join(reader.chunks()) for reader in readers]
-    assert got == blobs
