@@ -57,8 +57,8 @@ COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in R
 STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
 # a table of its own beside COUNTERS (ONE-WRITER-PER-ROW too), in integer nanoseconds and counts:
 # per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
-# flush; busy_ns, time inside the pass's ``next()`` of a batch (of samples put out one by one: the
-# stages' sum, STAGE-SAMPLE; the stages add up to it); the
+# flush; busy_ns, time inside the pass's ``next()`` of a batch or sample (the stages add up to
+# it); the
 # prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
 # and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
 # reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
@@ -139,31 +139,15 @@ class StageClock:
     Only the reader's thread touches ``acc``. The prefetcher adds its waits for bytes (``WAIT``,
     exact); ``ErrorPolicy.each`` adds the pull of each record less the waits within it
     (``PARSE``), its ``prepare`` (``DECODE``) and its ``map`` (``MAP``); the pass's iterator
-    adds each batch's whole ``next()`` (``BUSY``), where the reader puts out batches.
+    adds each batch's or sample's whole ``next()`` (``BUSY``).
 
-    STAGE-SAMPLE (the rule, in ``ErrorPolicy.each``): a clock read costs about as much as a small
-    record's bookkeeping (0.05-0.1 us each, three a record), so records are timed by sample.
-    After a timed record that took under ``CHEAP_NS`` (its pull less waits, and its run) the next
-    ``STRIDE - 1`` records pass untimed, and the next timed record counts for them at that cheap
-    one's times; after a dearer one the next record is timed too, and a dear record counts once.
-    So where records take 0.2 ms or more (an image, a row group, a slow ``map``) every record is
-    timed, and where they are cheap one in ``STRIDE`` is; the stride is decided before the
-    records it covers are seen, so the sums are exact in expectation for records alike in cost
-    or in no order that repeats with the stride. A dear record among the passed ones is
-    estimated, not seen. Waits for bytes are never sampled. Each flush fits the window's
-    estimates into what was measured: where a reader puts out samples (a plain DataLoader
-    batches them) and its records are timed so, it reads no clock of its own, and its busy time
-    is the stages' sum; where the estimates exceed a batch's measured busy time, they are scaled
-    to it. Samples decoded on a pool (``decode_threads``: no stage times them) time each
-    ``next()`` instead. Nested times are taken apart at each flush: collating is what ``BUSY``
-    holds beyond the waits, parsing, decoding and ``map``.
+    Each flush takes nested times apart: collating is what ``BUSY`` holds beyond the waits,
+    parsing, decoding and ``map``; where the stages' sum exceeds a batch's measured busy time
+    (each is read on its own clock), they are scaled to it.
     """
 
     WAIT, PARSE, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)
     FLUSH_NS = 20_000_000
-    STRIDE = 8  # STAGE-SAMPLE: after a cheap record, one in this many is timed ...
-    CHEAP_NS = 200_000  # ... a record cheaper than this; dearer ones are all timed
-    CHECK_EVERY = 8  # a reader that puts out samples reads the clock for its flush once in this many
 
     __slots__ = ("_last", "acc", "table")
 
@@ -181,10 +165,8 @@ class StageClock:
         wait, parse, decode, mapped, busy, samples, nbatches = self.acc
         self.acc[:] = [0] * 7
         wall = now - self._last
-        if not busy:  # samples put out one by one (STAGE-SAMPLE): the stages' sum is the busy time
-            busy = min(wall, wait + parse + decode + mapped)
         estimated, room = parse + decode + mapped, max(0, busy - wait)
-        if estimated > room:  # sampled estimates over what was measured: scaled to it
+        if estimated > room:  # the stages, each on its own clock, over what was measured: scaled to it
             parse, decode, mapped = (parse * room // estimated, decode * room // estimated,
                                      mapped * room // estimated)
         self.table.add_many({

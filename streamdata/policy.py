@@ -116,7 +116,7 @@ class ErrorPolicy:
         """``fn(item)`` for each item; an item whose ``fn`` fails is skipped or raised. With the
         pass's ``clock``, the time taken pulling items (less the waits for bytes) adds to the
         stage ``pull`` and the time in ``fn`` to the stage ``run`` (``StageClock``'s slots; None:
-        not timed), timed by sample (STAGE-SAMPLE)."""
+        not timed)."""
         if self.clock is not None and run is not None:
             return self._timed(items, fn, self.clock.acc, pull, run)
         return self._each(items, fn)
@@ -169,63 +169,26 @@ class ErrorPolicy:
 
     def _timed(self, items: Iterable[T], fn: Callable[[T], R], acc: list[int], pull: int | None,
                run: int) -> Iterator[R]:
-        """:meth:`_each`, its records timed by sample (STAGE-SAMPLE, ``StageClock``): a timed
-        record's pull less the waits for bytes within it adds to ``pull`` (None: not timed), its
-        ``fn`` to ``run``, each times the records it stands for."""
+        """:meth:`_each`, each record timed: its pull less the waits for bytes within it adds to
+        ``pull`` (None: not timed), its ``fn`` to ``run``."""
         clock, it, waits = time.perf_counter_ns, iter(items), StageClock.WAIT
-        left, weight = 0, 1  # records to pass untimed; the records the next timed one stands for
-        parsed = ran = 0  # the last cheap timed record's times: the records passed count as it
         while True:
-            if left:
-                try:
-                    item = next(it)
-                except StopIteration:
-                    self._passed(acc, pull, run, parsed, ran, weight - 1 - left)
-                    return
-                left -= 1
-                try:
-                    result = fn(item)
-                except StreamDataError as exc:
-                    self.check(exc)
-                    continue
-                del item
-                yield result
-                continue
-            start, waited = (clock(), acc[waits]) if pull is not None else (0, 0)
+            start, waited = clock(), acc[waits]
             try:
                 item = next(it)
             except StopIteration:
                 if pull is not None:
                     acc[pull] += clock() - start - (acc[waits] - waited)
-                self._passed(acc, pull, run, parsed, ran, weight - 1)
                 return
             pulled = clock()
+            if pull is not None:
+                acc[pull] += pulled - start - (acc[waits] - waited)
             try:
                 result = fn(item)
             except StreamDataError as exc:
                 self.check(exc)
                 continue
             finally:
-                done = clock()
-                this_run = done - pulled
-                this_parse = pulled - start - (acc[waits] - waited) if pull is not None else 0
-                if this_parse + this_run < StageClock.CHEAP_NS:  # cheap: it stands for those passed
-                    parsed, ran = this_parse, this_run
-                    passed, left = weight, StageClock.STRIDE - 1
-                else:  # dear: itself once, those passed as the last cheap one; the next one timed too
-                    passed, left = weight - 1, 0
-                    if pull is not None:
-                        acc[pull] += this_parse
-                    acc[run] += this_run
-                self._passed(acc, pull, run, parsed, ran, passed)
-                weight = left + 1
+                acc[run] += clock() - pulled
             del item
             yield result
-
-    @staticmethod
-    def _passed(acc: list[int], pull: int | None, run: int, parsed: int, ran: int, passed: int) -> None:
-        """``passed`` records, each counted as the last cheap timed one (STAGE-SAMPLE): the ones a
-        timed record stands for, and those passed untimed at the end of the items."""
-        if pull is not None:
-            acc[pull] += parsed * passed
-        acc[run] += ran * passed

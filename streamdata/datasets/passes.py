@@ -41,15 +41,12 @@ class EpochIterator:
 
     def __init__(self, items: Iterator[Any], close: Callable[[], None], *,
                  keep: Callable[[], bool] | None = None, clock: StageClock | None = None,
-                 batched: bool = True, stages_timed: bool = True) -> None:
+                 batched: bool = True) -> None:
         self._items = items
         self._close: Callable[[], None] | None = close
         self._keep = keep
         self._clock = clock  # the pass's stage timings: each batch's next() is the reader's busy time
         self._batched = batched  # items are batches (``metrics.batch_len``), else samples
-        # samples whose records ``policy.each`` times (STAGE-SAMPLE): their stages' sum is the busy
-        # time, no clock of their own; a pool's decoding is timed nowhere else: each next() then
-        self._by_stages = not batched and stages_timed
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -61,14 +58,6 @@ class EpochIterator:
             if self._clock is None:
                 return next(self._items)
             acc = self._clock.acc
-            if self._by_stages:  # a flush now and then (at most CHECK_EVERY samples late)
-                item = next(self._items)
-                acc[StageClock.SAMPLES] += 1
-                if not acc[StageClock.SAMPLES] % StageClock.CHECK_EVERY:
-                    now = time.perf_counter_ns()
-                    if self._clock.due(now):
-                        self._clock.flush(now)
-                return item
             start = time.perf_counter_ns()
             try:
                 item = next(self._items)

@@ -497,7 +497,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                             p.windows)
         return EpochIterator(self.stages(records, policy, p, batching), fetcher.close,
                              keep=lambda: self._hand_on(queued), clock=clock,
-                             batched=batch_size is not None, stages_timed=self._times_stages())
+                             batched=batch_size is not None)
 
     def _read(self, p: ReaderPass, unit: Any, part: SampleSlice | Skip | None,
               reader: ItemReader) -> Iterable[Any]:
@@ -585,11 +585,6 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     def shuffled(self, samples: Iterable[Any], seed: list[int]) -> Iterator[Any]:
         """The pass's shuffle buffer (``shuffle_buffer`` samples; seeded per reader and epoch)."""
         return shuffled(samples, self.shuffle_buffer, random.Random(str(seed)))
-
-    def _times_stages(self) -> bool:
-        """Whether a sample's stages (``policy.each``'s timings) sum to the reader's busy time
-        (STAGE-SAMPLE), else each ``next()`` is timed: decoding on a pool is timed nowhere else."""
-        return self.decode_threads <= 1
 
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, p: ReaderPass,
                batching: Batching) -> Iterator[Any]:

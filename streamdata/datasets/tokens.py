@@ -294,9 +294,6 @@ class TokenDataset(ShardedDataset):
         if self.plan(p.epoch).dropped and p.world.slot == 0 and start:
             self._counters.add("tokens.dropped", self.plan(p.epoch).dropped)  # once per epoch, by reader 0
 
-    def _times_stages(self) -> bool:
-        return False  # packing is no stage: each next() is the reader's busy time
-
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, p: ReaderPass,
                batching: Batching) -> Iterator[Any]:
         """Token records (one per read, in the plan's order) -> sequences of ``width`` tokens
