@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import sys
+import types
 import warnings
 
 import pytest
@@ -162,7 +163,11 @@ def test_a_torchvision_whose_image_library_does_not_load_falls_back_to_importing
     (package / "__init__.py").write_text("raise ImportError('built for another torch')\n")
     (package / f"image{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"not a library")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    imported = types.ModuleType("torchvision.io")  # as where a torchvision was imported before
+    imported.decode_jpeg, imported.ImageReadMode = object(), object()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchvision.io", imported)
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)  # an imported torchvision.io would be used as it is
     assert F._nvjpeg_op() is None
     try:
         import nvidia.nvimgcodec  # type: ignore[import-not-found]  # noqa: F401
