@@ -2,7 +2,7 @@
 
 from streamdata.catalog.index import build_index
 from streamdata.catalog.specs import expand_spec
-from streamdata.config import FetchConfig
+from streamdata.config import Cache, Fetch, FetchConfig, Retry
 from streamdata.datasets.mix import Mix
 from streamdata.datasets.objects import ObjectDataset
 from streamdata.datasets.sharded import ShardedDataset
@@ -57,8 +57,10 @@ __all__ = [
     "AccessDeniedError",
     "ArrowDataset",
     "BackendMissingError",
+    "Cache",
     "CudaPrefetcher",
     "DecodeError",
+    "Fetch",
     "FetchConfig",
     "FetchItem",
     "FetchTimeoutError",
@@ -69,6 +71,7 @@ __all__ = [
     "ParquetDataset",
     "PinAhead",
     "Prefetcher",
+    "Retry",
     "Shard",
     "ShardFetchError",
     "ShardNotFoundError",

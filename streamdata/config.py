@@ -12,8 +12,9 @@ from typing import Any
 
 from streamdata.errors import SpecError
 
-__all__ = ["OBJECT_MAX_REQUESTS", "PRESIGN_LIFETIME_MAX", "UNIT_WINDOW", "FetchConfig", "env_int",
-           "env_setdefault", "env_snapshot", "env_str", "freeze_at_fork", "lite_http", "stage_times"]
+__all__ = ["OBJECT_MAX_REQUESTS", "PRESIGN_LIFETIME_MAX", "UNIT_WINDOW", "Cache", "Fetch", "FetchConfig",
+           "Retry", "env_int", "env_setdefault", "env_snapshot", "env_str", "freeze_at_fork", "lite_http",
+           "stage_times"]
 
 MiB = 1 << 20
 
@@ -72,6 +73,56 @@ def env_int(name: str, default: int | None = None) -> int | None:
         return int(value)
     except ValueError:
         raise SpecError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fetch:
+    """How each reader keeps bytes in flight: ``sd.TarDataset(spec, fetch=sd.Fetch(window=8))``.
+    Every field as :class:`FetchConfig`'s of the same name; ``None``: not given (its
+    ``STREAMDATA_*`` variable where set, else the default)."""
+
+    window: int | None = None
+    part_size: int | None = None
+    first_part: int | None = None
+    max_requests: int | None = None
+    byte_budget: int | None = None
+    byte_budget_max: int | None = None
+    autotune: bool | None = None
+    tune_from: Any = None
+    presign_lifetime: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """How a failed request is tried again: ``retry=sd.Retry(deadline=600)``. ``deadline``:
+    seconds a part is retried for (``FetchConfig.retry_deadline``); ``retries``, ``backoff``,
+    ``backoff_cap``, ``timeout`` as :class:`FetchConfig`'s; ``None``: not given."""
+
+    deadline: float | None = None
+    retries: int | None = None
+    backoff: float | None = None
+    backoff_cap: float | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cache:
+    """The node's disk cache: ``cache=sd.Cache(dir="/local/cache", limit=200 << 30)``. ``dir`` and
+    ``limit``: ``FetchConfig.cache_dir`` and ``cache_limit`` (``STREAMDATA_CACHE_DIR`` and
+    ``STREAMDATA_CACHE_LIMIT`` where not given)."""
+
+    dir: str | None = None
+    limit: int | None = None
+
+
+# each group's keyword, class and fields by FetchConfig's names
+_GROUPS: dict[str, tuple[type, dict[str, str]]] = {
+    "fetch": (Fetch, {f.name: f.name for f in dataclasses.fields(Fetch)}),
+    "retry": (Retry, {"deadline": "retry_deadline", "retries": "retries", "backoff": "backoff",
+                      "backoff_cap": "backoff_cap", "timeout": "timeout"}),
+    "cache": (Cache, {"dir": "cache_dir", "limit": "cache_limit"}),
+}
+_GROUP_OF = {flat: (group, field) for group, (_, names) in _GROUPS.items() for field, flat in names.items()}
 
 
 @dataclass(frozen=True)
@@ -215,13 +266,39 @@ class FetchConfig:
         option is a ``SpecError`` that names the nearest known one, the fetch options' and
         ``owner``'s own keyword parameters (its class's ``__init__``s) alike.
         """
+        groups = {name: overrides.pop(name) for name in list(overrides) if name in _GROUPS}
+        given = sorted(k for k, v in overrides.items() if v is not None and k in _GROUP_OF)
+        if given and owner is not None:  # the flat keywords of a dataset or writer
+            import warnings
+
+            hint = ", ".join(f"{_GROUP_OF[k][0]}=sd.{_GROUPS[_GROUP_OF[k][0]][0].__name__}"
+                             f"({_GROUP_OF[k][1]}=...)" for k in given)
+            warnings.warn(f"{type(owner).__name__}: flat fetch options ({', '.join(given)}) are deprecated "
+                          f"and will be removed: give them as option groups, {hint}", DeprecationWarning,
+                          stacklevel=_caller_level())
+        for name, group in groups.items():
+            klass, fields = _GROUPS[name]
+            if group is None:
+                continue
+            if not isinstance(group, klass):
+                raise SpecError(f"{name}= takes sd.{klass.__name__}(...), got {type(group).__name__}")
+            for field, flat in fields.items():
+                value = getattr(group, field)
+                if value is None:
+                    continue
+                if overrides.get(flat) is not None:
+                    raise SpecError(f"{flat} is given twice: as {flat}= and as {name}=sd.{klass.__name__}"
+                                    f"({field}=...): give it once")
+                overrides[flat] = value
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
-            near = difflib.get_close_matches(unknown[0], sorted(names | _own_options(owner)), n=1, cutoff=0.7)
+            known = names | set(_GROUPS) | _own_options(owner)
+            near = difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.7)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise SpecError(f"unknown option {unknown[0]!r}{hint}; "
-                            f"fetch options are {', '.join(sorted(names))}")
+                            f"fetch options are {', '.join(sorted(names))}, or the groups "
+                            "fetch=sd.Fetch(...), retry=sd.Retry(...), cache=sd.Cache(...)")
         base = config or cls.from_env()
         chosen = {k: v for k, v in overrides.items() if v is not None}
         if config is None:
@@ -246,6 +323,17 @@ _ENV = {"window": "STREAMDATA_WINDOW", "part_size": "STREAMDATA_PART_SIZE",
         "presign_lifetime": "STREAMDATA_PRESIGN_LIFETIME", "autotune": "STREAMDATA_AUTOTUNE"}
 _TUNE_FROM = ("window", "max_requests")  # the knobs ``tune_from`` may start below their bound
 _ENV_STR = {"cache_dir"}  # read as text; the others as integers
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside streamdata (a warning points at the user's line)."""
+    import sys
+
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("streamdata"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _own_options(owner: object) -> set[str]:

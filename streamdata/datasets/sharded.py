@@ -103,10 +103,10 @@ class ShardedDataset(torch.utils.data.IterableDataset):
     """The pass every sharded dataset shares; subclasses say what a unit is and read it.
 
     The spec is expanded (and validated) here, in the constructing process, before any
-    worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options
-    (``window``, ``part_size``, ``max_requests``, ``byte_budget``, ``timeout``,
-    ``retry_deadline``, ``retries``, ``backoff``, ``backoff_cap``, ...) are given flat or as
-    ``fetch_config=`` (:meth:`FetchConfig.resolve`). ``shuffle``: True (the block shuffle where
+    worker starts. Each ``iter()`` reads this reader's share of the epoch. Fetch options come as
+    groups, ``fetch=sd.Fetch(...)``, ``retry=sd.Retry(...)``, ``cache=sd.Cache(...)`` (the flat
+    keywords of the same names are deprecated), or ``fetch_config=`` (:meth:`FetchConfig.resolve`).
+    ``shuffle``: True (the block shuffle where
     sample counts are known, ``blocks``; else a buffer), ``"block"`` or ``"buffer"``. Skips under
     ``on_error`` and retries are counted in :attr:`skipped` and :attr:`retried`, over every worker.
     ``listing=False``: the spec is not listed (``expand_spec``'s NO-LISTING; docs/startup.md).

@@ -25,7 +25,7 @@ def train(spec, storage_options, cache_dir, epochs=2, on_batch=None, on_epoch_en
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))  # "nccl" on GPUs
     # rank 0 of the job lists the bucket and reads the index once, for every rank of every node;
     # cache_dir: a local disk of this node, shared by its ranks (later epochs read it, not the bucket)
-    ds = sd.TarDataset(spec, storage_options=storage_options, cache_dir=cache_dir)
+    ds = sd.TarDataset(spec, storage_options=storage_options, cache=sd.Cache(dir=cache_dir))
     loader = sd.loader(ds, batch_size=8, num_workers=1)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
