@@ -28,6 +28,7 @@ from streamdata.cli.common import (
     storage_options,
     write_out,
 )
+from streamdata.config import Fetch
 from streamdata.metrics import STAGES
 
 __all__ = ["add_parsers"]
@@ -109,7 +110,7 @@ def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window:
     if fmt == "tar":
         measure = {"decode": False, "map": _Measure(args.decode), "collate_fn": _sizes}
     ds = dataset_class(fmt)(shards, storage_options=storage_options(args), batch_size=args.batch_size,
-                            window=window, shuffle=True, **measure, **fetch_options(args))
+                            fetch=Fetch(window=window), shuffle=True, **measure, **fetch_options(args))
     samples = nbytes = 0
     first = None
     start = time.perf_counter()

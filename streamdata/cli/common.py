@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from streamdata.config import Retry
 from streamdata.progress import progress
 
 if TYPE_CHECKING:
@@ -94,11 +95,12 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fetch_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The fetch options the command line sets (``timeout``), for datasets and writers."""
+    """The fetch options the command line sets (``timeout``), for datasets and writers: option
+    groups (``retry=Retry(timeout=...)``)."""
     timeout = getattr(args, "timeout", None)
     if timeout is not None and timeout <= 0:
         raise UsageError(f"--timeout must be > 0, got {timeout:g}")
-    return {} if timeout is None else {"timeout": timeout}
+    return {} if timeout is None else {"retry": Retry(timeout=timeout)}
 
 
 def _quiet(args: argparse.Namespace) -> bool | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from streamdata.cli.common import add_common, busy, fetch_options, human, storage_options, write_out
+from streamdata.config import Fetch
 
 __all__ = ["add_parsers"]
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from streamdata.redact import redact_url
 
     options = storage_options(args)
-    fetch = fetch_options(args) | ({} if args.window is None else {"window": args.window})
+    fetch = fetch_options(args) | ({} if args.window is None else {"fetch": Fetch(window=args.window)})
     spec = args.spec[0] if len(args.spec) == 1 else list(args.spec)
     url = build_index(spec, storage_options=options, output=args.output,
                       progress=False if args.quiet else None, **fetch)

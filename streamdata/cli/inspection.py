@@ -21,6 +21,7 @@ from streamdata.cli.common import (
     storage_options,
     write_out,
 )
+from streamdata.config import Fetch
 
 __all__ = ["add_parsers", "describe"]
 
@@ -122,8 +123,8 @@ def _tar_samples(args: argparse.Namespace, shards: list, window: int = 1) -> Ite
 
     options = storage_options(args)
     for group in [shards] if window > 1 else [[shard] for shard in shards]:
-        it = iter(TarDataset(group, storage_options=options, decode=False, window=window, index=None,
-                             **fetch_options(args)))
+        it = iter(TarDataset(group, storage_options=options, decode=False, fetch=Fetch(window=window),
+                             index=None, **fetch_options(args)))
         try:
             yield from it
         finally:
