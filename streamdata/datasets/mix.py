@@ -29,7 +29,7 @@ import torch.utils.data
 
 from streamdata._compat import dataloader_asking
 from streamdata.batch.batches import batches
-from streamdata.datasets.passes import EpochIterator
+from streamdata.datasets.passes import EpochIterator, stages_before
 from streamdata.datasets.sharded import ShardedDataset, refuse_resplitting
 from streamdata.epoch.blocks import with_mode
 from streamdata.epoch.mix import (
@@ -213,13 +213,8 @@ class Mix(torch.utils.data.IterableDataset):
                        for w in range(workers))
 
         whole = rank_steps([], world.world_size, nw, world.rank)
-        earlier: list[Stage[dict]] = []
-        if self._live is not None and self._live.epoch == self.epoch:
-            earlier = list(self._live.before)
-        elif self._resume is not None and self._resume.epoch == self.epoch:
-            stages = self._resume.stages
-            earlier = stages[:-1] if stages and stages[-1].same_shape(World(
-                world.rank, world.world_size, 0, nw)) else list(stages)
+        earlier: list[Stage[dict]] = stages_before(self._live, self._resume, self.epoch,
+                                                   World(world.rank, world.world_size, 0, nw))
         if not earlier:
             return whole
         done = sum(max(sum(steps(int(e["t"])) for e in stage.known()[r * stage.num_workers:

@@ -20,7 +20,7 @@ from streamdata.errors import FormatError
 from streamdata.metrics import StageClock, batch_len
 from streamdata.redact import redact_url
 
-__all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count"]
+__all__ = ["Batching", "EpochIterator", "Read", "ReaderPass", "stale_count", "stages_before"]
 
 
 def stale_count(url: str, seen: int, expected: int) -> FormatError:
@@ -28,6 +28,19 @@ def stale_count(url: str, seen: int, expected: int) -> FormatError:
     return FormatError(f"{redact_url(url)} does not match its sample count: {seen} samples found where "
                        f"the count says {expected}; the shard changed after its index was built: run "
                        "`streamdata index SPEC` again", url=url)
+
+
+def stages_before(live: Any, resume: Any, epoch: int, world: World) -> list:
+    """The stages of ``epoch`` that ran before the one a pass of ``world``'s shape reads in (what
+    ``len()`` counts as delivered): the pass under way's (``live.before``), else those of a state
+    loaded for that epoch less the last where the pass continues it (RESUME-CONTINUES); none at
+    the epoch's start."""
+    if live is not None and live.epoch == epoch:
+        return list(live.before)
+    if resume is None or resume.epoch != epoch:
+        return []
+    stages = list(resume.stages)
+    return stages[:-1] if stages and stages[-1].same_shape(world) else stages
 
 
 class EpochIterator:

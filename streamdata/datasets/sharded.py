@@ -26,7 +26,7 @@ from streamdata._fork import install
 from streamdata.batch.batches import batches
 from streamdata.catalog.specs import Sightings, Spec, expand_spec
 from streamdata.config import FetchConfig, stage_times
-from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stale_count
+from streamdata.datasets.passes import Batching, EpochIterator, Read, ReaderPass, stages_before, stale_count
 from streamdata.epoch import blocks
 from streamdata.epoch.buffer import shuffled
 from streamdata.epoch.plan import SampleSlice, Segment, Skip, Span, batch_sizes
@@ -247,13 +247,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
                 "(`streamdata index SPEC`, tar), or give the trainer the steps to run (max_steps=...)")
         world = self.world()
         nw = max(int(num_workers), 1)
-        earlier: list[Stage] = []
-        if self._live is not None and self._live.epoch == self.epoch:  # a pass under way here
-            earlier = list(self._live.before)
-        elif self._resume is not None and self._resume.epoch == self.epoch:  # a state loaded
-            stages = self._resume.stages
-            earlier = stages[:-1] if stages and stages[-1].same_shape(World(
-                world.rank, world.world_size, 0, nw)) else list(stages)
+        earlier: list[Stage] = stages_before(self._live, self._resume, self.epoch,
+                                             World(world.rank, world.world_size, 0, nw))
 
         def spans(before: list[Stage], world_size: int, workers: int, rank: int) -> list[Span]:
             """The spans of ``rank``'s readers in a stage of that shape that began after ``before``."""

@@ -96,7 +96,7 @@ class _BatchedInWorkers(IterableDataset):
     batches with its plan's sizes (EQUAL-STEPS), and its ``len()`` is its plan's steps with
     ``num_workers`` readers."""
 
-    _OWN = ("dataset", "batch_size", "drop_last", "in_flight", "collate_fn", "num_workers")
+    _FIELDS = ("dataset", "batch_size", "drop_last", "in_flight", "collate_fn", "num_workers")
 
     def __init__(self, dataset: IterableDataset, batch_size: int, drop_last: bool,
                  in_flight: int, collate_fn: Callable[[list], Any] | None = None,
@@ -113,7 +113,7 @@ class _BatchedInWorkers(IterableDataset):
         return getattr(dataset, name)
 
     def __setattr__(self, name: str, value: Any) -> None:  # ... and set them (start/end splits)
-        if name in self._OWN:
+        if name in self._FIELDS:
             object.__setattr__(self, name, value)
         else:
             setattr(self.dataset, name, value)

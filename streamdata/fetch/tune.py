@@ -100,17 +100,12 @@ class Tuner:
         return max(self.least_part, min(self.most_part, budget // PARTS_IN_BUDGET))
 
     def _budget_moved(self) -> None:
+        """The budget grew: counted, and the part size follows it (counted if it moved)."""
         self.decisions["byte_budget"] += 1
-        self._cut()
-
-    def _cut(self) -> bool:
-        """The part size for the budget now (counted if it moved). True if so."""
         part = self._part_for(self.budget.limit)
-        if part == self.part_size:
-            return False
-        self.part_size = part
-        self.decisions["part_size"] += 1
-        return True
+        if part != self.part_size:
+            self.part_size = part
+            self.decisions["part_size"] += 1
 
     @property
     def wants_first_byte(self) -> bool:
