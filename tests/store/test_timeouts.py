@@ -50,6 +50,19 @@ class SilentListener:
                 continue
             self.accepted.append(conn)
 
+    def requests(self) -> list[str]:
+        """The request line each accepted connection sent (read from what the kernel holds:
+        nothing is ever answered), ``""`` for one that sent nothing."""
+        lines = []
+        for conn in list(self.accepted):
+            conn.settimeout(0.5)
+            try:
+                head = conn.recv(65536, socket.MSG_PEEK)
+            except OSError:
+                head = b""
+            lines.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
+        return lines
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
@@ -84,8 +97,14 @@ def test_silent_s3_endpoint_times_out_in_the_constructor(silent, spec, named, ah
     # tried once more within the bound; botocore's and s3fs's own retries are off. With the
     # default index="auto" the index GETs go out beside the listing (INDEX-AHEAD), once each:
     # the index's name only where the listing covers its directory, else both names (LISTED-NAMES);
-    # under LITE-S3 an early GET that failed is read again only after a listing that worked
-    assert len(silent.accepted) == 2 + (ahead if index == "auto" else 0)
+    # under LITE-S3 an early GET that failed is read again only after a listing that worked.
+    # The listing's first wait overlaps the readers' imports (backends.warm_imports): on a loaded
+    # machine those can outlast the deadline, and then no second attempt starts
+    time.sleep(0.2)  # the accept thread's last append
+    requests = silent.requests()
+    index_gets = [r for r in requests if ".sdx" in r]
+    assert len(index_gets) == (ahead if index == "auto" else 0), requests
+    assert 1 <= len(requests) - len(index_gets) <= 2, requests
 
 
 def test_refused_connection_fails_fast_with_our_error():
