@@ -106,7 +106,7 @@ def find_index(url: str, read: Callable[..., list[ShardEntry] | None],
                sightings: Sightings | None = None) -> tuple[str, list[ShardEntry] | None]:
     """``(URL, entries)`` of the index at the default location ``url`` (:data:`INDEX_NAME`) or,
     where there is none, of :data:`LEGACY_INDEX_NAME` beside it (``entries`` ``None``: neither).
-    Where the listing covered the directory (``sightings``, LISTED-NAMES) it says which name
+    Where the listing covered the directory (``sightings``) it says which name
     exists and one of the two is read; else ``url`` is read, and the old name after a 404."""
     legacy = legacy_index_url(url)
     if sightings is not None and sightings.tells(url.rsplit("/", 1)[0]):

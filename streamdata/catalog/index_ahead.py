@@ -13,7 +13,7 @@ start of names) sends nothing ahead.
 
 The two names, at the cost they had with one: where the listing will cover the index's
 directory whole (a brace pattern or two or more names in it, a prefix ending in ``/``), it
-tells which name exists (LISTED-NAMES, ``specs.Sightings``), and only the new name's GET is
+tells which name exists (``specs.Sightings``), and only the new name's GET is
 sent ahead: a dataset without an index costs one 404 beside the listing, as before; one
 indexed under the old name only pays one GET after the listing. Where the listing will not
 (a glob, a single object, HTTP, ``listing=False``), both GETs are sent ahead together: no
@@ -104,7 +104,7 @@ def early_index_url(spec: Spec, index: str | None, suffixes: tuple[str, ...] = (
 
 def listing_tells(spec: Spec, url: str, listing: bool = True) -> bool:
     """Whether the listing of ``spec`` will cover ``url``'s directory whole (and so tell which
-    of the index's names exists there, LISTED-NAMES), as far as the spec's form says."""
+    of the index's names exists there, ``specs.Sightings``), as far as the spec's form says."""
     if not listing:
         return False
     items = [spec] if isinstance(spec, (str, os.PathLike, Shard)) else list(spec)

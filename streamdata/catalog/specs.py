@@ -68,7 +68,7 @@ def brace_expand(pattern: str) -> list[str]:
 
 
 class Sightings:
-    """LISTED-NAMES: what a listing saw of objects with some names (``names``: base names),
+    """What a listing saw of objects with some names (``names``: base names),
     whatever the spec's suffixes keep. ``found``: the URLs of such objects listed; a directory
     the listing covered whole (:meth:`tells`) has none of those names where ``found`` has none
     there. Filled by :func:`expand_spec` (its ``sightings``); only the process that lists has it."""
@@ -327,7 +327,7 @@ def expand_spec(spec: Spec, storage_options: Mapping[str, Any] | None = None, *,
     ``Content-Range``, HEAD-START in ``client``); a missing object is then reported when a
     reader requests it, not here. Globs, prefixes and directories need a listing: SpecError.
 
-    ``sightings``: filled with what the listings saw of its names (LISTED-NAMES), e.g. the
+    ``sightings``: filled with what the listings saw of its names, e.g. the
     sample index's, which the suffixes leave out of the shards.
     """
     config = config or FetchConfig()

@@ -294,7 +294,7 @@ class ShardedDataset(torch.utils.data.IterableDataset):
 
     def before_listing(self, spec: Spec, listing: bool) -> Sightings | None:
         """Requests a format can send while the spec is listed (a tar index, ``catalog.index_ahead``);
-        the names the listing should note (LISTED-NAMES), if any."""
+        the names the listing should note (``specs.Sightings``), if any."""
         return None
 
     def fetch_item(self, unit: Any) -> FetchItem:

@@ -80,7 +80,7 @@ class TarDataset(ShardedDataset):
     def before_listing(self, spec: Spec, listing: bool) -> Sightings | None:
         self._ahead = start_index_ahead(spec, self.index, self.storage_options, self.fetch_config,
                                         self.suffixes, listing=listing)
-        # LISTED-NAMES: which of the index's names the listing saw tells which one to read
+        # which of the index's names the listing saw tells which one to read
         self._sightings = Sightings(INDEX_NAMES) if self.index == "auto" else None
         return self._sightings
 

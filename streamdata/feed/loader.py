@@ -176,7 +176,7 @@ class Loader:
     with sample counts: ``ShardedDataset.steps``), else the DataLoader's; ``set_epoch`` reaches
     the dataset in this process (persistent workers hold their own copy: the dataset must make
     the epoch reach them, as streamdata's datasets do); ``close()`` ends the prefetcher and the workers.
-    An iterator starts nothing (workers, requests) before its first ``next()`` (LAZY-START):
+    An iterator starts nothing (workers, requests) before its first ``next()``:
     a framework's probing ``iter()`` costs nothing and leaves the epoch as it was.
     """
 
@@ -213,7 +213,7 @@ class Loader:
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        """One pass, started at the first ``next()`` (LAZY-START)."""
+        """One pass, started at the first ``next()``."""
         self._hold_ahead(sys._getframe(1))  # the frame asking for the first batch (HELD-AHEAD-DETECTED)
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._running += 1

@@ -103,7 +103,7 @@ def _one_try_per_gcs_request(fs: Any) -> None:
 
 def _networked(protocol: str, options: dict[str, Any], url: str | None) -> dict[str, Any]:
     """``options`` saying to the backend's own client what ``network`` decides for ours
-    (PROXY-ROUTE, TRUST), in the words that client takes; what the user set is kept.
+    (proxies, certificates), in the words that client takes; what the user set is kept.
 
     - s3 (botocore): ``proxies``/``verify`` given at the top go where s3fs passes them on
       (``config_kwargs["proxies"]``, ``client_kwargs["verify"]``); botocore reads

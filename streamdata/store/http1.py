@@ -24,10 +24,10 @@ released. Rules, each a test in tests/store/test_h1.py:
   with a ``Location`` is followed (at most ``MAX_REDIRECTS``), with the same headers, as
   aiohttp did;
 - after fork the child drops an inherited pool without touching its sockets (``forget``);
-- a pool made with a ``network.Network`` goes through the proxy it names for each URL
-  (PROXY-ROUTE): ``http://`` as absolute-form requests on a connection to the proxy,
+- a pool made with a ``network.Network`` goes through the proxy it names for each URL:
+  ``http://`` as absolute-form requests on a connection to the proxy,
   ``https://`` through a ``CONNECT`` tunnel, TLS then started inside it. TLS verifies with the
-  network's context (TRUST); a certificate that fails is a ``CertificateError`` whose message says what to do.
+  network's context; a certificate that fails is a ``CertificateError`` whose message says what to do.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class Pool:
     def __init__(self, limit: int, timeout: float, ssl_context: Any = None, *,
                  network: Network | None = None) -> None:
         self.limit, self.timeout, self._ssl = limit, timeout, ssl_context
-        self.network = network  # PROXY-ROUTE and TRUST; None: direct, the default context
+        self.network = network  # proxies and certificates; None: direct, the default context
         self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
         self._slots: asyncio.Semaphore | None = None
         self._busy: set[_Conn] = set()
@@ -323,7 +323,7 @@ class Pool:
         return conn
 
     async def _through(self, proxy: Proxy, key: tuple[str, str, int], tls: Any) -> _Conn:
-        """A connection to ``key`` by way of ``proxy`` (PROXY-ROUTE): to the proxy itself for
+        """A connection to ``key`` by way of ``proxy``: to the proxy itself for
         http (absolute-form requests follow), a ``CONNECT`` tunnel with TLS inside for https."""
         scheme, hostname, port = key
         origin = f"{scheme}://{hostname}:{port}"

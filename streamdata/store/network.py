@@ -5,7 +5,7 @@ One place decides both, for every path that opens its own connections (our HTTP/
 ``session``). Paths that run a third-party client (s3fs/botocore, gcsfs, fsspec's HTTP) are
 given the same answers through their own options by ``backends``.
 
-PROXY-ROUTE, read the way requests and botocore read it:
+Proxies, read the way requests and botocore read it:
 
 - the storage options first: ``config_kwargs={"proxies": {"http": URL, "https": URL}}``
   (botocore's ``Config(proxies=...)``, what s3fs users write) or ``proxies={...}`` at the top;
@@ -23,7 +23,7 @@ PROXY-ROUTE, read the way requests and botocore read it:
   user and password become a ``Proxy-Authorization: Basic`` header. They are secrets: a
   :class:`Proxy`'s repr and every message built here show the proxy as ``user:***@host``.
 
-TRUST (certificates), per request URL:
+Certificates, per request URL:
 
 - ``verify`` in the storage options (top level, or ``client_kwargs={"verify": ...}`` as s3fs
   takes it): ``False`` skips verification (warned once per process, :class:`InsecureTLSWarning`),

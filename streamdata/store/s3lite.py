@@ -10,7 +10,7 @@ requester-pays, virtual addressing, ...) keeps the botocore path, and so does a 
 signer cannot make (a 4xx other than 404: a region or signature it got wrong; the botocore
 path then gives its usual answer). Path-style addressing: ``{endpoint}/{bucket}/{key}``.
 
-PROXY-ROUTE and TRUST (``network``): a request goes through the forward proxy the options or
+Proxies and certificates (``network``): a request goes through the forward proxy the options or
 the environment name for the endpoint (absolute-form for http, a ``CONNECT`` tunnel for
 https) and verifies TLS against the bundle they name.
 """
@@ -75,9 +75,9 @@ class LiteS3:
         self.conn_key = (parts.scheme, parts.hostname, parts.port or default)  # as h1.Pool keys it
         self.base_path = parts.path.rstrip("/")
         self.region = region
-        self.ssl_context: Any = None  # https: None, the network's (TRUST)
+        self.ssl_context: Any = None  # https: None, the network's
         self.network = network or Network(None, protocol="s3")
-        self.proxy = self.network.proxy(f"{self.scheme}://{self.host}")  # PROXY-ROUTE: None, direct
+        self.proxy = self.network.proxy(f"{self.scheme}://{self.host}")  # None: direct
         self._key, self._secret, self._token = key, secret, token
 
     def __repr__(self) -> str:  # never the secret

@@ -67,7 +67,7 @@ class Response(Protocol):
 
 class Session(Protocol):
     """Sends GETs on connections of its own (kept alive, at most ``limit`` in use), through
-    the proxies and with the trust its ``network`` decides (PROXY-ROUTE, TRUST in ``network``;
+    the proxies and with the trust its ``network`` decides (``network``;
     ``None``: direct, the system's trust store)."""
 
     network: Network | None
@@ -101,7 +101,7 @@ class AiohttpSession:
         self.session = session
         self.options = dict(options or {})
         self.owned = owned  # closed by ``close``; a borrowed one (fsspec's) is its owner's to close
-        self.network = network  # PROXY-ROUTE and TRUST (``network``) per request; None: aiohttp's own
+        self.network = network  # proxies and certificates (``network``) per request; None: aiohttp's own
         aiohttp_no_hidden_retry(session)
 
     @classmethod
