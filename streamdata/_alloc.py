@@ -4,13 +4,8 @@ WORKER-MEMORY: a worker receives every byte of its shards into memory, parses it
 it. With glibc's defaults, blocks of more than 128 KiB (up to a threshold that adapts, at
 most 32 MiB) are mapped and unmapped one by one, and free memory at the top of a heap
 beyond twice that threshold goes back to the OS. Memory the fetcher frees is thus given
-back and page-faulted in again: each new 4 KiB page costs a fault and its zeroing, about
-2.9 µs on the 2-core development machine, 0.07 s of system time per 100 MB.
-
-Measured there with ``python -m benchmarks.epochs`` (2048 samples of 96 KiB from the S3
-server, 2 persistent workers, epochs after the first, 0 ms delay): 60,000-68,000 page faults
-per epoch for the two workers with the defaults, 17,000-24,000 with the settings below; the
-workers' system time per epoch halved and their CPU per epoch fell to 0.72-0.82×.
+back and page-faulted in again: each new 4 KiB page costs a fault and its zeroing.
+What the settings below save: benchmarks/README.md, "Epochs after the first".
 
 :func:`keep_freed_memory`, called in each worker by :func:`streamdata.loader`, serves
 blocks of up to 32 MiB from the heap and keeps up to 256 MiB of free memory there. A

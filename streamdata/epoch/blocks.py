@@ -274,8 +274,8 @@ def _spread(it: Iterator[Any], plan: Windows) -> Iterator[Any]:
     """Samples, window after window, each permuted; the next window is read while this one is
     put out, an even share before each sample (READ-SPREAD), and each sample is let go once put
     out: the reader's work comes evenly, not in one burst of a whole window at each window's
-    start (a loop of 5 ms steps waited up to 0.1 s there, every window, with workers 20% busy),
-    and it holds about one window, as before."""
+    start (benchmarks/README.md, "Block shuffle windows in a training loop"), and it holds
+    about one window."""
     sizes = plan.sizes
     held = list(itertools.islice(it, sizes[0])) if sizes else []  # the first: nothing to put out yet
     skip = plan.skip

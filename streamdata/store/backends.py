@@ -321,8 +321,8 @@ def warm_imports(protocol: str, storage_options: Mapping[str, Any] | None = None
 def _detach_finalizers(fs: Any) -> None:
     """Drop the ``weakref.finalize`` hooks s3fs registered to close ``fs``'s client: it is
     closed already. Left in place, the hook runs when ``fs`` is collected, and in a forked
-    DataLoader worker it waits on the parent's loop, which looks running there but is not:
-    measured, a worker stalled one second per such filesystem before its first request."""
+    DataLoader worker it waits on the parent's loop, which looks running there but is not: a
+    worker would stall up to a second per such filesystem before its first request."""
     for hook in list(getattr(weakref.finalize, "_registry", {})):
         info = hook.peek()
         if info is not None and info[0] is fs:
@@ -361,8 +361,8 @@ def _s3_session() -> Any:
 
     A session holds parsed botocore models but no connection and no loop (clients do). Made
     in the main process by the listing, it is inherited by forked DataLoader workers, which
-    then skip re-parsing botocore's JSON (measured 0.7 s per worker on a busy 2-core machine,
-    all of it before the first request could go out). A session keeps the credentials it
+    then skip re-parsing botocore's JSON, all of which would come before a worker's first
+    request. A session keeps the credentials it
     resolved first, so it is kept by the environment they came from (hashed: no secret is
     held in the key): a process whose credential variables change gets a new session.
     """

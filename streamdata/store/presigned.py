@@ -83,10 +83,9 @@ class Body:
 class PresignedS3:
     """S3 ranged GETs as presigned URLs on a plain HTTP client.
 
-    botocore's response pipeline costs about 1.6 ms of CPU per MB read on this project's
-    2-core test machine (0.27 vs 0.11 ms per 96 KiB sample against local files); a presigned
-    GET is the same signed request with none of that. One URL per object, signed by the
-    filesystem's own botocore client (same credentials, endpoint and addressing), reused
+    botocore's response pipeline costs CPU per byte read (benchmarks/README.md, "The HTTP/1.1
+    GET path"); a presigned GET is the same signed request with none of that. One URL per
+    object, signed by the filesystem's own botocore client (same credentials, endpoint and addressing), reused
     until half its lifetime has passed.
 
     LITE-HTTP: with LITE-S3's signer (``lite``) the GETs go over ``http1.Pool`` (standard

@@ -72,7 +72,7 @@ class LiteS3:
         self.host = parts.hostname if parts.port in (None, default) else f"{parts.hostname}:{parts.port}"
         if ":" in parts.hostname:  # an IPv6 literal
             self.host = f"[{parts.hostname}]" + self.host[len(parts.hostname):]
-        self.conn_key = (parts.scheme, parts.hostname, parts.port or default)  # as h1.Pool keys it
+        self.conn_key = (parts.scheme, parts.hostname, parts.port or default)  # as http1.Pool keys it
         self.base_path = parts.path.rstrip("/")
         self.region = region
         self.ssl_context: Any = None  # https: None, the network's
