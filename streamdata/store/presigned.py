@@ -85,8 +85,8 @@ class PresignedS3:
 
     botocore's response pipeline costs CPU per byte read (benchmarks/README.md, "The HTTP/1.1
     GET path"); a presigned GET is the same signed request with none of that. One URL per
-    object, signed by the filesystem's own botocore client (same credentials, endpoint and addressing), reused
-    until half its lifetime has passed.
+    object, signed by the filesystem's own botocore client (same credentials, endpoint and
+    addressing), reused until half its lifetime has passed.
 
     LITE-HTTP: with LITE-S3's signer (``lite``) the GETs go over ``http1.Pool`` (standard
     library only: no aiohttp import, 0.3 s), unless ``config.lite_http()`` says otherwise; with
