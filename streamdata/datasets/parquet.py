@@ -38,7 +38,8 @@ from streamdata.errors import DecodeError, FormatError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
 from streamdata.formats.image_columns import ROW_COLUMNS, image_columns, with_row_keys
-from streamdata.formats.images import ImageTransform, for_pass
+from streamdata.formats.images import ImageTransform
+from streamdata.formats.seeding import for_pass
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0

@@ -45,7 +45,7 @@ from streamdata.epoch.state import (
 from streamdata.epoch.world import World, pinned
 from streamdata.errors import SpecError, StreamDataError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader, Prefetcher
-from streamdata.formats.images import for_pass
+from streamdata.formats.seeding import for_pass
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.policy import ErrorPolicy, OnError
 from streamdata.ranks import DataParallel, data_parallel, from_rank0
@@ -362,8 +362,8 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         return record
 
     def start_pass(self, epoch: int) -> None:
-        """Bind what is seeded per sample to this pass's seed and epoch (IMAGE-SEED in
-        ``formats.images``: an image transform as ``map``); formats bind their decoders too."""
+        """Bind what is seeded per sample to this pass's seed and epoch (``formats.seeding``: an
+        image transform or a media clip as ``map``); formats bind their decoders too."""
         self._map = for_pass(self.map, self.seed, epoch)
 
     # ---- the pass -----------------------------------------------------------------------

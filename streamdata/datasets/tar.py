@@ -21,7 +21,7 @@ from streamdata.datasets.sharded import ShardedDataset
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats.compress import TAR_SUFFIXES, decompressed
 from streamdata.formats.decode import DecodeSpec, make_decoder
-from streamdata.formats.images import for_pass
+from streamdata.formats.seeding import for_pass
 from streamdata.formats.tar import samples_from_chunks
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url

@@ -37,7 +37,6 @@ not take (PNG, WebP, CMYK JPEG...) is finished here on the CPU and travels as pi
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import math
 import random
@@ -46,6 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streamdata.errors import DecodeError, SpecError
+from streamdata.formats.seeding import for_pass, sample_key, sample_rng
 
 __all__ = ["DECODE_ON", "IMAGE_FIELDS", "CenterCrop", "EncodedImage", "ImageTransform", "RandomResizedCrop",
            "Resize", "finish_decoded", "for_pass", "jpeg_layout", "sample_key", "sample_rng"]
@@ -62,21 +62,6 @@ _DEVICE_SUBSAMPLINGS = frozenset({"Gray", "420", "422", "444", "440", "411", "44
 DECODE_ON = ("worker", "device")  # where an image transform decodes: the CPU path, or the loader's device
 SCALE_MARGIN = 1.5  # a JPEG is decoded at 1/2, 1/4, 1/8 only where its crop stays this much larger
 Box = tuple[int, int, int, int]  # x, y, width, height in the image's full-size pixels
-
-
-def for_pass(fn: Any, seed: int, epoch: int) -> Any:
-    """``fn`` bound to a pass's ``seed`` and ``epoch`` when it takes them (IMAGE-SEED), else ``fn``."""
-    bind = getattr(fn, "for_pass", None)
-    return fn if bind is None else bind(seed, epoch)
-
-
-def sample_rng(seed: int, epoch: int, key: Any) -> random.Random:
-    """The random stream of one sample in one epoch (IMAGE-SEED): ``key`` is a string or the
-    image's bytes (hashed)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{seed}\x00{epoch}\x00".encode())
-    h.update(key if isinstance(key, (bytes, bytearray, memoryview)) else str(key).encode())
-    return random.Random(int.from_bytes(h.digest(), "little"))
 
 
 def _pair(size: int | Sequence[int], what: str) -> tuple[int, int]:
@@ -488,17 +473,6 @@ def finish_decoded(chw: Any, box: Box, flip: bool, size: tuple[int, int]) -> Any
 def _is_image_cell(value: dict) -> bool:
     """A Hugging Face ``Image`` feature's value: ``{"bytes": ..., "path": ...}``."""
     return "bytes" in value and set(value) <= {"bytes", "path"}
-
-
-def sample_key(sample: dict) -> str | None:
-    """The sample's key for its random stream: ``__key__`` and the shard's name (not its whole URL:
-    the same shard read from another endpoint or through a proxy gets the same crops)."""
-    key, url = sample.get("__key__"), sample.get("__url__")
-    if key is None:
-        return None
-    key, url = _text(key), _text(url)
-    shard = str(url).rstrip("/").rsplit("/", 1)[-1] if url is not None else ""
-    return f"{shard}\x00{key}"
 
 
 def _text(value: Any) -> str | None:
