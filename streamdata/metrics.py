@@ -42,11 +42,13 @@ RESIGN_REASONS = ("age", "expired", "refused")
 # summed over epochs; streamdata.batch.batches); resumed.reread: samples read again after a
 # resume to reach the position inside a partly read unit (streamdata.epoch.resume); budget.grown: times a
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tokens.*: an sd.TokenDataset epoch's
-# final partial sequence, its tokens dropped or the padding added (TOKENS-ONCE, streamdata.epoch.tokens);
+# final partial sequence, its tokens dropped or the padding added, and the tails of documents longer than
+# a sequence that packing "best_fit" leaves out (TOKENS-ONCE, streamdata.epoch.tokens);
 # tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "batched.left_out",
-            "resumed.reread", "budget.grown", "tokens.dropped", "tokens.padded", "tuned.window",
+            "resumed.reread", "budget.grown", "tokens.dropped", "tokens.padded", "tokens.truncated",
+            "tuned.window",
             "tuned.max_requests", "tuned.part_size",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 

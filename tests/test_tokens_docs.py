@@ -1,6 +1,6 @@
 """docs/tokens.md and the README's token recipe run as written, against the loopback S3 server:
 a tiny GPT trains on a token corpus in a bucket (every token once, the loss falls); documents'
-cu_seqlens flatten for a variable-length kernel."""
+cu_seqlens flatten for a variable-length kernel; a chat corpus with loss masks trains on labels."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def corpus(s3_server):
             [{"__key__": key, "npy": _npy(ids.astype(np.uint32)), "txt": b"x"} for key, ids in samples]))
         fs.pipe_file(f"corpus/flat/part-{i}.bin", rng.integers(700, 800, 1000).astype(np.uint16).tobytes())
     fs.pipe_file("corpus/flat/tokens.json", json.dumps({"dtype": "uint16"}).encode())
+    for i in range(3):  # conversations: a prompt (ids 10..199, mask 0), a reply (200..499, mask 1)
+        prompts, replies = rng.integers(3, 20, 25), rng.integers(3, 30, 25)
+        ids = np.concatenate([np.concatenate([rng.integers(10, 200, p), rng.integers(200, 500, r)])
+                              for p, r in zip(prompts, replies, strict=True)])
+        mask = np.concatenate([[0] * p + [1] * r for p, r in zip(prompts, replies, strict=True)])
+        fs.pipe_file(f"corpus/chat/part-{i}.bin", ids.astype(np.uint16).tobytes())
+        fs.pipe_file(f"corpus/chat/part-{i}.idx", idx_bytes(prompts + replies, np.uint16))
+        fs.pipe_file(f"corpus/chat/part-{i}.mask.bin", mask.astype(np.uint8).tobytes())
     return s3_server
 
 
@@ -95,6 +103,20 @@ def test_the_docs_recipes_run(aws):
     assert len(batches) == 125 and all(tuple(b["input_ids"].shape) == (4, 32) for b in batches)
     web = sum(int(r[0]) < 100 for b in batches for r in b["input_ids"])  # the web corpus: ids 3..99
     assert 0.7 < web / 500 < 0.9
+
+
+def test_the_docs_fine_tuning_recipe_runs(aws):
+    (code,) = _blocks(ROOT / "docs" / "tokens.md", "## Fine-tuning data: loss masks and packing")
+    ns = _run(code)
+    ds, losses = ns["ds"], ns["losses"]
+    assert ds.counts["tokens.truncated"] == 0 and ds.counts["tokens.padded"] > 0
+    assert len(losses) >= ds.num_sequences // 4 and all(np.isfinite(losses))
+    batch = next(iter(ds))
+    ids, labels = batch["input_ids"], batch["labels"]
+    learnt = labels != -100
+    assert (labels[learnt] == ids[learnt]).all() and learnt.any()
+    assert not ((ids < 200) & (ids != 2) & learnt).any()  # a prompt's tokens (and padding) never labels
+    assert ((ids >= 200) & ~learnt).sum() <= (batch["position_ids"] == 0).sum()  # but at a document start
 
 
 def test_the_readme_recipe_runs(aws):

@@ -32,6 +32,7 @@ from streamdata.config import FetchConfig
 from streamdata.errors import AccessDeniedError, FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
 from streamdata.formats.tokens import (
+    MASK_SUFFIX,
     MegatronIndex,
     TarCounts,
     decode_tar_counts,
@@ -47,7 +48,7 @@ from streamdata.redact import redact_url
 from streamdata.store.urls import Shard, known_size
 
 __all__ = ["COUNTS_NAME", "SIDECAR", "TarCounted", "count_tar_tokens", "default_counts_url", "idx_url",
-           "read_indexes", "rank_share", "save_tar_counts", "sidecar_dtype"]
+           "mask_shards", "mask_url", "read_indexes", "rank_share", "save_tar_counts", "sidecar_dtype"]
 
 log = logging.getLogger("streamdata")
 
@@ -61,6 +62,33 @@ SIDECAR = "tokens.json"  # beside flat .bin files: {"dtype": "uint16"}
 def idx_url(bin_url: str) -> str:
     """Where a ``.bin``'s Megatron index lies: beside it, ``.idx`` for ``.bin``."""
     return bin_url[:-4] + ".idx" if bin_url.endswith(".bin") else bin_url + ".idx"
+
+
+def mask_url(bin_url: str) -> str:
+    """Where a ``.bin``'s loss mask lies: beside it, ``NAME.mask.bin`` for ``NAME.bin``."""
+    return (bin_url[:-4] if bin_url.endswith(".bin") else bin_url) + MASK_SUFFIX
+
+
+def mask_shards(bins: Sequence[str], listed: dict[str, Shard], tokens: Sequence[int],
+                storage_options: dict, config: FetchConfig) -> list[Shard]:
+    """The loss mask of each of ``bins`` (``.bin`` URLs, of ``tokens[i]`` tokens), with its
+    size: from the listing (``listed``), else one HEAD each, all at once, on rank 0. A missing
+    mask is a ShardNotFoundError and one of another size a FormatError, naming it."""
+    def sizes() -> list[Shard]:
+        masks = [listed.get(mask_url(url)) or Shard(mask_url(url)) for url in bins]
+        try:
+            return with_sizes(masks, storage_options, config)
+        except ShardNotFoundError as exc:
+            exc.message += (f"; loss_mask=True reads a loss mask beside each NAME.bin: NAME{MASK_SUFFIX}, "
+                            "one uint8 per token")
+            raise
+
+    masks = from_rank0(sizes)
+    for m, n in zip(masks, tokens, strict=True):
+        if known_size(m) != n:
+            raise FormatError(f"{redact_url(m.url)} is {known_size(m)} bytes where its .bin holds {n} tokens "
+                              "(a loss mask is one uint8 per token)", url=m.url, key="mask")
+    return masks
 
 
 

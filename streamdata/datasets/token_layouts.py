@@ -2,7 +2,10 @@
 
 A layout says three things about a corpus, and nothing else: its units and their documents
 (``scan``: from metadata only), what to fetch for stream positions ``[start, stop)`` of a unit
-(``fetch``: byte ranges), and the tokens those bytes hold (``read``). The pass, the plan, packing
+(``fetch``: byte ranges), and the tokens those bytes hold (``read``). With loss masks, the
+``.bin`` layouts fetch a range's mask as an item of its own (``fetch_mask``, ``read_mask``: the
+same span of ``NAME.mask.bin``), a Parquet column's with the tokens, in the same item
+(``read_masked``). The pass, the plan, packing
 and the state are the dataset's (:mod:`streamdata.datasets.tokens`), the same for every layout.
 
 - :class:`FlatBin`: flat ``.bin`` token arrays of one dtype, one document per file (nanoGPT).
@@ -29,11 +32,11 @@ from streamdata.catalog.tokens import (
     read_indexes,
     save_tar_counts,
 )
-from streamdata.epoch.tokens import augmented, raw_range
+from streamdata.epoch.tokens import augmented, augmented_mask, raw_range
 from streamdata.errors import FormatError, ShardNotFoundError, SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
 from streamdata.formats import arrow as fmt
-from streamdata.formats.tokens import tar_tokens, tokens_of
+from streamdata.formats.tokens import mask_of, tar_tokens, tokens_of
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -62,6 +65,7 @@ class TokenLayout:
 
     name = ""
     suffixes: tuple[str, ...] = (".bin",)
+    mask_apart = False  # loss masks: fetched as items of their own (else with the tokens: read_masked)
 
     def scan(self, ds: TokenDataset) -> Iterator[Scanned]:
         """Every unit of ``ds.shards``, from metadata (one read per job, on rank 0, LIST-ONCE)."""
@@ -77,12 +81,28 @@ class TokenLayout:
         numbered across the corpus (``unit.first_doc`` on)."""
         raise NotImplementedError
 
+    def fetch_mask(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int) -> FetchItem:
+        """What to fetch for the loss mask of stream positions ``[start, stop)`` (``mask_apart``)."""
+        raise SpecError(f"{type(self).__name__} reads no loss mask apart")
+
+    def read_mask(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
+                  reader: ItemReader) -> np.ndarray:
+        """The loss mask (uint8) of stream positions ``[start, stop)`` (``epoch.tokens.augmented_mask``)."""
+        raise SpecError(f"{type(self).__name__} reads no loss mask apart")
+
+    def read_masked(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
+                    reader: ItemReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``read``'s tokens and documents, and their loss mask, from the same item."""
+        raise SpecError(f"{type(self).__name__} reads no loss mask")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 class _Flat(TokenLayout):
     """A ``.bin`` of one dtype: the raw tokens of ``[start, stop)`` in one byte range."""
+
+    mask_apart = True
 
     def __init__(self, dtype: np.dtype | None) -> None:
         self.dtype = dtype
@@ -101,6 +121,24 @@ class _Flat(TokenLayout):
         raw = tokens_of(reader.read_ranges()[0], self.dtype, reader.url, b - a)
         tokens, doc = augmented(lengths, start, stop, raw, a, ds.bos_id, ds.eos_id)
         return tokens, doc + unit.first_doc
+
+    def fetch_mask(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int) -> FetchItem:
+        a, b = self._mask_raw(ds, unit, start, stop)
+        mask = ds.mask_shard(unit)
+        return FetchItem(mask.url, known_size(mask), ((a, b),), getattr(mask, "etag", None))
+
+    def read_mask(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
+                  reader: ItemReader) -> np.ndarray:
+        a, b = self._mask_raw(ds, unit, start, stop)
+        raw = mask_of(reader.read_ranges()[0], reader.url, b - a)
+        return augmented_mask(ds.doc_lengths(unit), start, stop, raw, a, ds.bos_id is not None,
+                              ds.eos_id is not None)
+
+    def _mask_raw(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int) -> tuple[int, int]:
+        """The mask bytes of ``[start, stop)``: the tokens' (one byte each), and with ``eos_id`` the
+        one before them (an eos takes its document's last token's mask)."""
+        a, b = self._raw(ds, unit, start, stop)
+        return (max(a - 1, 0) if ds.eos_id is not None else a), b
 
     @staticmethod
     def _raw(ds: TokenDataset, unit: TokenUnit, start: int, stop: int) -> tuple[int, int]:
@@ -132,7 +170,7 @@ class FlatBin(_Flat):
     def read(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
              reader: ItemReader) -> tuple[np.ndarray, np.ndarray]:
         tokens, doc = super().read(ds, unit, start, stop, reader)
-        if ds.sep_id is not None and ds.documents:  # a document ends after each separator
+        if ds.sep_id is not None and (ds.documents or ds.loss_mask):  # a document ends after each separator
             ends = np.concatenate([[0], np.cumsum(tokens[:-1] == ds.sep_id)])
             return tokens, (np.int64(unit.i) << 32) + ends  # distinct from other units' keys
         return tokens, doc
@@ -235,6 +273,8 @@ class ParquetColumn(TokenLayout):
         for shard in ds.shards:
             meta = self.meta(ds, shard.url)
             leaf = self._leaf(meta, shard.url)
+            if ds.mask_column is not None:
+                self._leaf(meta, shard.url, ds.mask_column)  # (a list of 0/1 values, or a SpecError now)
             for g in range(meta.num_row_groups):
                 cc = meta.row_group(g).column(leaf)
                 stats = cc.statistics if cc.is_stats_set else None
@@ -254,26 +294,49 @@ class ParquetColumn(TokenLayout):
             meta = self._meta_cache[url] = fmt.parse_parquet_footer(self._footers[url], url)
         return meta
 
-    def _leaf(self, meta: Any, url: str) -> int:
-        """The one leaf of the token column; SpecError unless it is a list of integers."""
-        leaves = fmt.parquet_leaves(meta, [self.column], url)
-        kind = meta.schema.to_arrow_schema().field(self.column).type
+    def _leaf(self, meta: Any, url: str, column: str | None = None) -> int:
+        """The one leaf of the token column (or of the loss mask's ``column``); SpecError unless
+        it is a list of integers (of integers or booleans)."""
+        column = column or self.column
+        leaves = fmt.parquet_leaves(meta, [column], url)
+        kind = meta.schema.to_arrow_schema().field(column).type
         listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
-        if not listed or not pa.types.is_integer(kind.value_type):
+        if column != self.column:
+            flags = listed and (pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type))
+            if not flags:
+                raise SpecError(f"loss-mask column {column!r} of {redact_url(url)} is {kind}, not a list of "
+                                "0/1 values (list<uint8> or list<bool>, a value per token)")
+        elif not listed or not pa.types.is_integer(kind.value_type):
             raise SpecError(f"column {self.column!r} of {redact_url(url)} is {kind}, not a list of integer "
                             "token ids (e.g. list<int32>)")
         return leaves[0]
 
     def fetch(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int) -> FetchItem:
         meta = self.meta(ds, unit.url)
-        ranges = fmt.column_chunk_ranges(meta, unit.index, [self._leaf(meta, unit.url)], unit.size, unit.url)
+        leaves = [self._leaf(meta, unit.url)]
+        if ds.mask_column is not None:  # the loss mask's chunk: parts of the same item
+            leaves = sorted([*leaves, self._leaf(meta, unit.url, ds.mask_column)])
+        ranges = fmt.column_chunk_ranges(meta, unit.index, leaves, unit.size, unit.url)
         return FetchItem(unit.url, unit.size, tuple(ranges), ds.etag(unit.url))
 
     def read(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
              reader: ItemReader) -> tuple[np.ndarray, np.ndarray]:
-        """The row group's token values, checked against its footer's counts."""
+        tokens, doc, _ = self._read(ds, unit, start, stop, reader, None)
+        return tokens, doc
+
+    def read_masked(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int,
+                    reader: ItemReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tokens, doc, mask = self._read(ds, unit, start, stop, reader, ds.mask_column)
+        assert mask is not None
+        return tokens, doc, mask
+
+    def _read(self, ds: TokenDataset, unit: TokenUnit, start: int, stop: int, reader: ItemReader,
+              mask_column: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The row group's token values, checked against its footer's counts (and its loss
+        mask's, a value per token)."""
         parts = zip([s for s, _ in reader.item.ranges or ()], reader.read_ranges(), strict=True)
-        table = fmt.read_row_group(self.meta(ds, unit.url), parts, unit.size, unit.index, [self.column],
+        columns = [self.column] + ([mask_column] if mask_column is not None else [])
+        table = fmt.read_row_group(self.meta(ds, unit.url), parts, unit.size, unit.index, columns,
                                    unit.url)
         column = table.column(0).combine_chunks()
         if column.null_count:
@@ -291,7 +354,24 @@ class ParquetColumn(TokenLayout):
         lengths = np.diff(column.offsets.to_numpy()).astype(np.int64)
         tokens, doc = augmented(lengths, start, stop, values.to_numpy(zero_copy_only=False), 0, ds.bos_id,
                                 ds.eos_id)
-        return tokens, doc + unit.first_doc
+        mask = None
+        if mask_column is not None:
+            raw = self._mask(table.column(1).combine_chunks(), lengths, unit, mask_column)
+            mask = augmented_mask(lengths, start, stop, raw, 0, ds.bos_id is not None, ds.eos_id is not None)
+        return tokens, doc + unit.first_doc, mask
+
+    @staticmethod
+    def _mask(column: Any, lengths: np.ndarray, unit: TokenUnit, name: str) -> np.ndarray:
+        """A row group's loss mask, a 0/1 value per token: the same lengths as its token rows."""
+        where = f"row group {unit.index}"
+        if column.null_count:
+            column = column.fill_null([])
+        values = column.flatten()
+        if values.null_count or not np.array_equal(np.diff(column.offsets.to_numpy()), lengths):
+            raise FormatError(f"{redact_url(unit.url)}: {where}'s loss mask {name!r} is not a 0/1 value per "
+                              "token (its rows' lengths differ from the tokens', or it holds nulls)",
+                              url=unit.url, key=where)
+        return mask_of(values.to_numpy(zero_copy_only=False), unit.url, int(lengths.sum()))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_meta_cache": {}}  # parsed again, lazily, in the process that reads

@@ -14,7 +14,10 @@ a number of sequences: resume (same or another world) is ``resume``'s, exact to 
 
 A unit is one ``.bin`` file (read in byte ranges: only the tokens of the reader's span), one
 Parquet row group (its token column chunk) or one tar shard (read in byte ranges: only the
-samples of the reader's span, from the counting pass's offsets). See docs/tokens.md.
+samples of the reader's span, from the counting pass's offsets). Loss masks (fine-tuning data)
+are read with their tokens: a ``.bin``'s ``NAME.mask.bin`` in the same byte spans (a read of
+its own after each token read: ``TokenMask``), a Parquet column's in the same item; batches
+then carry ``labels`` (``batch.tokens``). See docs/tokens.md.
 """
 
 from __future__ import annotations
@@ -29,25 +32,34 @@ from streamdata.batch.batches import batches
 from streamdata.batch.tokens import pack
 from streamdata.catalog.footers import with_sizes
 from streamdata.catalog.specs import Spec
-from streamdata.catalog.tokens import sidecar_dtype
+from streamdata.catalog.tokens import mask_shards, sidecar_dtype
 from streamdata.datasets.passes import Batching, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.datasets.token_layouts import FlatBin, MegatronIdx, ParquetColumn, TarNpy, TokenLayout
 from streamdata.epoch.plan import SampleSlice
 from streamdata.epoch.resume import Stage, resume_span
 from streamdata.epoch.state import fingerprint
-from streamdata.epoch.tokens import SequencePlan, fit_plan, sequence_plan, token_reads, unit_tokens
+from streamdata.epoch.tokens import (
+    SequencePlan,
+    best_fit_plan,
+    fit_plan,
+    sequence_plan,
+    token_reads,
+    unit_tokens,
+)
 from streamdata.errors import SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
-from streamdata.formats.tokens import token_dtype
+from streamdata.formats.tokens import MASK_SUFFIX, token_dtype
 from streamdata.metrics import StageClock
 from streamdata.policy import ErrorPolicy
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
+from streamdata.store.urls import Shard
 
-__all__ = ["TokenDataset", "TokenUnit"]
+__all__ = ["TokenDataset", "TokenMask", "TokenUnit"]
 
 PARTIAL = ("drop", "pad")
+PACKING = ("concat", "fit", "best_fit")
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,14 @@ class TokenUnit:
     tokens: int
     first_doc: int
     i: int  # its place in the dataset's units
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """The loss mask of a ``.bin`` unit (``NAME.mask.bin``): a read of the same stream positions
+    follows each read of the unit's tokens."""
+
+    unit: TokenUnit
 
 
 class TokenDataset(ShardedDataset):
@@ -83,7 +103,12 @@ class TokenDataset(ShardedDataset):
     ``pad_id`` (``counts["tokens.padded"]``). ``documents=True`` adds ``doc_ids``,
     ``position_ids`` and ``cu_seqlens`` (``batch.tokens``); in a flat ``.bin``, ``sep_id`` (e.g.
     GPT-2's ``50256``) ends each document there. ``packing="fit"``: a document shorter than a
-    sequence is never cut (``epoch.tokens.fit_plan``; sequences padded). ``shuffle=True`` shuffles the
+    sequence is never cut (``epoch.tokens.fit_plan``; sequences padded); ``packing="best_fit"``:
+    no document is cut, documents packed by best fit (``epoch.tokens.best_fit_plan``; one longer
+    than a sequence truncated, counted in ``counts["tokens.truncated"]``). ``loss_mask=True``
+    reads a loss mask beside each ``.bin`` (``NAME.mask.bin``, a uint8 per token), ``mask_column=``
+    (``"loss_mask"`` with ``loss_mask=True``) a Parquet list column of them beside ``column``:
+    batches then carry ``labels`` (``batch.tokens``). ``shuffle=True`` shuffles the
     units' order per epoch (seeded); ``drop_last``, ``seed``, ``collate_fn``, ``map``, fetch and
     storage options as for the other sharded datasets (the same pass: ``sharded``). Every token
     of an epoch in exactly one sequence, every rank the same number of steps (TOKENS-ONCE,
@@ -96,7 +121,7 @@ class TokenDataset(ShardedDataset):
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
                  sep_id: int | None = None, packing: str = "concat", footer_bytes: int = 64 * 1024,
                  field: str | None = None, progress: bool | None = None, counts: str | None = "auto",
-                 **options: Any) -> None:
+                 loss_mask: bool = False, mask_column: str | None = None, **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
         if partial not in PARTIAL:
@@ -137,14 +162,27 @@ class TokenDataset(ShardedDataset):
             raise SpecError("sep_id marks documents in flat .bin files (dtype=); the .idx and Parquet rows "
                             "already say where documents end")
         self.sep_id = sep_id
-        if packing not in ("concat", "fit"):
-            raise SpecError(f"packing must be 'concat' or 'fit', got {packing!r}")
-        if packing == "fit" and column is not None:
-            raise SpecError("packing='fit' needs every document's length before reading: .bin + .idx "
+        if packing not in PACKING:
+            raise SpecError(f"packing must be 'concat', 'fit' or 'best_fit', got {packing!r}")
+        if packing != "concat" and column is not None:
+            raise SpecError(f"packing={packing!r} needs every document's length before reading: .bin + .idx "
                             "(or flat .bin, one document per file); a Parquet column's are known only "
                             "when its row groups are read")
         self.packing = packing
+        if mask_column is not None and column is None:
+            raise SpecError("mask_column= names a Parquet list column of loss masks beside column=; a .bin's "
+                            f"loss mask is a NAME{MASK_SUFFIX} beside it (loss_mask=True)")
+        if loss_mask and field is not None:
+            raise SpecError("loss_mask=True reads a NAME.mask.bin beside each .bin, or a Parquet "
+                            "mask_column=; tar shards of .npy hold no loss mask")
+        self.mask_column = mask_column or ("loss_mask" if loss_mask and column is not None else None)
+        self.loss_mask = bool(loss_mask) or mask_column is not None
         super().__init__(urls, batch_size=batch_size, shuffle_buffer=0, **options)
+        # a .bin's loss mask is no token file (listed beside it, it is read with it, or not at all)
+        listed = {s.url: s for s in self.shards if s.url.endswith(MASK_SUFFIX)}
+        self.shards = [s for s in self.shards if not s.url.endswith(MASK_SUFFIX)]
+        if not self.shards:
+            raise SpecError(f"no token files but loss masks (*{MASK_SUFFIX}) in {urls!r}")
         self.shards = from_rank0(lambda: with_sizes(self.shards, self.storage_options, self.fetch_config))
         if isinstance(layout, MegatronIdx) and layout.sniffed and dtype is None:
             # no dtype=, no idx=: a tokens.json beside flat .bin files, else .idx files
@@ -154,6 +192,11 @@ class TokenDataset(ShardedDataset):
         self._lengths: list[np.ndarray | None] = []  # documents' raw tokens per unit (None: read)
         self._fit: tuple[tuple, SequencePlan] | None = None  # packing "fit": the last epoch's plan
         self.units_: list[TokenUnit] = self._scan()
+        self._masks: dict[str, Shard] = {}  # a .bin's loss mask, by the .bin's URL
+        if self.loss_mask and self.token_layout.mask_apart:
+            masks = mask_shards([u.url for u in self.units_], listed,
+                                [u.tokens for u in self.units_], self.storage_options, self.fetch_config)
+            self._masks = {u.url: m for u, m in zip(self.units_, masks, strict=True)}
         if sep_id is not None and not isinstance(layout, FlatBin):
             raise SpecError(f"sep_id marks documents in flat .bin files; {redact_url(self.shards[0].url)} "
                             "has a .idx, which already says where documents end")
@@ -224,7 +267,7 @@ class TokenDataset(ShardedDataset):
         key = (self.seed, self.shuffle)
         if self._state_key is None or self._state_key[0] != key:
             fp = fingerprint(self.shards, [*self._tokens.tolist(), self.width, self.specials,
-                                           PARTIAL.index(self.partial), int(self.packing == "fit")],
+                                           PARTIAL.index(self.partial), PACKING.index(self.packing)],
                              seed=self.seed, shuffle=self.shuffle)
             self._state_key = (key, (fp, "samples"))
         return self._state_key[1]
@@ -232,12 +275,13 @@ class TokenDataset(ShardedDataset):
     def plan(self, epoch: int | None = None) -> SequencePlan:
         """The epoch's stream and its sequences (``epoch.tokens``)."""
         epoch = self.epoch if epoch is None else epoch
-        if self.packing == "fit":  # (a walk over every document: kept for the epoch)
+        if self.packing != "concat":  # (a walk over every document: kept for the epoch)
             key = (epoch, self.seed, self.shuffle)
             if self._fit is None or self._fit[0] != key:
                 docs = [self.doc_lengths(u) for u in self.units_]
-                self._fit = (key, fit_plan(self._tokens, docs, self.width, self.specials, seed=self.seed,
-                                           epoch=epoch, shuffle=self.shuffle))
+                packer = fit_plan if self.packing == "fit" else best_fit_plan
+                self._fit = (key, packer(self._tokens, docs, self.width, self.specials, seed=self.seed,
+                                         epoch=epoch, shuffle=self.shuffle))
             return self._fit[1]
         return sequence_plan(self._tokens, self.width, pad=self.partial == "pad", seed=self.seed,
                              epoch=epoch, shuffle=self.shuffle)
@@ -260,10 +304,22 @@ class TokenDataset(ShardedDataset):
                            batch_size=batch_size, drop_last=drop_last)
         reads = [Read(self.units_[r.unit], SampleSlice(r.start, r.stop, int(self._tokens[r.unit])))
                  for r in token_reads(sp, span.segments)]
-        return ReaderPass(world, epoch, reads, span)
+        return ReaderPass(world, epoch, self._with_masks(reads), span)
 
-    def fetch_segment(self, unit: TokenUnit, start: int, stop: int, count: int) -> FetchItem:
+    def _with_masks(self, reads: list[Read]) -> list[Read]:
+        """Each read of a ``.bin``'s tokens followed by the read of their loss mask (``TokenMask``)."""
+        if not self._masks:
+            return reads
+        return [x for r in reads for x in (r, Read(TokenMask(r.unit), r.part))]
+
+    def mask_shard(self, unit: TokenUnit) -> Shard:
+        """The loss mask beside ``unit``'s ``.bin`` (its size, and its ETag when listed)."""
+        return self._masks[unit.url]
+
+    def fetch_segment(self, unit: TokenUnit | TokenMask, start: int, stop: int, count: int) -> FetchItem:
         """The bytes stream positions ``[start, stop)`` of ``unit`` need (the layout's ranges)."""
+        if isinstance(unit, TokenMask):
+            return self.token_layout.fetch_mask(self, unit.unit, start, stop)
         return self.token_layout.fetch(self, unit, start, stop)
 
     def doc_lengths(self, unit: TokenUnit) -> np.ndarray:
@@ -273,14 +329,21 @@ class TokenDataset(ShardedDataset):
         return lengths
 
     def read_tokens(self, unit: TokenUnit, start: int, stop: int, reader: ItemReader
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Stream positions ``[start, stop)`` of ``unit``: tokens and global document numbers."""
+                    ) -> tuple[np.ndarray, ...]:
+        """Stream positions ``[start, stop)`` of ``unit``: tokens and global document numbers (and
+        their loss mask, where it comes in the same item)."""
+        if self.loss_mask and not self.token_layout.mask_apart:
+            return self.token_layout.read_masked(self, unit, start, stop, reader)
         return self.token_layout.read(self, unit, start, stop, reader)
 
-    def read_segment(self, unit: TokenUnit, start: int, stop: int, count: int,
+    def read_segment(self, unit: TokenUnit | TokenMask, start: int, stop: int, count: int,
                      reader: ItemReader) -> Iterator[Any]:
-        """One record: stream positions ``[start, stop)`` of ``unit`` as ``(tokens, documents)``."""
-        yield self.read_tokens(unit, start, stop, reader)
+        """One record: stream positions ``[start, stop)`` of ``unit`` as ``(tokens, documents)``
+        (``(tokens, documents, mask)`` for a Parquet loss mask); of a ``TokenMask``, the mask."""
+        if isinstance(unit, TokenMask):
+            yield self.token_layout.read_mask(self, unit.unit, start, stop, reader)
+        else:
+            yield self.read_tokens(unit, start, stop, reader)
 
     def read_unit(self, unit: TokenUnit, reader: ItemReader) -> Iterator[Any]:
         yield self.read_tokens(unit, 0, int(self._tokens[unit.i]), reader)
@@ -293,6 +356,8 @@ class TokenDataset(ShardedDataset):
         start = live is not None and not live.before and not live.samples_before  # (not a resumed pass)
         if self.plan(p.epoch).dropped and p.world.slot == 0 and start:
             self._counters.add("tokens.dropped", self.plan(p.epoch).dropped)  # once per epoch, by reader 0
+        if self.plan(p.epoch).truncated and p.world.slot == 0 and start:
+            self._counters.add("tokens.truncated", self.plan(p.epoch).truncated)
 
     def stages(self, records: Iterator[Any], policy: ErrorPolicy, p: ReaderPass,
                batching: Batching) -> Iterator[Any]:
@@ -302,12 +367,13 @@ class TokenDataset(ShardedDataset):
         sp = self.plan(p.epoch)
         reads = token_reads(sp, p.span.segments) if p.span is not None else []
         flushes = iter([r.flush for r in reads])
-        chunks = ((tokens, docs, next(flushes)) for tokens, docs in records)
+        chunks = self._chunks(records, flushes)
         lengths = None
-        if sp.bounds is not None and p.span is not None:  # packing "fit": each sequence's own length
+        if (sp.bounds is not None or sp.pieces is not None) and p.span is not None:  # fit: sequences' lengths
             lengths = [int(n) for s in p.span.segments for n in sp.lengths(s.start, s.stop)]
         seqs: Iterator[Any] = pack(chunks, self.width, pad_id=self.pad_id, documents=self.documents,
-                                   padded=lambda n: self._counters.add("tokens.padded", n), lengths=lengths)
+                                   padded=lambda n: self._counters.add("tokens.padded", n), lengths=lengths,
+                                   labels=self.loss_mask)
         if self._map is not None:
             seqs = policy.each(seqs, self._map, run=StageClock.MAP)
         if self._live is not None:
@@ -317,6 +383,15 @@ class TokenDataset(ShardedDataset):
         return batches(seqs, batching.batch_size, collate_fn=batching.collate_fn,
                        drop_last=batching.drop_last, in_flight=batching.in_flight, sizes=batching.sizes,
                        left_out=self._left_out)
+
+    def _chunks(self, records: Iterator[Any], flushes: Iterator[bool]) -> Iterator[tuple]:
+        """The packer's chunks: each token record with its flush, and its loss mask (the record
+        after it, for a ``.bin``'s ``TokenMask`` read; else in the record)."""
+        if not self.loss_mask:
+            return ((tokens, docs, next(flushes)) for tokens, docs in records)
+        if not self._masks:
+            return ((tokens, docs, next(flushes), mask) for tokens, docs, mask in records)
+        return ((*tokens, next(flushes), mask) for tokens, mask in zip(records, records, strict=True))
 
     def __repr__(self) -> str:
         return (f"TokenDataset({len(self.units_)} units, e.g. {redact_url(self.units_[0].url)!r}, "

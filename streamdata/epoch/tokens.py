@@ -15,6 +15,11 @@ is exact to the token. Readers' spans, EQUAL-STEPS and resume (RESUME-CONTINUES,
 RESUME-ELASTIC) are ``plan`` and ``resume`` over one unit of ``sequences`` samples; this module
 maps a span of sequences back to token ranges of units (``token_reads``) and a unit's token range
 to the raw tokens to fetch (``raw_range``, ``augmented``).
+
+Packing ``"fit"`` (``fit_plan``) cuts the stream at document boundaries, still into runs of
+it; packing ``"best_fit"`` (``best_fit_plan``) packs each window of documents into sequences by
+best fit, so a sequence is a list of whole documents (``pieces``), each still in exactly one
+sequence, but the tail of a document longer than a sequence: left out, counted (``truncated``).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import numpy as np
 from streamdata.epoch.plan import Segment, segments_of
 from streamdata.epoch.sharding import epoch_order
 
-__all__ = ["SequencePlan", "TokenRead", "augmented", "fit_plan", "raw_range", "sequence_plan", "token_reads",
-           "unit_tokens"]
+__all__ = ["BEST_FIT_WINDOW", "SequencePlan", "TokenRead", "augmented", "augmented_mask", "best_fit_plan",
+           "fit_plan", "raw_range", "sequence_plan", "token_reads", "unit_tokens"]
+
+BEST_FIT_WINDOW = 256  # packing "best_fit": documents packed together come from this many sequences' tokens
 
 
 class SequencePlan(NamedTuple):
@@ -41,6 +48,9 @@ class SequencePlan(NamedTuple):
     sequences: int  # whole sequences, plus the padded partial one with partial="pad"
     partial: int  # tokens of the stream's final partial sequence (0: none)
     bounds: np.ndarray | None = None  # packing "fit": where each sequence starts, and the end
+    pieces: np.ndarray | None = None  # packing "best_fit": each sequence's documents, [n, 2] stream ranges
+    firsts: np.ndarray | None = None  # ... where each sequence's pieces start in ``pieces``, and the end
+    truncated: int = 0  # packing "best_fit": tokens of documents longer than a sequence left out
 
     @property
     def dropped(self) -> int:
@@ -50,13 +60,17 @@ class SequencePlan(NamedTuple):
         return self.tokens - min(self.tokens, self.sequences * self.width)
 
     def span_of(self, first: int, stop: int) -> tuple[int, int]:
-        """Stream positions of sequences ``[first, stop)``."""
+        """Stream positions of sequences ``[first, stop)`` (one run: not for packing "best_fit")."""
+        assert self.pieces is None, "a best-fit sequence is no run of the stream: token_reads"
         if self.bounds is not None:
             return int(self.bounds[first]), int(self.bounds[stop])
         return first * self.width, min(stop * self.width, self.tokens)
 
     def lengths(self, first: int, stop: int) -> np.ndarray:
         """Tokens of sequences ``[first, stop)`` before padding."""
+        if self.pieces is not None and self.firsts is not None:
+            held = np.concatenate([[0], np.cumsum(self.pieces[:, 1] - self.pieces[:, 0])])
+            return np.diff(held[self.firsts[first:stop + 1]])
         if self.bounds is not None:
             return np.diff(self.bounds[first:stop + 1])
         ends = np.minimum(np.arange(first + 1, stop + 1) * self.width, self.tokens)
@@ -118,10 +132,75 @@ def fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray], wid
     return SequencePlan(order, ends, total, width, len(bounds) - 1, 0, np.asarray(bounds, dtype=np.int64))
 
 
+def best_fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray], width: int, specials: int,
+                  *, seed: int, epoch: int, shuffle: bool, window: int = BEST_FIT_WINDOW) -> SequencePlan:
+    """The epoch's documents packed whole into sequences by best fit (packing ``"best_fit"``):
+    the stream's documents, in windows of about ``window`` sequences' tokens (in stream order),
+    each packed by best fit decreasing: the longest first, each into the sequence it fills best
+    (the least room left that holds it), a new sequence where none does. No document is cut: one
+    longer than ``width`` keeps its first ``width`` tokens, the rest left out (``truncated``). A
+    window's sequences come in the order of their first documents, each sequence's documents in
+    stream order: a pure function of the documents, ``(seed, epoch)`` and ``width``. A sequence
+    is no run of the stream but its ``pieces`` (a document each); each is padded to ``width``
+    by the packer. ``docs[i]``: unit ``i``'s documents' raw lengths."""
+    import bisect
+
+    counts = np.asarray(tokens, dtype=np.int64)
+    order = epoch_order(len(counts), seed=seed, epoch=epoch, shuffle=shuffle)
+    ends = np.cumsum(counts[order])
+    total = int(ends[-1]) if len(ends) else 0
+    lengths = (np.concatenate([docs[int(u)] for u in order]).astype(np.int64) + specials if len(order)
+               else np.zeros(0, np.int64))
+    starts = np.cumsum(lengths) - lengths
+    kept = np.minimum(lengths, width)
+    block = (np.cumsum(kept) - kept) // max(window * width, 1)  # each document's window
+    cuts = np.flatnonzero(np.diff(block)) + 1
+    packed: list[int] = []  # the documents in their sequences' order
+    firsts = [0]
+    for members in np.split(np.arange(len(lengths)), cuts):
+        members = members[kept[members] > 0]  # (an empty document with nothing inserted: no token)
+        biggest = np.argsort(-kept[members], kind="stable")
+        room: list[int] = []  # (room left << 32) + sequence, sorted: the best fit is the first that holds
+        seqs: list[list[int]] = []
+        for d, n in zip(members[biggest].tolist(), kept[members][biggest].tolist(), strict=True):
+            k = bisect.bisect_left(room, n << 32)
+            if k < len(room):
+                key = room.pop(k)
+                left, s = (key >> 32) - n, key & 0xFFFFFFFF
+                seqs[s].append(d)
+            else:
+                s, left = len(seqs), width - n
+                seqs.append([d])
+            if left:
+                bisect.insort(room, (left << 32) + s)
+        for seq in sorted(sorted(s) for s in seqs):
+            packed += seq
+            firsts.append(len(packed))
+    at = np.asarray(packed, dtype=np.int64)
+    pieces = np.stack([starts[at], starts[at] + kept[at]], axis=1) if len(at) else np.zeros((0, 2), np.int64)
+    return SequencePlan(order, ends, total, width, len(firsts) - 1, 0, None, pieces,
+                        np.asarray(firsts, dtype=np.int64), int((lengths - kept).sum()))
+
+
 def token_reads(plan: SequencePlan, segments: Sequence[Segment]) -> list[TokenRead]:
     """The unit token ranges that hold sequences ``segments`` (spans of ``plan``'s sequences, as
-    ``plan.reader_span`` / ``resume.resume_span`` give them over one unit), in order."""
+    ``plan.reader_span`` / ``resume.resume_span`` give them over one unit), in order; a best-fit
+    plan's in its sequences' order, a read per run of adjacent documents."""
     out: list[TokenRead] = []
+    if plan.pieces is not None and plan.firsts is not None:
+        for seg in segments:
+            runs: list[list[int]] = []
+            for a, b in plan.pieces[plan.firsts[seg.start]:plan.firsts[seg.stop]].tolist():
+                if runs and runs[-1][1] == a:
+                    runs[-1][1] = b
+                else:
+                    runs.append([a, b])
+            reads = [TokenRead(p.unit, p.start, p.stop, False) for a, b in runs
+                     for p in segments_of(plan.order, plan.ends, a, b)]
+            if reads:
+                reads[-1] = reads[-1]._replace(flush=True)
+            out += reads
+        return out
     for seg in segments:
         start, stop = plan.span_of(seg.start, seg.stop)
         pieces = segments_of(plan.order, plan.ends, start, stop)
@@ -173,3 +252,26 @@ def augmented(lengths: np.ndarray, start: int, stop: int, raw: np.ndarray, raw_f
     if eos_id is not None:
         out[offset >= lengths[doc]] = eos_id
     return out, doc
+
+
+
+def augmented_mask(lengths: np.ndarray, start: int, stop: int, raw: np.ndarray, raw_from: int,
+                   bos: bool, eos: bool) -> np.ndarray:
+    """The loss mask (uint8, 1: a token to train on) of stream positions ``[start, stop)`` of a
+    unit of documents of ``lengths``, as ``augmented`` lays out its tokens: a raw token's own;
+    an inserted ``bos`` 0; an inserted ``eos`` its document's last token's (0 for an empty
+    document: the end of a trained reply is learnt, that of a prompt not). ``raw``: the unit's
+    raw mask from ``raw_from`` on (``raw_range``'s, and with ``eos`` the one before it)."""
+    nb, specials = int(bos), int(bos) + int(eos)
+    starts = _doc_starts(lengths, specials)
+    pos = np.arange(start, stop, dtype=np.int64)
+    doc = np.searchsorted(starts, pos, side="right") - 1
+    offset = pos - starts[doc] - nb
+    raw_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = np.zeros(stop - start, np.uint8)
+    inside = (offset >= 0) & (offset < lengths[doc])
+    out[inside] = raw[(raw_starts[doc] + offset)[inside] - raw_from]
+    if eos:
+        ended = (offset >= lengths[doc]) & (lengths[doc] > 0)
+        out[ended] = raw[(raw_starts[doc] + lengths[doc] - 1)[ended] - raw_from]
+    return out

@@ -16,6 +16,9 @@ Megatron's ``.idx`` (``MMIDIDX``, version 1), little-endian:
 
 A Megatron "sequence" is one tokenized document (or one sentence of it); streamdata's documents
 are these sequences, which the ``.bin`` holds back to back.
+
+A loss mask beside ``NAME.bin`` (flat or Megatron) is ``NAME.mask.bin``: one ``uint8`` per
+token, in the same order (1: a token to train on, 0: one not to); ``NAME.idx`` describes both.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from streamdata.redact import redact_url
 
 __all__ = ["COUNTS_FORMAT", "IDX_MAGIC", "MegatronIndex", "TarCounts", "decode_tar_counts",
            "encode_tar_counts", "idx_bytes", "npy_tokens", "parse_idx", "tar_token_counts", "tar_tokens",
-           "token_dtype", "tokens_of"]
+           "MASK_SUFFIX", "mask_of", "token_dtype", "tokens_of"]
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
+MASK_SUFFIX = ".mask.bin"  # a .bin's loss mask, beside it: NAME.mask.bin for NAME.bin
 _HEAD = struct.Struct("<9sQBQQ")
 IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
               7: np.float32, 8: np.uint16}
@@ -124,6 +128,21 @@ def tokens_of(data: bytes | bytearray | memoryview, dtype: np.dtype, url: str, e
                           f"bytes where {expected} {dtype} tokens were expected (truncated or "
                           "rewritten while read?)", url=url, key="bin")
     return np.frombuffer(data, dtype, n)
+
+
+def mask_of(data: bytes | bytearray | memoryview | np.ndarray, url: str, expected: int) -> np.ndarray:
+    """``expected`` loss-mask bytes (uint8) from ``data``; a short read or a value other than 0
+    and 1 (not a mask: another file, or one out of step with its tokens) is a FormatError."""
+    values = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    if len(values) != expected:
+        raise FormatError(f"{redact_url(url)} holds {len(values)} loss-mask bytes where {expected} were "
+                          "expected (one uint8 per token of its .bin: truncated, or written for other "
+                          "tokens?)", url=url, key="mask")
+    if len(values) and (int(values.max()) > 1 or int(values.min()) < 0):
+        bad = int(values.max()) if int(values.max()) > 1 else int(values.min())
+        raise FormatError(f"{redact_url(url)}: a loss mask holds 0 and 1 only, found {bad} "
+                          "(is it the mask, one uint8 per token?)", url=url, key="mask")
+    return values.astype(np.uint8, copy=False)
 
 
 # ---- tar shards with a 1-D integer .npy field per sample (WebDataset style) ----------------

@@ -8,7 +8,7 @@ keyword arguments), optionally its own ``workers``, and optionally ``stop`` + ``
 step after which every rank calls ``loader.state_dict()``; rank 0 writes it) or ``load`` (a
 state file to resume from). Each rank trains a tiny DDP model (gloo, CPU) and writes
 ``OUT_DIR/{tag}-rank{R}.json``: per case, its steps, every rank's steps, and the sequences it
-delivered.
+delivered (each followed by its labels, where the batches have them).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def run_case(case: dict, workers: int, rank: int) -> dict:
         features = lambda b: b["input_ids"][:, :4].float() / 1000  # noqa: E731
         for batch in ddp_steps(loader, model, optimizer, features, case, rank):
             steps += 1
-            seqs += batch["input_ids"].tolist()
+            seqs += batch["input_ids"].tolist() if "labels" not in batch else [  # (a sequence and its labels)
+                ids + labels for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),
+                                                    strict=True)]
     all_steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_steps, steps)
     return {"steps": steps, "all_steps": all_steps, "seqs": seqs}
