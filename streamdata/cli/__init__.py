@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import NoReturn
 
-from streamdata.cli import benchmark, conversion, indexing, inspection, listing
+from streamdata.cli import benchmark, conversion, indexing, inspection, listing, tokenizing
 from streamdata.cli.common import UsageError
 
 __all__ = ["main"]
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     demo.add_argument("--batch-size", type=int, default=32, help="samples per batch (default 32)")
     demo.set_defaults(run=_demo)
-    for module in (listing, inspection, indexing, conversion, benchmark):
+    for module in (listing, inspection, indexing, conversion, tokenizing, benchmark):
         module.add_parsers(sub)
     return parser
 
