@@ -7,6 +7,7 @@ from streamdata.datasets.mix import Mix
 from streamdata.datasets.objects import ObjectDataset
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.datasets.tar import TarDataset
+from streamdata.epoch.mix import Schedule
 from streamdata.epoch.state import merge_states
 from streamdata.epoch.world import World
 from streamdata.errors import (
@@ -72,6 +73,7 @@ __all__ = [
     "PinAhead",
     "Prefetcher",
     "Retry",
+    "Schedule",
     "Shard",
     "ShardFetchError",
     "ShardNotFoundError",

@@ -11,6 +11,9 @@ on every rank (MIX-CHOICES in ``epoch.mix``). The epoch ends by ``stop``:
   source has delivered its share once (with counts: as many as the rank with most);
 - ``samples=N``: N samples per epoch over the whole job, cycling sources as needed.
 
+``weights`` may be a :class:`~streamdata.epoch.mix.Schedule`: weights that follow the epoch's
+progress over the whole job (MIX-CHOICES).
+
 The state (``epoch.mix``) is every source's position plus the number of choices taken, per reader,
 in the dataset state format, so torchdata's ``StatefulDataLoader`` and ``sd.loader`` save and
 restore it as they do a dataset's; a restart on another world shape re-divides what each source
@@ -34,6 +37,9 @@ from streamdata.datasets.sharded import ShardedDataset, refuse_resplitting
 from streamdata.epoch.blocks import with_mode
 from streamdata.epoch.mix import (
     CYCLE_STRIDE,
+    Probs,
+    Schedule,
+    Scheduled,
     choices,
     counts_before,
     entry_of,
@@ -59,7 +65,9 @@ _EMPTY_CYCLES = 3  # a source that yields nothing this many cycles in a row: an 
 
 
 class Mix(torch.utils.data.IterableDataset):
-    """Samples drawn from ``sources`` (streamdata sharded datasets) with probabilities ``weights``.
+    """Samples drawn from ``sources`` (streamdata sharded datasets) with probabilities ``weights``:
+    one number per source, or an ``sd.Schedule`` (or a function of the epoch's fraction done) of
+    weights that change over the epoch.
 
     ``seed`` seeds the choices (per epoch, stage and worker index; never per rank). ``stop``:
     ``"first"`` (default) or ``"all"``; ``samples=N`` instead: N samples per epoch over the job.
@@ -69,7 +77,8 @@ class Mix(torch.utils.data.IterableDataset):
 
     state_format = STATE_FORMAT  # sd.loader's Loader gathers these states (``checkpoint``)
 
-    def __init__(self, sources: Sequence[ShardedDataset], weights: Sequence[float] | None = None, *,
+    def __init__(self, sources: Sequence[ShardedDataset],
+                 weights: Sequence[float] | Schedule | Callable[[float], Sequence[float]] | None = None, *,
                  seed: int = 0, stop: str | None = None, samples: int | None = None,
                  batch_size: int | None = None, drop_last: bool = False,
                  collate_fn: Callable[[list], Any] | None = None, dp_rank: int | None = None,
@@ -82,11 +91,16 @@ class Mix(torch.utils.data.IterableDataset):
             raise SpecError(f"the sources were built for different data-parallel places: {places}")
         self.data_parallel: DataParallel | None = places.pop()
         self.set_data_parallel(data_parallel(dp_rank, dp_size, mesh=mesh, group=group))
-        weights = [1.0] * len(self.sources) if weights is None else list(weights)
-        if len(weights) != len(self.sources):
-            raise SpecError(f"{len(weights)} weights for {len(self.sources)} sources: one weight per source")
-        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
-            raise SpecError(f"weights must be finite numbers > 0, got {weights}")
+        if callable(weights) and not isinstance(weights, Schedule):
+            weights = Schedule(weights)
+        self.schedule: Schedule | None = weights if isinstance(weights, Schedule) else None
+        if self.schedule is None:
+            weights = [1.0] * len(self.sources) if weights is None else list(weights)  # type: ignore[arg-type]
+            if len(weights) != len(self.sources):
+                raise SpecError(f"{len(weights)} weights for {len(self.sources)} sources: one weight per "
+                                "source")
+            if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+                raise SpecError(f"weights must be finite numbers > 0, got {weights}")
         if samples is not None and stop is not None:
             raise SpecError("give either stop= ('first' or 'all') or samples=N, not both")
         if samples is not None and (not isinstance(samples, int) or samples < 1):
@@ -98,9 +112,15 @@ class Mix(torch.utils.data.IterableDataset):
             raise SpecError(f"batch_size must be >= 1 or None, got {batch_size}")
         if not isinstance(seed, int) or seed < 0:
             raise SpecError(f"seed must be an int >= 0, got {seed!r}")
-        self.weights = [float(w) for w in weights]
-        self.probs = np.asarray(self.weights) / sum(self.weights)
         self.seed, self.stop, self.samples = seed, stop, samples
+        self.weights: list[float] | Schedule
+        self._horizon: int | None = None
+        if self.schedule is not None:
+            self.weights, self.probs = self.schedule, None
+            self._horizon = self._check_schedule(self.schedule)
+        else:
+            self.weights = [float(w) for w in weights]  # type: ignore[union-attr]
+            self.probs = np.asarray(self.weights) / sum(self.weights)
         self.batch_size, self.drop_last, self.collate_fn = batch_size, drop_last, collate_fn
         k = range(len(self.sources))
         self._counters = Counters([*(f"mix.taken.{i}" for i in k), *(f"mix.cycled.{i}" for i in k),
@@ -113,6 +133,40 @@ class Mix(torch.utils.data.IterableDataset):
             if empty:
                 raise SpecError(f"sources {empty} have no samples: they cannot be cycled (stop='all' or "
                                 "samples=N); remove them from the mix")
+
+    def _check_schedule(self, schedule: Schedule) -> int | None:
+        """The schedule's horizon (``by="fraction"``: the epoch's length over the job), checked."""
+        n = len(schedule(0.0))
+        if n != len(self.sources):
+            raise SpecError(f"the Schedule gives {n} weights for {len(self.sources)} sources: one weight per "
+                            "source")
+        horizon = None
+        if schedule.by == "fraction":
+            totals = [_total(s) for s in self.sources]
+            if self.samples is None and None in totals:
+                unknown = [i for i, t in enumerate(totals) if t is None]
+                raise SpecError(f"a Schedule by fraction needs the epoch's length, but the samples of "
+                                f"sources {unknown} are unknown until read (tar without an index: "
+                                "`streamdata index SPEC`): give samples=N, index the sources, or "
+                                "Schedule(..., by='samples')")
+            horizon = self.samples if self.samples is not None else sum(t or 0 for t in totals)
+        if self.stop == "all":
+            final = schedule.final()
+            if final is None or not all(w > 0 for w in final):
+                raise SpecError(f"with stop='all' every source needs a weight > 0 at the Schedule's end (got "
+                                f"{final if final is not None else 'a function of samples, with no end'}): a "
+                                "source left at 0 would never deliver its share; give each a weight there, "
+                                "or use stop='first' or samples=N")
+        return horizon
+
+    def _probs(self, before: Sequence[Stage[dict]], world: World) -> Probs:
+        """The choice probabilities of a stage of ``world``'s shape after ``before``: the weights,
+        or the schedule from the samples the earlier stages took (MIX-CHOICES)."""
+        if self.schedule is None:
+            assert self.probs is not None
+            return self.probs
+        start = sum(int(e["t"]) for stage in before for e in stage.known())
+        return Scheduled(self.schedule, start, world.slots, self._horizon)
 
     # ---- epochs and counts ------------------------------------------------------------
 
@@ -202,8 +256,8 @@ class Mix(torch.utils.data.IterableDataset):
                                 "until they are read (tar without an index: `streamdata index SPEC`); give "
                                 "samples=N, or the trainer the steps to run (max_steps=...)")
             assert self.stop is not None
-            return taken_in_stage(self.probs, self.seed, self.epoch, len(before), w.worker, limits.quotas,
-                                  self.stop)
+            return taken_in_stage(self._probs(before, w), self.seed, self.epoch, len(before), w.worker,
+                                  limits.quotas, self.stop)
 
         world = self.world()
         nw = max(int(num_workers), 1)
@@ -225,9 +279,11 @@ class Mix(torch.utils.data.IterableDataset):
     # ---- the state -------------------------------------------------------------------
 
     def describe(self) -> dict:
-        """What a state must match: each source's fingerprint and split, weights, seed, stop, samples."""
+        """What a state must match: each source's fingerprint and split, weights (or schedule), seed,
+        stop, samples."""
         keys = [s.state_key() for s in self.sources]
-        return {"sources": [k[0] for k in keys], "splits": [k[1] for k in keys], "weights": self.weights,
+        weights = self.schedule.describe() if self.schedule is not None else self.weights
+        return {"sources": [k[0] for k in keys], "splits": [k[1] for k in keys], "weights": weights,
                 "seed": self.seed, "stop": self.stop, "samples": self.samples}
 
     def _head(self, epoch: int, stages: list) -> dict:
@@ -319,7 +375,7 @@ class Mix(torch.utils.data.IterableDataset):
         end is known before the last sample goes (the next choice is drawn first), so the state
         taken after the last batch says it (``end``: a restart on another world then hands that
         reader's leftovers to no one; they were counted as undelivered)."""
-        chosen = choices(self.probs, self.seed, run.epoch, len(run.before), run.world.worker, run.t)
+        chosen = choices(run.probs, self.seed, run.epoch, len(run.before), run.world.worker, run.t)
         k = next(chosen)
         started_ended = run.ended = run.ended or run.over(k)
         try:
@@ -360,7 +416,8 @@ class _Run:
         self.cycles = [c for c, _ in entry["sources"]]
         self.iters: list[Any] = [None] * n
         self.empty = [0] * n
-        self.chosen = counts_before(mix.probs, mix.seed, epoch, len(before), world.worker, self.t)
+        self.probs = mix._probs(before, world)
+        self.chosen = counts_before(self.probs, mix.seed, epoch, len(before), world.worker, self.t)
         self.budget, lost, self.quotas, self.own = _limits(mix, world, epoch, before)
         if lost and world.slot == 0 and self.t == 0:
             mix._counters.add("mix.left_out", lost)

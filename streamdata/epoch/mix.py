@@ -10,7 +10,10 @@ and a source's own state is rebuilt from the mix's (:func:`source_stages`).
 
 Invariant (MIX-CHOICES): the choices of a reader are a function of ``(seed, epoch, stage,
 worker)`` and the position ``t`` alone (blocks of ``BLOCK`` draws, each seeded on its own), never
-of the rank: readers of the same worker index make the same choices on every rank. With every
+of the rank: readers of the same worker index make the same choices on every rank. A
+:class:`Schedule`'s weights at ``t`` follow the progress of the whole job (:class:`Scheduled`):
+the samples taken in the epoch's earlier stages plus ``t`` times the stage's readers, a number
+every reader of the stage computes alike from the state, on any world. With every
 source's sample counts known, each reader's quotas (the samples it takes of each source in the
 stage) are the same on every rank too (:func:`quotas`), so every rank yields the same number
 of samples.
@@ -20,17 +23,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from typing import Any
+import math
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from streamdata.epoch.plan import slot_sizes
 from streamdata.epoch.resume import Stage, UnitPosition, resume_span
 from streamdata.epoch.world import World
+from streamdata.errors import SpecError
 
-__all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "choices", "counts_before", "entry_of", "mix_fingerprint",
-           "parse_entry", "quotas", "source_stages", "split_budget", "start_entry", "taken_in_stage"]
+__all__ = ["BLOCK", "CYCLE_STRIDE", "FULL", "Probs", "Schedule", "Scheduled", "choices", "counts_before",
+           "entry_of", "mix_fingerprint", "parse_entry", "quotas", "source_stages", "split_budget",
+           "start_entry", "taken_in_stage"]
 
 BLOCK = 1024  # choices per seeded block: position t is reached without drawing what is before it
 CYCLE_STRIDE = 1 << 32  # a source's epoch in cycle c of mix epoch e: e + c * CYCLE_STRIDE
@@ -38,27 +45,158 @@ FULL = 1 << 53  # a source position past any span: "delivered all of it" (clampe
 _MAGIC = 0x6D6978  # "mix": keeps these draws apart from the plan's own seeds
 
 
-def choices(probs: np.ndarray, seed: int, epoch: int, stage: int, worker: int,
-            start: int = 0) -> Iterator[int]:
+class Schedule:
+    """Mixture weights that change over an epoch (``sd.Mix(sources, weights=sd.Schedule(...))``).
+
+    ``points``: ``[(x, weights), ...]`` with ``x`` increasing, the weights interpolated linearly
+    between points and held before the first and after the last; or a callable
+    ``f(x) -> weights`` (picklable, for DataLoader workers: a module-level function or a
+    ``functools.partial`` of one; pure: the same ``x`` gives the same weights). Weights are
+    numbers >= 0 with a positive sum, one per source. ``by``: what ``x`` counts, for the whole job
+    (every rank and worker together) from the epoch's start: ``"fraction"`` of the epoch's length
+    (``samples=N``: of ``N``; with ``stop=``, of every source's samples together; from 0 to 1,
+    held at 1 after) or ``"samples"`` taken.
+    """
+
+    BY = ("fraction", "samples")
+
+    def __init__(self, points: Sequence[tuple[float, Sequence[float]]] | Callable[[float], Sequence[float]],
+                 by: str = "fraction") -> None:
+        if by not in self.BY:
+            raise SpecError(f"a Schedule's by must be 'fraction' or 'samples', got {by!r}")
+        self.by = by
+        self.fn: Callable[[float], Sequence[float]] | None = None
+        self.xs: np.ndarray | None = None
+        self.ws: np.ndarray | None = None
+        if callable(points):
+            try:
+                pickle.dumps(points)
+            except Exception as exc:
+                raise SpecError(f"the Schedule's function {points!r} cannot be pickled "
+                                f"({type(exc).__name__}), so DataLoader workers cannot receive it: define "
+                                "it at a module's top level (not a lambda or a nested function), or give "
+                                "points [(x, weights), ...]") from exc
+            self.fn = points
+            return
+        try:
+            pairs = [(float(x), [float(w) for w in ws]) for x, ws in points]
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"a Schedule takes [(x, [weight, ...]), ...] or a function, got {points!r}") \
+                from exc
+        if not pairs:
+            raise SpecError("a Schedule needs at least one point (x, weights)")
+        xs = [x for x, _ in pairs]
+        if not all(math.isfinite(x) and x >= 0 for x in xs) or any(np.diff(xs) <= 0):
+            raise SpecError(f"a Schedule's x must be finite, >= 0 and increasing, got {xs}")
+        if len({len(ws) for _, ws in pairs}) > 1:
+            raise SpecError(f"a Schedule's points give different numbers of weights: {[w for _, w in pairs]}")
+        for x, ws in pairs:
+            _check_weights(ws, x)
+        self.xs, self.ws = np.asarray(xs), np.asarray([ws for _, ws in pairs])
+
+    def __call__(self, x: float) -> list[float]:
+        """The weights at ``x`` (not normalised)."""
+        return self.at(np.asarray([x], dtype=np.float64))[0].tolist()
+
+    def at(self, x: np.ndarray) -> np.ndarray:
+        """The weights at each ``x``: an array (len(x), sources)."""
+        if self.fn is not None:
+            rows = []
+            for v in x.tolist():
+                ws = self.fn(v)
+                try:
+                    ws = [float(w) for w in ws]
+                except (TypeError, ValueError) as exc:
+                    raise SpecError(f"the Schedule's function gave {ws!r} at {v}: give a list of numbers") \
+                        from exc
+                rows.append(_check_weights(ws, v))
+            if len({len(r) for r in rows}) > 1:
+                raise SpecError("the Schedule's function gave different numbers of weights")
+            return np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
+        assert self.xs is not None and self.ws is not None
+        return np.stack([np.interp(x, self.xs, self.ws[:, k]) for k in range(self.ws.shape[1])], axis=1)
+
+    def final(self) -> list[float] | None:
+        """The weights that hold at the end: after the last point, or a function's at 1 (``by=
+        "fraction"``); None for a function of ``"samples"`` (no end)."""
+        if self.ws is not None:
+            return self.ws[-1].tolist()
+        return self(1.0) if self.by == "fraction" else None
+
+    def describe(self) -> dict:
+        """What a saved state must match: the points, or the function's module and name."""
+        if self.fn is not None:
+            fn = getattr(self.fn, "func", self.fn)  # (a functools.partial: its function)
+            name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+            return {"by": self.by, "function": name}
+        assert self.xs is not None and self.ws is not None
+        points = zip(self.xs.tolist(), self.ws.tolist(), strict=True)
+        return {"by": self.by, "points": [[x, w] for x, w in points]}
+
+    def __repr__(self) -> str:
+        what = self.fn if self.fn is not None else self.describe()["points"]
+        return f"Schedule({what!r}, by={self.by!r})"
+
+
+def _check_weights(ws: list[float], x: float) -> list[float]:
+    if not ws or not all(math.isfinite(w) and w >= 0 for w in ws) or sum(ws) <= 0:
+        raise SpecError(f"a Schedule's weights at {x} must be numbers >= 0 with a positive sum, got {ws}")
+    return ws
+
+
+class Scheduled(NamedTuple):
+    """A schedule over one stage's positions: the choice at position ``t`` of any of its readers
+    uses the weights at ``(start + t * readers) / horizon`` (``by="fraction"``, at most 1) or at
+    ``start + t * readers`` (``"samples"``): ``start``, the samples the epoch's earlier stages
+    took over the job; ``readers``, the stage's (ranks x workers), each at about its own ``t``."""
+
+    schedule: Schedule
+    start: int
+    readers: int
+    horizon: int | None  # by="fraction": the epoch's length
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        """The probabilities at positions ``t``: an array (len(t), sources)."""
+        x = (self.start + t.astype(np.float64) * self.readers)
+        if self.schedule.by == "fraction":
+            x = np.minimum(x / max(self.horizon or 0, 1), 1.0)
+        ws = self.schedule.at(x)
+        return ws / ws.sum(axis=1, keepdims=True)
+
+
+Probs = np.ndarray | Scheduled  # constant probabilities, or a schedule's
+
+
+def _draws(probs: Probs, seed: int, epoch: int, stage: int, worker: int, block: int) -> np.ndarray:
+    """The ``BLOCK`` choices of block ``block`` (constant probabilities: ``Generator.choice``'s
+    own draws; a schedule: the same inverse-CDF draw, row by row)."""
+    rng = np.random.default_rng([seed, epoch, stage, worker, block, _MAGIC])
+    if isinstance(probs, np.ndarray):
+        return rng.choice(len(probs), BLOCK, p=probs)
+    cdf = np.cumsum(probs(np.arange(block * BLOCK, (block + 1) * BLOCK)), axis=1)
+    cdf /= cdf[:, -1:]
+    return (cdf <= rng.random(BLOCK)[:, None]).sum(axis=1)
+
+
+def choices(probs: Probs, seed: int, epoch: int, stage: int, worker: int, start: int = 0) -> Iterator[int]:
     """The sources chosen at positions ``start, start + 1, ...`` (MIX-CHOICES)."""
     block, i = divmod(start, BLOCK)
     while True:
-        rng = np.random.default_rng([seed, epoch, stage, worker, block, _MAGIC])
-        yield from rng.choice(len(probs), BLOCK, p=probs)[i:].tolist()
+        yield from _draws(probs, seed, epoch, stage, worker, block)[i:].tolist()
         block, i = block + 1, 0
 
 
-def counts_before(probs: np.ndarray, seed: int, epoch: int, stage: int, worker: int, t: int) -> list[int]:
+def counts_before(probs: Probs, seed: int, epoch: int, stage: int, worker: int, t: int) -> list[int]:
     """How many times each source was chosen at positions ``[0, t)``."""
-    out = np.zeros(len(probs), dtype=np.int64)
+    n = _width(probs)
+    out = np.zeros(n, dtype=np.int64)
     for block in range(-(-t // BLOCK)):
-        rng = np.random.default_rng([seed, epoch, stage, worker, block, _MAGIC])
-        draws = rng.choice(len(probs), BLOCK, p=probs)[: t - block * BLOCK]
-        out += np.bincount(draws, minlength=len(probs))
+        draws = _draws(probs, seed, epoch, stage, worker, block)[: t - block * BLOCK]
+        out += np.bincount(draws, minlength=n)
     return out.tolist()
 
 
-def taken_in_stage(probs: np.ndarray, seed: int, epoch: int, stage: int, worker: int, quotas: Sequence[int],
+def taken_in_stage(probs: Probs, seed: int, epoch: int, stage: int, worker: int, quotas: Sequence[int],
                    stop: str) -> int:
     """The samples a reader takes in a stage whose quotas are ``quotas``: ``stop="first"``, up to
     the first choice of a source that has delivered its quota; ``"all"``, until every source has
@@ -66,12 +204,12 @@ def taken_in_stage(probs: np.ndarray, seed: int, epoch: int, stage: int, worker:
     need = np.asarray(quotas, dtype=np.int64)
     if stop == "all" and not need.any():
         return 0
-    counts = np.zeros(len(probs), dtype=np.int64)
+    n = len(need)
+    counts = np.zeros(n, dtype=np.int64)
     block = 0
     while True:
-        rng = np.random.default_rng([seed, epoch, stage, worker, block, _MAGIC])
-        draws = rng.choice(len(probs), BLOCK, p=probs)
-        seen = np.zeros((BLOCK, len(probs)), dtype=np.int64)  # choices of each source before each draw
+        draws = _draws(probs, seed, epoch, stage, worker, block)
+        seen = np.zeros((BLOCK, n), dtype=np.int64)  # choices of each source before each draw
         seen[np.arange(BLOCK), draws] = 1
         before = counts + np.cumsum(seen, axis=0) - seen
         if stop == "first":
@@ -82,6 +220,10 @@ def taken_in_stage(probs: np.ndarray, seed: int, epoch: int, stage: int, worker:
             return block * BLOCK + int(over[0])
         counts += seen.sum(axis=0)
         block += 1
+
+
+def _width(probs: Probs) -> int:
+    return len(probs) if isinstance(probs, np.ndarray) else int(probs(np.zeros(1, dtype=np.int64)).shape[1])
 
 
 def mix_fingerprint(describe: dict) -> str:

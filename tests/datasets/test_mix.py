@@ -56,7 +56,8 @@ def make(root, weights=(1, 1), **kw):
     tar = sd.TarDataset(root + "/tar/", map=tar_row, shuffle=True, seed=1, shuffle_buffer=kw.pop("buffer", 0),
                         index=kw.pop("index", "auto"))
     parquet = sd.ParquetDataset(root + "/pq/", map=pq_row, shuffle=True, seed=2)
-    return sd.Mix([tar, parquet], weights=list(weights), seed=kw.pop("seed", 7), **kw)
+    weights = list(weights) if isinstance(weights, (list, tuple)) else weights  # (or a Schedule)
+    return sd.Mix([tar, parquet], weights=weights, seed=kw.pop("seed", 7), **kw)
 
 
 def pairs(item):

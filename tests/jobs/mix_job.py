@@ -3,11 +3,11 @@
 
     python -m torch.distributed.run --nproc_per_node=N tests/jobs/mix_job.py OUT_DIR CONFIG_JSON
 
-CONFIG: ``tar``, ``parquet`` (specs), ``storage_options``, ``workers``, ``tag``, and either ``stop``
-(the step after which every rank calls ``loader.state_dict()``, a collective; rank 0 writes it to
-``save``) or ``load``. Each rank trains a tiny DDP model (gloo, CPU) and writes
-``OUT_DIR/{tag}-rank{R}.json``: its steps, every rank's steps, the (source, id) pairs it delivered
-and its mix counters.
+CONFIG: ``tar``, ``parquet`` (specs), ``storage_options``, ``workers``, ``tag``, ``schedule``
+(true: weights from ``SCHEDULE``, else 2:1), and ``stop`` (the step after which every rank calls
+``loader.state_dict()``, a collective; rank 0 writes it to ``save``), ``load``, or neither. Each
+rank trains a tiny DDP model (gloo, CPU) and writes ``OUT_DIR/{tag}-rank{R}.json``: its steps,
+every rank's steps, the (source, id) pairs it delivered and its mix counters.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch.distributed as dist
 import streamdata as sd
 from tests.helpers import ddp_steps
 from tests.jobs._leave import leave
+
+SCHEDULE = [(0.0, [2.0, 1.0]), (1.0, [1.0, 3.0])]  # the Parquet source from 1/3 to 3/4 over the epoch
 
 
 def tar_row(sample):
@@ -43,7 +45,7 @@ def main(out_dir: str, config_json: str) -> None:
     mix = sd.Mix([sd.TarDataset(cfg["tar"], storage_options=options, shuffle=True, seed=3, map=tar_row),
                   sd.ParquetDataset(cfg["parquet"], storage_options=options, shuffle=True, seed=4,
                                     map=pq_row)],
-                 weights=[2, 1], seed=5, stop=cfg["mode"])
+                 weights=sd.Schedule(SCHEDULE) if cfg.get("schedule") else [2, 1], seed=5, stop=cfg["mode"])
     pairs, steps = [], 0
     with sd.loader(mix, batch_size=4, num_workers=cfg["workers"]) as loader:
         loader.set_epoch(1)
