@@ -30,6 +30,16 @@ def test_latency_benchmark_quick_reads_every_sample(tmp_path):
     assert "Per round (2 rounds, methods interleaved)" in done.stdout
 
 
+
+def test_token_shuffle_benchmark_quick(tmp_path):
+    out = tmp_path / "token_shuffle.json"
+    cmd = [sys.executable, "-m", "benchmarks.token_shuffle", "--quick", "--delays", "0", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [row] = json.loads(out.read_text())["results"]
+    assert row["sequential"]["tokens"] == row["sequences"]["tokens"] > 0
+    assert row["sequences"]["bytes_per_token"] == row["sequential"]["bytes_per_token"]
+
 def test_latency_benchmark_rss_mode(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.latency", "--rss", "--rss-sizes", "1,16", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -118,6 +118,13 @@ def test_the_docs_fine_tuning_recipe_runs(aws):
     assert not ((ids < 200) & (ids != 2) & learnt).any()  # a prompt's tokens (and padding) never labels
     assert ((ids >= 200) & ~learnt).sum() <= (batch["position_ids"] == 0).sum()  # but at a document start
 
+def test_the_docs_shuffle_recipe_runs(aws):
+    (code,) = _blocks(ROOT / "docs" / "tokens.md", "## Shuffle")
+    ns = _run(code)
+    ds = ns["ds"]
+    assert ds.block_sequences == 1024 // (32 * 2) and ds.block_window() == 4 * 16
+    assert len(ns["first"]) == 8 and ds.num_sequences == FILES * TOKENS // 32
+
 
 def test_the_readme_recipe_runs(aws):
     (code,) = _blocks(ROOT / "README.md", "### Token streams for language models")

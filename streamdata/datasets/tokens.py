@@ -18,6 +18,13 @@ samples of the reader's span, from the counting pass's offsets). Loss masks (fin
 are read with their tokens: a ``.bin``'s ``NAME.mask.bin`` in the same byte spans (a read of
 its own after each token read: ``TokenMask``), a Parquet column's in the same item; batches
 then carry ``labels`` (``batch.tokens``). See docs/tokens.md.
+
+``shuffle="sequences"`` shuffles the sequences themselves, in two levels that keep reads ranged:
+blocks of consecutive sequences (``block_bytes`` each, one ranged read) in a seeded order across
+the whole corpus (``epoch.tokens.with_blocks``), then, in each reader, the sequences of windows
+of ``window_blocks`` of its blocks put out in a seeded permutation (BLOCK-SHUFFLE in
+``epoch.blocks``: the order is a function of the plan and the position, so the position is
+still the sequences delivered).
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ from streamdata.catalog.tokens import mask_shards, sidecar_dtype
 from streamdata.datasets.passes import Batching, Read, ReaderPass
 from streamdata.datasets.sharded import ShardedDataset
 from streamdata.datasets.token_layouts import FlatBin, MegatronIdx, ParquetColumn, TarNpy, TokenLayout
-from streamdata.epoch.plan import SampleSlice
+from streamdata.epoch import blocks
+from streamdata.epoch.plan import SampleSlice, Segment, Span
 from streamdata.epoch.resume import Stage, resume_span
+from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.state import fingerprint
 from streamdata.epoch.tokens import (
     SequencePlan,
@@ -46,6 +55,7 @@ from streamdata.epoch.tokens import (
     sequence_plan,
     token_reads,
     unit_tokens,
+    with_blocks,
 )
 from streamdata.errors import SpecError
 from streamdata.fetch.prefetcher import FetchItem, ItemReader
@@ -60,6 +70,9 @@ __all__ = ["TokenDataset", "TokenMask", "TokenUnit"]
 
 PARTIAL = ("drop", "pad")
 PACKING = ("concat", "fit", "best_fit")
+SHUFFLES = (False, True, "sequences")
+BLOCK_BYTES = 4 * 2**20  # shuffle="sequences": a block's tokens, one ranged read (ORDER-NOT-IO: fixed)
+WINDOW_BLOCKS = 4  # shuffle="sequences": blocks whose sequences a reader permutes together
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,15 @@ class TokenMask:
     follows each read of the unit's tokens."""
 
     unit: TokenUnit
+
+
+@dataclass(frozen=True)
+class TokenPass(ReaderPass):
+    """A token reader's pass: its reads made from ``segments`` of the epoch's positions (in the
+    order read: the span's, or the sequence shuffle's windows'), which say where runs of
+    sequences end (``epoch.tokens.token_reads``)."""
+
+    segments: tuple[Segment, ...] = ()
 
 
 class TokenDataset(ShardedDataset):
@@ -109,7 +131,11 @@ class TokenDataset(ShardedDataset):
     reads a loss mask beside each ``.bin`` (``NAME.mask.bin``, a uint8 per token), ``mask_column=``
     (``"loss_mask"`` with ``loss_mask=True``) a Parquet list column of them beside ``column``:
     batches then carry ``labels`` (``batch.tokens``). ``shuffle=True`` shuffles the
-    units' order per epoch (seeded); ``drop_last``, ``seed``, ``collate_fn``, ``map``, fetch and
+    units' order per epoch (seeded); ``shuffle="sequences"`` also the sequences' order: blocks of
+    consecutive sequences of about ``block_bytes`` (default 4 MiB, one ranged read each) in a
+    seeded order across the corpus, and in each reader the sequences of ``window_blocks``
+    (default 4) of its blocks at a time in a seeded permutation (not for a Parquet column, whose
+    row groups are read whole); ``drop_last``, ``seed``, ``collate_fn``, ``map``, fetch and
     storage options as for the other sharded datasets (the same pass: ``sharded``). Every token
     of an epoch in exactly one sequence, every rank the same number of steps (TOKENS-ONCE,
     EQUAL-STEPS); ``state_dict`` is exact to the token.
@@ -121,18 +147,36 @@ class TokenDataset(ShardedDataset):
                  pad_id: int = 0, partial: str = "drop", documents: bool = False,
                  sep_id: int | None = None, packing: str = "concat", footer_bytes: int = 64 * 1024,
                  field: str | None = None, progress: bool | None = None, counts: str | None = "auto",
-                 loss_mask: bool = False, mask_column: str | None = None, **options: Any) -> None:
+                 loss_mask: bool = False, mask_column: str | None = None,
+                 block_bytes: int | None = None, window_blocks: int | None = None,
+                 **options: Any) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"seq_len must be a positive int, got {seq_len!r}")
         if partial not in PARTIAL:
             raise SpecError(f"partial must be 'drop' or 'pad', got {partial!r}")
         for name in ("shuffle_buffer", "shuffle_window"):
             if options.get(name) is not None:
-                raise SpecError(f"TokenDataset takes no {name}: shuffle=True shuffles its units' order; "
-                                "sequences are batched as they are packed")
-        if options.get("shuffle") not in (None, False, True):
-            raise SpecError(f"TokenDataset: shuffle is True or False (the units' order), got "
-                            f"{options['shuffle']!r}")
+                raise SpecError(f"TokenDataset takes no {name}: shuffle=True shuffles its units' order, "
+                                "shuffle='sequences' the sequences' (block_bytes=, window_blocks=)")
+        shuffle = options.get("shuffle", False)
+        if not any(shuffle is x or (isinstance(x, str) and shuffle == x) for x in SHUFFLES):
+            raise SpecError(f"TokenDataset: shuffle is False, True (the units' order) or 'sequences' (the "
+                            f"sequences' order, in blocks), got {shuffle!r}")
+        self.shuffle_sequences = shuffle == "sequences"
+        if self.shuffle_sequences:
+            options["shuffle"] = True  # (the units' order too; the blocks' order is the plan's)
+            if column is not None:
+                raise SpecError("shuffle='sequences' reads blocks of sequences in byte ranges; a Parquet "
+                                "column's row groups are read whole: use shuffle=True (row groups' order) "
+                                "or write smaller row groups")
+        elif block_bytes is not None or window_blocks is not None:
+            raise SpecError("block_bytes= and window_blocks= size the sequence shuffle: pass "
+                            "shuffle='sequences'")
+        for name, value in (("block_bytes", block_bytes), ("window_blocks", window_blocks)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise SpecError(f"{name} must be a positive int, got {value!r}")
+        self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+        self.window_blocks = WINDOW_BLOCKS if window_blocks is None else window_blocks
         if options.get("on_error", "raise") != "raise":
             raise SpecError("TokenDataset reads every token of its plan: on_error must be 'raise' "
                             "(a skipped unit would break the epoch's token accounting)")
@@ -202,6 +246,10 @@ class TokenDataset(ShardedDataset):
                             "has a .idx, which already says where documents end")
         self._tokens = unit_tokens([u.docs for u in self.units_], [u.tokens for u in self.units_],
                                    self.specials)
+        # shuffle="sequences": sequences per block, from the corpus's bytes per token (ORDER-NOT-IO)
+        per_token = self.dtype.itemsize if self.dtype is not None else (
+            sum(u.size for u in self.units_) / max(sum(u.tokens for u in self.units_), 1))
+        self.block_sequences = max(1, int(self.block_bytes // max(self.width * per_token, 1)))
 
     # ---- what the metadata says ------------------------------------------------------------
 
@@ -261,19 +309,26 @@ class TokenDataset(ShardedDataset):
         return np.array([self.plan(0).sequences], dtype=np.int64)
 
     def block_window(self) -> int | None:
-        return None  # shuffle=True orders units; sequences stay in stream order
+        """shuffle="sequences": the window in sequences (``window_blocks`` blocks); else None
+        (shuffle=True orders units; sequences stay in stream order)."""
+        if not (self.shuffle and self.shuffle_sequences):
+            return None
+        return self.window_blocks * self.block_sequences
 
     def state_key(self) -> tuple[str, str]:
         key = (self.seed, self.shuffle)
         if self._state_key is None or self._state_key[0] != key:
+            blocked = [self.block_sequences] if self.block_window() else []  # (the window: the state's tag)
             fp = fingerprint(self.shards, [*self._tokens.tolist(), self.width, self.specials,
-                                           PARTIAL.index(self.partial), PACKING.index(self.packing)],
+                                           PARTIAL.index(self.partial), PACKING.index(self.packing),
+                                           *blocked],
                              seed=self.seed, shuffle=self.shuffle)
             self._state_key = (key, (fp, "samples"))
         return self._state_key[1]
 
     def plan(self, epoch: int | None = None) -> SequencePlan:
-        """The epoch's stream and its sequences (``epoch.tokens``)."""
+        """The epoch's stream and its sequences (``epoch.tokens``), in blocks in the epoch's order
+        with shuffle="sequences"."""
         epoch = self.epoch if epoch is None else epoch
         if self.packing != "concat":  # (a walk over every document: kept for the epoch)
             key = (epoch, self.seed, self.shuffle)
@@ -282,9 +337,13 @@ class TokenDataset(ShardedDataset):
                 packer = fit_plan if self.packing == "fit" else best_fit_plan
                 self._fit = (key, packer(self._tokens, docs, self.width, self.specials, seed=self.seed,
                                          epoch=epoch, shuffle=self.shuffle))
-            return self._fit[1]
-        return sequence_plan(self._tokens, self.width, pad=self.partial == "pad", seed=self.seed,
-                             epoch=epoch, shuffle=self.shuffle)
+            sp = self._fit[1]
+        else:
+            sp = sequence_plan(self._tokens, self.width, pad=self.partial == "pad", seed=self.seed,
+                               epoch=epoch, shuffle=self.shuffle)
+        if self.block_window() and sp.sequences:
+            sp = with_blocks(sp, self.block_sequences, seed=self.seed, epoch=epoch)
+        return sp
 
     @property
     def num_tokens(self) -> int:
@@ -300,11 +359,30 @@ class TokenDataset(ShardedDataset):
                    stages: list[Stage] | None = None) -> ReaderPass:
         world = self.world()
         sp = self.plan(epoch)
-        span = resume_span([sp.sequences], stages or [], world, seed=self.seed, epoch=epoch, shuffle=False,
-                           batch_size=batch_size, drop_last=drop_last)
+        counts, window = sp.position_counts(), self.block_window()
+        runs = blocks.block_runs(window, False, self.seed, epoch, self.window_blocks) if window else None
+
+        def span_of(stages: list[Stage]) -> Span:
+            return resume_span(counts, stages, world, seed=self.seed, epoch=epoch, shuffle=False,
+                               batch_size=batch_size, drop_last=drop_last, undelivered=runs)
+
+        span = span_of(stages or [])
+        segments, windows = tuple(span.segments), None
+        if window:  # the sequence shuffle's windows (BLOCK-SHUFFLE), from the one the position is in
+            d, full = 0, span
+            if stages and stages[-1].same_shape(world):
+                last = stages[-1]
+                d = last.delivered[world.slot] or 0
+                full = span_of([*stages[:-1], Stage(last.world_size, last.num_workers, [
+                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])])
+            # pieces of one block each (the span's segments are cut at the blocks' edges): a window
+            # gathers ``window_blocks`` blocks of the reader's span, each one ranged read
+            cut, windows = blocks.block_reads(full, d, window, False, reader_seed(world, seed=self.seed,
+                                              epoch=epoch), False, self.window_blocks)
+            segments = tuple(cut)
         reads = [Read(self.units_[r.unit], SampleSlice(r.start, r.stop, int(self._tokens[r.unit])))
-                 for r in token_reads(sp, span.segments)]
-        return ReaderPass(world, epoch, self._with_masks(reads), span)
+                 for r in token_reads(sp, segments)]
+        return TokenPass(world, epoch, self._with_masks(reads), span, windows, segments)
 
     def _with_masks(self, reads: list[Read]) -> list[Read]:
         """Each read of a ``.bin``'s tokens followed by the read of their loss mask (``TokenMask``)."""
@@ -365,15 +443,18 @@ class TokenDataset(ShardedDataset):
         (``batch.tokens.pack``; a run of sequences ends where the plan's reads say) -> ``map`` ->
         batches of the plan's sizes (EQUAL-STEPS)."""
         sp = self.plan(p.epoch)
-        reads = token_reads(sp, p.span.segments) if p.span is not None else []
+        segments = p.segments if isinstance(p, TokenPass) else p.span.segments if p.span is not None else ()
+        reads = token_reads(sp, segments)
         flushes = iter([r.flush for r in reads])
         chunks = self._chunks(records, flushes)
         lengths = None
         if (sp.bounds is not None or sp.pieces is not None) and p.span is not None:  # fit: sequences' lengths
-            lengths = [int(n) for s in p.span.segments for n in sp.lengths(s.start, s.stop)]
+            lengths = [int(n) for a, b in sp.stream_runs(segments) for n in sp.lengths(a, b)]
         seqs: Iterator[Any] = pack(chunks, self.width, pad_id=self.pad_id, documents=self.documents,
                                    padded=lambda n: self._counters.add("tokens.padded", n), lengths=lengths,
                                    labels=self.loss_mask)
+        if batching.windows is not None:  # shuffle="sequences": each window's seeded permutation
+            seqs = blocks.block_shuffled(seqs, batching.windows)
         if self._map is not None:
             seqs = policy.each(seqs, self._map, run=StageClock.MAP)
         if self._live is not None:

@@ -20,6 +20,15 @@ Packing ``"fit"`` (``fit_plan``) cuts the stream at document boundaries, still i
 it; packing ``"best_fit"`` (``best_fit_plan``) packs each window of documents into sequences by
 best fit, so a sequence is a list of whole documents (``pieces``), each still in exactly one
 sequence, but the tail of a document longer than a sequence: left out, counted (``truncated``).
+
+The sequence shuffle (``shuffle="sequences"``, :func:`with_blocks`): the stream's sequences are
+grouped into *blocks* of ``block`` consecutive sequences (one ranged read each), and the epoch's
+sequence of *positions* is the blocks in a seeded order (``rng([seed, epoch, BLOCK_TAG])``). So
+the positions that ``plan`` and ``resume`` divide are still ``sequences`` samples, one per
+sequence, given to ``resume_span`` as units of the blocks' sizes in that order
+(``position_counts``): a segment of unit ``j`` is a run of sequences inside block
+``blocks[j]`` (``stream_runs``), and TOKENS-ONCE holds as above (a permutation of whole
+sequences). The reader's window shuffle over those blocks is ``blocks``' (BLOCK-SHUFFLE).
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ import numpy as np
 from streamdata.epoch.plan import Segment, segments_of
 from streamdata.epoch.sharding import epoch_order
 
-__all__ = ["BEST_FIT_WINDOW", "SequencePlan", "TokenRead", "augmented", "augmented_mask", "best_fit_plan",
-           "fit_plan", "raw_range", "sequence_plan", "token_reads", "unit_tokens"]
+__all__ = ["BEST_FIT_WINDOW", "BLOCK_TAG", "SequencePlan", "TokenRead", "augmented", "augmented_mask",
+           "best_fit_plan", "fit_plan", "raw_range", "sequence_plan", "token_reads", "unit_tokens",
+           "with_blocks"]
 
 BEST_FIT_WINDOW = 256  # packing "best_fit": documents packed together come from this many sequences' tokens
+BLOCK_TAG = 0x5E0B  # seed material that sets the sequence blocks' order apart from the units'
 
 
 class SequencePlan(NamedTuple):
@@ -51,6 +62,8 @@ class SequencePlan(NamedTuple):
     pieces: np.ndarray | None = None  # packing "best_fit": each sequence's documents, [n, 2] stream ranges
     firsts: np.ndarray | None = None  # ... where each sequence's pieces start in ``pieces``, and the end
     truncated: int = 0  # packing "best_fit": tokens of documents longer than a sequence left out
+    block: int = 0  # shuffle="sequences": sequences per block (0: positions are the stream's order)
+    blocks: np.ndarray | None = None  # the blocks in the epoch's order (``with_blocks``)
 
     @property
     def dropped(self) -> int:
@@ -75,6 +88,22 @@ class SequencePlan(NamedTuple):
             return np.diff(self.bounds[first:stop + 1])
         ends = np.minimum(np.arange(first + 1, stop + 1) * self.width, self.tokens)
         return ends - np.arange(first, stop) * self.width
+
+    def position_counts(self) -> np.ndarray:
+        """The epoch's positions as ``resume_span``'s units: one of ``sequences`` samples, or the
+        blocks' sizes in the epoch's block order (the sequence shuffle)."""
+        if self.blocks is None:
+            return np.array([self.sequences], dtype=np.int64)
+        starts = self.blocks * self.block
+        return np.minimum(starts + self.block, self.sequences) - starts
+
+    def stream_runs(self, segments: Sequence[Segment]) -> list[tuple[int, int]]:
+        """The stream's sequences ``[first, stop)`` that ``segments`` of positions (over
+        ``position_counts``' units) hold, in order."""
+        if self.blocks is None:
+            return [(s.start, s.stop) for s in segments]
+        firsts = [int(self.blocks[s.unit]) * self.block for s in segments]
+        return [(first + s.start, first + s.stop) for first, s in zip(firsts, segments, strict=True)]
 
 
 class TokenRead(NamedTuple):
@@ -102,6 +131,14 @@ def sequence_plan(tokens: Sequence[int] | np.ndarray, width: int, *, pad: bool, 
     total = int(ends[-1]) if len(ends) else 0
     whole, partial = divmod(total, width)
     return SequencePlan(order, ends, total, width, whole + (1 if pad and partial else 0), partial)
+
+
+def with_blocks(plan: SequencePlan, block: int, *, seed: int, epoch: int) -> SequencePlan:
+    """``plan`` with its sequences' order shuffled by blocks of ``block`` consecutive sequences
+    (see the module docstring): the blocks in the order ``rng([seed, epoch, BLOCK_TAG])`` draws."""
+    n = -(-plan.sequences // block)
+    order = np.random.default_rng([seed, epoch, BLOCK_TAG]).permutation(n).astype(np.int64)
+    return plan._replace(block=int(block), blocks=order)
 
 
 def fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray], width: int, specials: int, *,
@@ -183,14 +220,14 @@ def best_fit_plan(tokens: Sequence[int] | np.ndarray, docs: Sequence[np.ndarray]
 
 
 def token_reads(plan: SequencePlan, segments: Sequence[Segment]) -> list[TokenRead]:
-    """The unit token ranges that hold sequences ``segments`` (spans of ``plan``'s sequences, as
-    ``plan.reader_span`` / ``resume.resume_span`` give them over one unit), in order; a best-fit
-    plan's in its sequences' order, a read per run of adjacent documents."""
+    """The unit token ranges that hold sequences ``segments`` (spans of ``plan``'s positions, as
+    ``plan.reader_span`` / ``resume.resume_span`` give them over ``position_counts``), in order;
+    a best-fit plan's in its sequences' order, a read per run of adjacent documents."""
     out: list[TokenRead] = []
-    if plan.pieces is not None and plan.firsts is not None:
-        for seg in segments:
+    for first, last in plan.stream_runs(segments):
+        if plan.pieces is not None and plan.firsts is not None:
             runs: list[list[int]] = []
-            for a, b in plan.pieces[plan.firsts[seg.start]:plan.firsts[seg.stop]].tolist():
+            for a, b in plan.pieces[plan.firsts[first]:plan.firsts[last]].tolist():
                 if runs and runs[-1][1] == a:
                     runs[-1][1] = b
                 else:
@@ -200,9 +237,8 @@ def token_reads(plan: SequencePlan, segments: Sequence[Segment]) -> list[TokenRe
             if reads:
                 reads[-1] = reads[-1]._replace(flush=True)
             out += reads
-        return out
-    for seg in segments:
-        start, stop = plan.span_of(seg.start, seg.stop)
+            continue
+        start, stop = plan.span_of(first, last)
         pieces = segments_of(plan.order, plan.ends, start, stop)
         for k, piece in enumerate(pieces):
             out.append(TokenRead(piece.unit, piece.start, piece.stop, k == len(pieces) - 1))
