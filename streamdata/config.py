@@ -90,6 +90,7 @@ class Fetch:
     autotune: bool | None = None
     tune_from: Any = None
     presign_lifetime: int | None = None
+    max_requests_per_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +181,11 @@ class FetchConfig:
                   ``{"window": 1, "max_requests": 1}``), below their bounds; ``None``: at them
                   (no slow start: benchmarks/README.md, "Latency"). The budget starts at
                   ``byte_budget``.
+    max_requests_per_s: the whole job's requests per second to the store, split evenly over
+                  its reading processes (RATE-SHARE, ``store.rate``): every request, retries
+                  and size probes included, waits for its process's next slot. ``None``: the
+                  store's own default, 10 for the Hugging Face Hub (``hf://``, which limits
+                  the requests of an account), no limit for the others; ``math.inf``: no limit.
     """
 
     window: int = 32
@@ -198,6 +204,7 @@ class FetchConfig:
     presign_lifetime: int = 900
     autotune: bool = True
     tune_from: Any = None  # a dict in, held as sorted (name, value) pairs: the config stays hashable
+    max_requests_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.autotune, int) and not isinstance(self.autotune, bool) and self.autotune in (0, 1):
@@ -219,6 +226,11 @@ class FetchConfig:
         if isinstance(life, bool) or not isinstance(life, int) or not 1 <= life <= PRESIGN_LIFETIME_MAX:
             raise SpecError(f"FetchConfig.presign_lifetime (STREAMDATA_PRESIGN_LIFETIME) must be whole "
                             f"seconds from 1 to {PRESIGN_LIFETIME_MAX} (7 days, S3's longest), got {life!r}")
+        rate = self.max_requests_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not rate > 0):
+            raise SpecError(f"FetchConfig.max_requests_per_s must be requests per second > 0 (math.inf: "
+                            f"no limit) or None (the store's default), got {rate!r}")
         if self.cache_dir is not None:
             if not isinstance(self.cache_dir, (str, os.PathLike)):
                 raise SpecError(f"FetchConfig.cache_dir must be a path or None, got {self.cache_dir!r}")

@@ -44,12 +44,12 @@ RESIGN_REASONS = ("age", "expired", "refused")
 # reader's byte budget grew (BUDGET-GROWTH, streamdata.fetch.budget); tokens.*: an sd.TokenDataset epoch's
 # final partial sequence, its tokens dropped or the padding added, and the tails of documents longer than
 # a sequence that packing "best_fit" leaves out (TOKENS-ONCE, streamdata.epoch.tokens);
-# tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune)
+# tuned.*: times a reader's window, request limit or part size moved (AUTOTUNE, streamdata.fetch.tune);
+# paced.requests: requests that waited for their slot under a request rate (RATE-SHARE, streamdata.store.rate)
 COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in RETRY_REASONS),
             "accepted.unterminated", "planned.padded", "planned.left_out", "batched.left_out",
             "resumed.reread", "budget.grown", "tokens.dropped", "tokens.padded", "tokens.truncated",
-            "tuned.window",
-            "tuned.max_requests", "tuned.part_size",
+            "tuned.window", "tuned.max_requests", "tuned.part_size", "paced.requests",
             *(f"cache.{e}" for e in CACHE_EVENTS), *(f"resigned.{r}" for r in RESIGN_REASONS))
 
 # where a reader's time goes (``StageClock``): waiting for bytes (the prefetcher's waits, disk

@@ -19,6 +19,7 @@ with ``***``, and keeps what says where the problem is (scheme, host, path, para
   ``browser``), which name how to find credentials, not credentials.
 - ``Authorization`` / ``Proxy-Authorization`` header values, to the end of the line or quote.
 - AWS access key ids: ``AKIA``/``ASIA`` and 12 or more capitals and digits.
+- Hugging Face tokens: ``hf_`` and 20 or more letters and digits -> ``hf_***``.
 - the contents of S3 error-body elements that echo credentials or the signed request:
   ``AWSAccessKeyId``, ``StringToSign``, ``StringToSignBytes``, ``SignatureProvided``,
   ``CanonicalRequest``, ``CanonicalRequestBytes`` (up to the next ``<``, so a body cut short
@@ -58,6 +59,8 @@ _PATTERN = re.compile(
     r"(?P<value>[^\s&#'\"<>,;)}\]]*)"
     # ?sig=... &key=... (query strings only: "key" alone is too common a word)
     r"|(?P<short>[?&](?:sig|key)=)[^\s&#'\"<>]*"
+    # Hugging Face tokens (case-sensitive)
+    r"|(?P<hf>(?-i:(?<![A-Za-z0-9_])hf_))(?-i:[A-Za-z0-9]{20,})"
     # AWS access key ids (case-sensitive)
     r"|(?-i:(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{12,})",
     re.IGNORECASE,
@@ -68,7 +71,7 @@ def _replace(m: re.Match) -> str:
     if m.group("scheme") is not None:
         user, colon, _ = m.group("userinfo").partition(":")
         return f"{m.group('scheme')}{user}:{MASK}@" if colon else f"{m.group('scheme')}{MASK}@"
-    for name in ("element", "header", "short"):
+    for name in ("element", "header", "short", "hf"):
         if m.group(name) is not None:
             return m.group(name) + MASK
     if m.group("param") is not None:

@@ -92,6 +92,9 @@ def loader_error(loader) -> tuple[BaseException, list[str]]:
     # gcsfs's token methods are no secret (the GCS hint shows one); a real token is
     ("pass storage_options={'token': 'anon'}; token=google_default; {'token': 'ya29.a0Af-x'}",
      "pass storage_options={'token': 'anon'}; token=google_default; {'token': '***'}"),
+    # Hugging Face tokens, wherever they stand; hf_ names stay (a Hub URL's file, a short word)
+    (f"HF_TOKEN is hf_{TOKEN}0123456789 (401) hf://datasets/o/n/hf_data/x.tar hf_short",
+     "HF_TOKEN is hf_*** (401) hf://datasets/o/n/hf_data/x.tar hf_short"),
 ])
 def test_redaction_rules(text, kept):
     assert redact(text) == kept

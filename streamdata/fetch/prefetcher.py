@@ -75,6 +75,21 @@ _DONE: concurrent.futures.Future = concurrent.futures.Future()  # stands in for 
 _RELEASE_STEP = 1 << 20  # a reader gives budget back in steps this big (one wake-up each)
 
 
+def _readers(protocol: str | None, config: FetchConfig) -> int:
+    """The job's reading processes (RATE-SHARE, ``store.rate``: each paces its requests at its
+    share of the job's rate): ranks times DataLoader workers, as this reader's world says; 1
+    where no rate applies."""
+    if protocol != "hf" and config.max_requests_per_s is None:
+        return 1
+    from streamdata.epoch.world import World
+    from streamdata.errors import SpecError
+
+    try:
+        return World.current().slots
+    except SpecError:
+        return 1
+
+
 def _arrived(first: Arrivals) -> bool:
     return first.done
 
@@ -100,7 +115,8 @@ class Prefetcher:
         self.protocol = protocols.pop() if protocols else None  # None: no item, a client for "file"
         self.client = AsyncClient(self.protocol or "file", storage_options,
                                   self.config, name="fetch",
-                                  url=self.items[0].url if self.items else None, counters=counters)
+                                  url=self.items[0].url if self.items else None, counters=counters,
+                                  readers=_readers(self.protocol, self.config))
         self.stats = self.client.stats
         self.throttle = self.client.throttle  # READER-THROTTLE: .allowed now, .lowest so far
         cfg = self.config

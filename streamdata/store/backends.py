@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 # protocol -> the pip extra / package that provides it, for BackendMissingError
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
-             "https": "aiohttp", "hdfs": "pyarrow (and a Hadoop client: JAVA_HOME, HADOOP_HOME, CLASSPATH)"}
+             "https": "aiohttp", "hdfs": "pyarrow (and a Hadoop client: JAVA_HOME, HADOOP_HOME, CLASSPATH)",
+             "hf": "huggingface_hub (pip install 'streamdata[hub]')"}
 
 
 def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -55,14 +56,19 @@ def filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, 
     import fsspec
 
     try:
-        cls = fsspec.get_filesystem_class(protocol)
+        if protocol == "hf":  # huggingface_hub's, reading @~parquet (``hub``)
+            from streamdata.store.hub import hub_filesystem_class
+
+            cls = hub_filesystem_class()
+        else:
+            cls = fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
         need = _BACKENDS.get(protocol, "the fsspec backend for it")
         raise BackendMissingError(
             f"reading {protocol}:// URLs needs {need}: pip install 'streamdata' brings it, "
             f"or install it directly ({exc})") from exc
     except ValueError as exc:
-        raise SpecError(f"unknown protocol {protocol!r}: use s3://, gs://, hdfs://, http(s)://, "
+        raise SpecError(f"unknown protocol {protocol!r}: use s3://, gs://, hdfs://, http(s)://, hf://, "
                         "file:// or a local path") from exc
     options = dict(cls._get_kwargs_from_urls(url)) if url else {}
     options.update(storage_options or {})
@@ -285,7 +291,8 @@ def lite_s3(protocol: str, storage_options: Mapping[str, Any] | None) -> Any:
     return LiteS3.from_options(storage_options, env_snapshot(ENV_NAMES))
 
 
-_WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",)}
+_WARM = {"s3": ("aiohttp",), "s3a": ("aiohttp",), "http": ("aiohttp",), "https": ("aiohttp",),
+         "hf": ("huggingface_hub.utils",)}
 
 
 def lite_path(url: str) -> str:
@@ -384,7 +391,8 @@ def translate_error(exc: BaseException, url: str, action: str = "read") -> Strea
     exc = transport_error(exc, url)  # a socket's or aiohttp's failure, typed (TYPED-TRANSPORT-ERRORS)
     name = type(exc).__name__
     text = str(exc)
-    status = getattr(exc, "code", None) or getattr(exc, "status", None)  # gcsfs, aiohttp
+    status = getattr(exc, "code", None) or getattr(exc, "status", None) \
+        or getattr(getattr(exc, "response", None), "status_code", None)  # gcsfs, aiohttp; huggingface_hub
     if isinstance(exc, (CertificateError, ProxyAuthError)):  # permanent; the text says what to do
         if isinstance(exc, CertificateError) and "a retry cannot fix this" not in text:
             host = urllib.parse.urlsplit(exc.url or url).hostname or url

@@ -15,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamdata._compat import aiohttp_forget, aiohttp_no_hidden_retry, aiohttp_session_of, executor_threads
 from streamdata._fork import at_fork_in_child
@@ -33,7 +33,11 @@ from streamdata.store.backends import (
 from streamdata.store.loop import LoopThread, wait_threads_gone
 from streamdata.store.network import network_for
 from streamdata.store.presigned import Body, PresignedS3, http_probe
+from streamdata.store.rate import RateGovernor, governor_for, share_of
 from streamdata.store.retry import Throttle, backoff_s, classify, retry_after
+
+if TYPE_CHECKING:
+    from streamdata.store.hub import HubFiles
 
 __all__ = ["AsyncClient", "Chunks", "ClientStats", "body_size"]
 
@@ -89,6 +93,14 @@ class _LitePaths:
     _strip_protocol = staticmethod(lite_path)
 
 
+class _HubPaths:
+    """What the client asks of a filesystem for ``hf://`` URLs (``hub.HubFiles`` takes them whole)."""
+
+    @staticmethod
+    def _strip_protocol(url: str) -> str:
+        return url
+
+
 _live_clients: weakref.WeakSet[AsyncClient] = weakref.WeakSet()
 
 
@@ -112,7 +124,7 @@ class AsyncClient:
 
     def __init__(self, protocol: str, storage_options: dict | None = None,
                  config: FetchConfig | None = None, *, name: str = "io", url: str | None = None,
-                 fast_s3: bool = True, counters: Counters | None = None) -> None:
+                 fast_s3: bool = True, counters: Counters | None = None, readers: int = 1) -> None:
         self.protocol = protocol
         self.counters = counters  # the dataset's, shared with the main process (retried.*)
         self.url = url  # an example URL: carries an HDFS name node's host and port
@@ -122,8 +134,13 @@ class AsyncClient:
         self._executor: ThreadPoolExecutor | None = None
         self._fs: Any = None
         self._fallback_fs: Any = None  # LITE-S3's s3fs, built only to re-sign
-        self._presigned: PresignedS3 | None = None
+        self._presigned: PresignedS3 | HubFiles | None = None  # the signed (or the Hub's) GET path
         self.throttle = Throttle(self.config.max_requests)  # READER-THROTTLE (``retry``)
+        # RATE-SHARE (``rate``): this process's share of the job's requests per second, or None
+        self.readers = readers
+        share = share_of(self._rate(), readers)
+        where = f"{protocol}:{self._options.get('endpoint') or self._options.get('endpoint_url') or ''}"
+        self.governor: RateGovernor | None = governor_for(where, share) if share is not None else None
         self.fast_s3 = fast_s3
         self._opened: asyncio.Future | None = None
         # HEAD-START: the first bytes of objects sized by a probe (``size``), kept for the
@@ -154,7 +171,24 @@ class AsyncClient:
         lite = self._lite() if lite_http() else None
         return None if lite is None else lite.conn_key
 
+    def _rate(self) -> float | None:
+        """The job's requests per second to this store (``FetchConfig.max_requests_per_s``, else
+        the store's default), or ``None``."""
+        rate = self.config.max_requests_per_s
+        if rate is None and self.protocol == "hf":
+            from streamdata.store.hub import HUB_REQUESTS_PER_S
+
+            rate = HUB_REQUESTS_PER_S
+        return rate
+
     async def _create(self) -> Any:
+        if self.protocol == "hf":  # the Hub: its resolve endpoint's ranged GETs (``hub``)
+            from streamdata.store.hub import HubFiles
+
+            self._presigned = HubFiles(self._options, self.config.max_requests, timeout=self.config.timeout,
+                                       network=network_for(self._options, "https"))
+            self._fs = _HubPaths()
+            return self._fs
         lite = self._lite()
         if lite is not None:  # LITE-S3: signed here; s3fs is imported only if a GET needs re-signing
             self._presigned = PresignedS3(None, self.config.max_requests, lite, lite=True,
@@ -357,6 +391,10 @@ class AsyncClient:
         while True:
             asked = loop.time()
             sent = await self.throttle.acquire(first)
+            if self.governor is not None and await self.governor.wait():  # RATE-SHARE
+                sent = loop.time()
+                if self.counters is not None:
+                    self.counters.add("paced.requests")
             queued += sent - asked
             outcome, reason, last = "failed", None, None
             try:
@@ -389,6 +427,8 @@ class AsyncClient:
             if asked_for is not None:  # the answer's Retry-After, within the deadline
                 pause = max(pause, asked_for)
                 self.stats.add(waited_as_asked=1)
+                if self.governor is not None and reason == "throttled":  # the process's readers wait too
+                    self.governor.hold(min(asked_for, cfg.retry_deadline - spent))
             await asyncio.sleep(min(pause, cfg.retry_deadline - spent))
             attempt += 1
 

@@ -22,7 +22,8 @@ released. Rules, each a test in tests/store/test_h1.py:
   server that keeps it alive; one that failed, was cut or left half read is closed;
 - nothing is ever re-sent here: retries are the caller's (by deadline, counted); a redirect
   with a ``Location`` is followed (at most ``MAX_REDIRECTS``), with the same headers, as
-  aiohttp did;
+  aiohttp did, but for ``Authorization``, which goes to no other origin (scheme, host, port:
+  the Hub's token stays off its CDN's requests);
 - after fork the child drops an inherited pool without touching its sockets (``forget``);
 - a pool made with a ``network.Network`` goes through the proxy it names for each URL:
   ``http://`` as absolute-form requests on a connection to the proxy,
@@ -197,9 +198,9 @@ class _Get:
         self.resp: Response | None = None
 
     async def __aenter__(self) -> Response:
-        url = self.url
+        url, headers = self.url, dict(self.headers or {})
         for hop in range(MAX_REDIRECTS + 1):  # followed as aiohttp did: a new GET, not a re-send
-            resp = await self.pool._send(url, self.headers or {}, self.timeout)
+            resp = await self.pool._send(url, headers, self.timeout)
             location = resp.headers.get("location")
             if resp.status not in _REDIRECTS or not location or hop == MAX_REDIRECTS:
                 self.resp = resp
@@ -212,12 +213,22 @@ class _Get:
                         break
             finally:
                 resp.release()  # reused only if read to the end
-            url = urllib.parse.urljoin(url, location)
+            moved = urllib.parse.urljoin(url, location)
+            if _origin(moved) != _origin(url):
+                headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            url = moved
         raise AssertionError("unreachable")
 
     async def __aexit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if self.resp is not None:
             self.resp.release(failed=kind is not None)
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    """A URL's origin: scheme, host, port (a redirect to another does not carry ``Authorization``)."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port
 
 
 class Pool:

@@ -65,7 +65,9 @@ def _status(exc: BaseException | None) -> int | None:
             value = getattr(err, name, None)
             if isinstance(value, int) and 100 <= value < 600:
                 return value
-        response = getattr(err, "response", None)  # botocore ClientError
+        response = getattr(err, "response", None)  # botocore ClientError; huggingface_hub's errors
+        if isinstance(getattr(response, "status_code", None), int):
+            return response.status_code  # type: ignore[union-attr]
         if isinstance(response, dict):
             value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(value, int):
