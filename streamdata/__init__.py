@@ -28,7 +28,9 @@ from streamdata.feed.images import finished as finish_images  # decode_on="devic
 from streamdata.feed.loader import Loader, loader
 from streamdata.feed.metrics import Timed as timed
 from streamdata.fetch.prefetcher import FetchItem, Prefetcher
+from streamdata.formats import audio as audio  # sd.audio: audio segments decoded only as far as they need
 from streamdata.formats import images as images  # sd.images: the fast image path's transforms
+from streamdata.formats import video as video  # sd.video: video clips decoded only as far as they need
 from streamdata.integrations.prometheus import serve_prometheus
 from streamdata.store.urls import Shard
 from streamdata.write.tar import ShardWriter

@@ -183,3 +183,10 @@ def test_switch_off_pairs_each_mechanism_with_the_runs_beside_it(tmp_path):
     assert sorted(row["off"] for row in rows[1::2]) == ["INHERITED-HEAP", "LITE-HTTP"]
     assert len({row["samples"] for row in rows}) == 1
     assert "| LITE-HTTP | 0 ms |" in done.stdout and "| INHERITED-HEAP | 0 ms |" in done.stdout
+
+
+def test_media_benchmark_quick_compares_clip_and_whole_and_ranged_reads():
+    cmd = [sys.executable, "-m", "benchmarks.media", "--quick", "--delays", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "clip / whole: clips/s x" in done.stdout and "ms ranged: " in done.stdout

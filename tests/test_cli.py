@@ -330,7 +330,8 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "imgs" / "b" / "labels.csv").write_text("x")
     code, out, err = run_cli(capsys, "convert", str(tmp_path / "imgs"), str(tmp_path / "o"))
     assert code == 0 and "wrote 3 samples (imagefolder, 3 classes" in out, err
-    assert "skipped   2 files that are not images (.jpg, ...): b/labels.csv, c/notes.txt" in out
+    assert ("skipped   2 files that are not images or media (.jpg, .mp4, ...): b/labels.csv, c/notes.txt"
+            in out)
     assert (tmp_path / "o" / "classes.txt").read_text() == "a\nb\nc\n"
 
 

@@ -32,16 +32,21 @@ from streamdata.cli.common import (
     write_out,
 )
 
-__all__ = ["IMAGE_SUFFIXES", "add_parsers"]
+__all__ = ["IMAGE_SUFFIXES", "MEDIA_SUFFIXES", "add_parsers"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+# video and audio files, kept as members as they are (sd.video / sd.audio decode them)
+MEDIA_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".wav", ".flac", ".ogg", ".opus", ".mp3",
+                  ".m4a")
+_MEMBER_SUFFIXES = IMAGE_SUFFIXES + MEDIA_SUFFIXES
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert", help="an image folder (ImageFolder layout) or a JSONL file into tar or Parquet shards",
-        description="Convert SRC into shards at DEST. SRC is a directory of images, either with one "
+        description="Convert SRC into shards at DEST. SRC is a directory of images (or video and audio "
+                    "files, kept as they are), either with one "
                     "subdirectory per class (torchvision ImageFolder: <key>.<ext> + <key>.cls, class "
                     "names in classes.txt beside the shards) or flat (<key>.<ext> only), or a JSONL "
                     "file (<key>.json per line). DEST is a directory or prefix "
@@ -105,11 +110,12 @@ def _images(fs: Any, root: str, src: str) -> Source:
     found = fs.find(root, detail=True)
     root = root.rstrip("/")
     images = sorted((name, info.get("size") or 0) for name, info in found.items()
-                    if name.lower().endswith(IMAGE_SUFFIXES))
+                    if name.lower().endswith(_MEMBER_SUFFIXES))
     others = sorted(posixpath.relpath(name, root) for name in found
-                    if not name.lower().endswith(IMAGE_SUFFIXES))
+                    if not name.lower().endswith(_MEMBER_SUFFIXES))
     if not images:
-        raise UsageError(f"{src}: no images ({', '.join(IMAGE_SUFFIXES)}) in it or below it")
+        raise UsageError(f"{src}: no images ({', '.join(IMAGE_SUFFIXES)}) or media "
+                         f"({', '.join(MEDIA_SUFFIXES)}) in it or below it")
     relative = [posixpath.relpath(name, root) for name, _ in images]
     top = [rel for rel in relative if "/" not in rel]
     nested = [rel for rel in relative if "/" in rel]
@@ -237,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     write_out(f"wrote {n} samples ({what}, {human(source.total_bytes)} of source) to {len(urls)} "
               f"{args.format} shards in {elapsed:.1f} s ({n / max(elapsed, 1e-9):.0f} samples/s)")
     if source.skipped:
-        write_out(f"skipped   {len(source.skipped)} files that are not images ({IMAGE_SUFFIXES[0]}, ...): "
+        write_out(f"skipped   {len(source.skipped)} files that are not images or media ({IMAGE_SUFFIXES[0]}, "
+                  f"{MEDIA_SUFFIXES[0]}, ...): "
                   f"{', '.join(source.skipped[:3])}{', ...' if len(source.skipped) > 3 else ''}")
     from streamdata.redact import redact_url
 

@@ -171,6 +171,30 @@ def kind(value: Any) -> tuple[str, tuple[int, ...] | None]:
     return type(value).__name__, None
 
 
+def media(name: str, value: Any) -> tuple[tuple[str, tuple[int, ...]], str] | None:
+    """A video or audio member's kind and summary from its header (``sd.video`` / ``sd.audio``'s
+    probes, nothing decoded): ``(("video h264", (frames, H, W)), "4.00 s, 25 fps, 64x64")``;
+    ``None`` for other fields, or where the header does not read (or its backend is missing)."""
+    import io
+
+    from streamdata.errors import StreamDataError
+    from streamdata.formats import audio, video
+
+    ext = name[name.rfind(".") + 1:].lower()
+    if not isinstance(value, (bytes, bytearray)) or ext not in video.EXTENSIONS | audio.EXTENSIONS:
+        return None
+    try:
+        if ext in video.EXTENSIONS:
+            v = video.probe(io.BytesIO(value))
+            return ((f"video {v.codec}", (v.num_frames, v.height, v.width)),
+                    f"{v.duration:.2f} s, {v.fps:g} fps, {v.width}x{v.height}, {v.codec}")
+        a = audio.probe(io.BytesIO(value))
+        return ((f"audio {a.codec}", (a.channels, a.frames)),
+                f"{a.duration:.2f} s, {a.sample_rate} Hz, {a.channels} ch, {a.codec}")
+    except (StreamDataError, ValueError, OSError, RuntimeError, EOFError):
+        return None
+
+
 def _merge(kinds: list[tuple[str, tuple[int, ...] | None]]) -> str:
     """One line for a field's kinds over several samples: shapes that differ become ranges."""
     labels = sorted({label for label, _ in kinds})
@@ -196,8 +220,9 @@ def _field_table(first: list[dict], raw_bytes: dict[str, int], counted: int, wha
         decoded = decode(dict(sample)) if decode is not None else sample
         for name, value in decoded.items():
             if _is_field(name):
-                kinds.setdefault(name, []).append(kind(value))
-                examples.setdefault(name, describe(value, preview=True))
+                header = media(name, sample.get(name))  # a video / audio member: its header's figures
+                kinds.setdefault(name, []).append(header[0] if header else kind(value))
+                examples.setdefault(name, header[1] if header else describe(value, preview=True))
     names = sorted(set(kinds) | set(raw_bytes))
     width = max([5, *map(len, names)])
     unit = "bytes/sample" if what == "tar" else "bytes/row"
@@ -368,4 +393,6 @@ def _print_sample(sample: dict, fmt: str) -> None:
             value = sample[meta]
             write_out(f"{meta:<{width}}  {redact_url(value) if meta == '__url__' else value}")
     for name in names:
-        write_out(f"{name:<{width}}  {_nbytes(sample[name]):>9} B  {describe(decoded[name], preview=True)}")
+        header = media(name, sample[name])
+        text = header[1] if header else describe(decoded[name], preview=True)
+        write_out(f"{name:<{width}}  {_nbytes(sample[name]):>9} B  {text}")

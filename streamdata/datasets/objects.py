@@ -14,8 +14,11 @@ import torch.utils.data
 from streamdata.catalog.specs import Spec, expand_spec
 from streamdata.config import OBJECT_MAX_REQUESTS, FetchConfig, stage_times
 from streamdata.epoch.state import fingerprint, parse_state, start_state
+from streamdata.errors import SpecError
 from streamdata.fetch.cache import Cache, cached_object
 from streamdata.formats.decode import DecodeSpec, make_decoder
+from streamdata.formats.media import MediaTransform
+from streamdata.formats.ranged import RangedFile
 from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
@@ -32,13 +35,19 @@ class ObjectDataset(torch.utils.data.Dataset):
     (``__url__`` without its password or signature: ``redact.redact_url``).
     Fetch options (``max_requests``, ``timeout``, ``retry_deadline``, ...) as for the sharded
     datasets; retries are counted per reason in ``retried``, over every worker.
+
+    ``ranged=True`` (with ``decode=`` an ``sd.video`` / ``sd.audio`` transform, or a list
+    holding one): the objects it takes are not fetched whole; the transform gets a seekable file
+    over ranged GETs of the object (``formats.ranged.RangedFile``), so a clip of a large video
+    reads its index and the clip's byte ranges only (docs/media.md). The reads count in the
+    reader's ``requests`` and ``bytes``; their waits in its ``decode`` time.
     """
 
     fetch_defaults = {"max_requests": OBJECT_MAX_REQUESTS}
 
     def __init__(self, urls: Spec, *, storage_options: dict | None = None, decode: DecodeSpec = True,
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
-                 **fetch_options: Any) -> None:
+                 ranged: bool = False, **fetch_options: Any) -> None:
         self.storage_options = dict(storage_options or {})
         self.fetch_config = FetchConfig.resolve(fetch_config, self, defaults=self.fetch_defaults,
                                                 **fetch_options)
@@ -48,6 +57,12 @@ class ObjectDataset(torch.utils.data.Dataset):
         self.decode = decode
         self._decoder = make_decoder(decode)
         self.map = map
+        self.ranged = bool(ranged)
+        self._ranged_by = _media_transforms(decode) if ranged else ()
+        if ranged and not self._ranged_by:
+            raise SpecError("ranged=True reads media by ranged requests for a media transform: give "
+                            "decode= an sd.video or sd.audio transform (or a list holding one), e.g. "
+                            f"decode=sd.video.RandomClip(16), got decode={decode!r}")
         self._counters = Counters(COUNTERS)
         self._stats = Counters(READER_STATS)  # each reader's stage timings (``reader_stats``)
         self._clock: tuple[int, StageClock] | None = None  # this process's (pid, clock)
@@ -94,6 +109,8 @@ class ObjectDataset(torch.utils.data.Dataset):
 
         client = self._get_client()
         shards = [self.shards[i] for i in indices]
+        if self._ranged_by:
+            return self._ranged_items(client, shards)
         urls = [s.url for s in shards]
         cache = self._cache
 
@@ -127,7 +144,50 @@ class ObjectDataset(torch.utils.data.Dataset):
         clock.flush(now)
         return out
 
-    def _sample(self, url: str, data: bytes, acc: list[int] | None = None) -> Any:
+    def _takes_ranged(self, url: str) -> bool:
+        name = posixpath.basename(split_url(url)[1])
+        ext = name.partition(".")[2].lower() or "data"
+        return any(t.takes(ext) for t in self._ranged_by)
+
+    def _ranged_items(self, client: Any, shards: Sequence[Any]) -> list[Any]:
+        """``ranged=True``: each object a media transform takes is handed over as a
+        :class:`RangedFile` (ranged GETs as its decoder reads); any other is fetched whole."""
+        cfg = self.fetch_config
+        clock = self._stage_clock()
+        start = time.perf_counter_ns()
+        out, files = [], []
+        for shard in shards:
+            url = shard.url
+            if not self._takes_ranged(url):
+                data = client.io.run(client.get(url), cfg.wait_limit(), what=f"object {redact_url(url)}")
+                self._stats.add_many({"requests": 1, "bytes": len(data)})
+                out.append(self._sample(url, data, None if clock is None else clock.acc))
+                continue
+            size = shard.size
+            if size is None:
+                size = client.io.run(client.size(url), cfg.wait_limit(),
+                                     what=f"the size of {redact_url(url)}")
+            file = RangedFile(functools.partial(self._read_range, client, url), int(size or 0),
+                              name=redact_url(url) or "")
+            files.append(file)
+            try:
+                out.append(self._sample(url, file, None if clock is None else clock.acc))
+            finally:
+                self._stats.add_many({"requests": file.requests, "bytes": file.bytes_read})
+        if clock is not None:
+            now, acc = time.perf_counter_ns(), clock.acc
+            acc[StageClock.BUSY] += now - start
+            acc[StageClock.SAMPLES] += len(out)
+            acc[StageClock.BATCHES] += 1
+            clock.flush(now)
+        return out
+
+    def _read_range(self, client: Any, url: str, start: int, end: int) -> bytes:
+        data = client.io.run(client.get(url, start, end), self.fetch_config.wait_limit(),
+                             what=f"bytes {start}..{end} of {redact_url(url)}")
+        return bytes(data)
+
+    def _sample(self, url: str, data: Any, acc: list[int] | None = None) -> Any:
         name = posixpath.basename(split_url(url)[1])
         key, dot, ext = name.partition(".")
         sample = {"__key__": key, "__url__": redact_url(url), (ext.lower() if dot else "data"): data}
@@ -185,3 +245,9 @@ class ObjectDataset(torch.utils.data.Dataset):
         state["_cache"] = None  # made again with the client, in the process that reads
         state["_clock"] = None  # its wall starts in the process that reads
         return state
+
+
+def _media_transforms(decode: Any) -> tuple[MediaTransform, ...]:
+    """The media transforms of a ``decode=`` spec (one, or those in a list)."""
+    items = decode if isinstance(decode, (list, tuple)) else [decode]
+    return tuple(t for t in items if isinstance(t, MediaTransform))

@@ -6,7 +6,9 @@
 (``"torchrgb"``, ``"pil"``, ``"rgb8"``...), a callable or a list of them are webdataset
 handlers ``f(key, data) -> value | None``; ``decode=False`` keeps raw bytes. An image transform
 (``sd.images.RandomResizedCrop(224)``, :mod:`streamdata.formats.images`) decodes image fields
-only as far as it needs, the other fields as ``decode=True`` does.
+only as far as it needs, the other fields as ``decode=True`` does; so does a video or audio
+transform (``sd.video.RandomClip(16)``, ``sd.audio.RandomSegment(2.0)``,
+:mod:`streamdata.formats.media`) for its media fields, and a list of such transforms for each's.
 
 ``decode=True`` does not import webdataset (LAZY-DECODERS): ``npy``, the ints and texts,
 ``json``/``jsn`` and the common image formats are decoded here, to the values webdataset's
@@ -26,11 +28,13 @@ from typing import Any
 
 from streamdata.errors import DecodeError
 from streamdata.formats.images import ImageTransform
+from streamdata.formats.media import MediaTransform
 
 __all__ = ["IMAGE_EXTENSIONS", "DecodeSpec", "fast_basic", "fast_image", "fast_json", "fast_npy",
            "make_decoder"]
 
 DecodeSpec = bool | str | Callable[..., Any] | Sequence[str | Callable[..., Any]] | None
+FieldTransform = ImageTransform | MediaTransform  # a transform of the fields it ``takes``
 DEFAULT_IMAGE_SPEC = "torchrgb8"
 # decoded here under ``decode=True`` (each is in webdataset's own list; the rest go to it)
 IMAGE_EXTENSIONS = frozenset({"bmp", "gif", "jpeg", "jpg", "pbm", "pgm", "png", "pnm", "ppm", "tif",
@@ -113,21 +117,23 @@ _OURS = (fast_npy, fast_basic, fast_json, fast_image)
 class _Default:
     """``decode=True`` (LAZY-DECODERS): our handlers first, webdataset's decoder for the rest,
     imported the first time a field needs it. Picklable; a field's failure is a DecodeError
-    naming the field, the sample's key and its URL. With ``images`` (``decode=`` an image
-    transform, :mod:`streamdata.formats.images`), image fields take that transform's fast path."""
+    naming the field, the sample's key and its URL. With ``transforms`` (``decode=`` an image
+    transform, :mod:`streamdata.formats.images`, a video or audio one,
+    :mod:`streamdata.formats.media`, or a list of them), each field one of them takes goes
+    through the first that takes it."""
 
-    def __init__(self, images: ImageTransform | None = None) -> None:
+    def __init__(self, transforms: Sequence[FieldTransform] = ()) -> None:
         self._rest: Any = None  # webdataset's Decoder, made on first need in this process
-        self._images = images
+        self._transforms = tuple(transforms)
 
     def __getstate__(self) -> dict:
-        return {"_rest": None, "_images": self._images}
+        return {"_rest": None, "_transforms": self._transforms}
 
     def for_pass(self, seed: int, epoch: int) -> _Default:
-        """This decoder with its image transform bound to the pass (IMAGE-SEED)."""
-        if self._images is None:
+        """This decoder with its transforms bound to the pass (IMAGE-SEED)."""
+        if not self._transforms:
             return self
-        bound = _Default(self._images.for_pass(seed, epoch))
+        bound = _Default([t.for_pass(seed, epoch) for t in self._transforms])
         bound._rest = self._rest
         return bound
 
@@ -142,11 +148,18 @@ class _Default:
                         pass
                 out[field] = value
                 continue
+            transform = next((t for t in self._transforms if t.takes(field)), None)
+            if transform is not None and isinstance(value, (bytes, io.IOBase)):  # a file: ranged reads
+                if isinstance(transform, MediaTransform):  # names its own errors (a FormatError when corrupt)
+                    out[field] = transform.sample_value(value, sample, field)
+                    continue
+                try:
+                    out[field] = transform.sample_image(value, sample)
+                except Exception as exc:
+                    raise _decode_error(sample, field, exc) from exc
+                continue
             try:
-                if self._images is not None and self._images.takes(field) and isinstance(value, bytes):
-                    out[field] = self._images.sample_image(value, sample)
-                else:
-                    out[field] = self._field(field, value)
+                out[field] = self._field(field, value)
             except Exception as exc:
                 raise _decode_error(sample, field, exc) from exc
         return out
@@ -194,7 +207,10 @@ def make_decoder(spec: DecodeSpec) -> Callable[[dict], dict] | None:
         return None
     if spec is True:
         return _Default()
-    if isinstance(spec, ImageTransform):  # the fast image path for image fields, decode=True's for the rest
+    if isinstance(spec, (ImageTransform, MediaTransform)):  # its fields its way, decode=True's for the rest
+        return _Default([spec])
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(t, (ImageTransform, MediaTransform))
+                                                        for t in spec):
         return _Default(spec)
     from webdataset import autodecode
 
