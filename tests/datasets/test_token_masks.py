@@ -148,16 +148,22 @@ CASES = [("idx", "concat"), ("idx", "fit"), ("idx", "best_fit"), ("parquet", "co
          ("bin", "concat")]
 
 
-@pytest.mark.parametrize("layout,packing", CASES)
+# the sequence shuffle: blocks of 4 sequences, windows of 2 blocks (not for Parquet: refused)
+SEQUENCES = {"shuffle": "sequences", "block_bytes": 4 * 16 * 4, "window_blocks": 2}
+
+
+@pytest.mark.parametrize("layout,packing,shuffled", [(*c, False) for c in CASES] +
+                         [(*c, True) for c in CASES if c[0] != "parquet"])  # (refused: test_token_shuffle)
 @pytest.mark.parametrize("world_size,num_workers", [(1, 0), (2, 2)])
 @pytest.mark.parametrize("specials", [False, True])
-def test_labels_follow_the_mask_and_every_conversation_once(tmp_path, layout, packing, world_size,
+def test_labels_follow_the_mask_and_every_conversation_once(tmp_path, layout, packing, shuffled, world_size,
                                                             num_workers, specials):
     convs = conversations()
     spec, kw, units = write_chat(tmp_path / layout, layout, convs)
-    ds = sd.TokenDataset(spec, seq_len=15, targets=True, batch_size=2, shuffle=True, seed=2, packing=packing,
+    order = SEQUENCES if shuffled else {"shuffle": True}
+    ds = sd.TokenDataset(spec, seq_len=15, targets=True, batch_size=2, seed=2, packing=packing,
                          pad_id=PAD, documents=packing == "best_fit",
-                         **({"bos_id": BOS, "eos_id": EOS} if specials else {}), **kw)
+                         **({"bos_id": BOS, "eos_id": EOS} if specials else {}), **order, **kw)
     for ep in range(2):
         ds.set_epoch(ep)
         per_rank = epoch(ds, world_size, num_workers)
@@ -206,12 +212,15 @@ def test_best_fit_truncates_a_conversation_longer_than_a_sequence(tmp_path):
     assert kept + ds.counts["tokens.truncated"] == sum(len(c[0]) for c in convs)
 
 
-@pytest.mark.parametrize("layout,packing", [("idx", "best_fit"), ("parquet", "concat")])
+@pytest.mark.parametrize("layout,packing,order", [("idx", "best_fit", {"shuffle": True}),
+                                                  ("parquet", "concat", {"shuffle": True}),
+                                                  ("idx", "best_fit", SEQUENCES),
+                                                  ("bin", "concat", SEQUENCES)])
 @pytest.mark.parametrize("new", [(2, 2), (3, 1), (1, 0)])
-def test_resume_is_exact_on_any_world(tmp_path, layout, packing, new):
+def test_resume_is_exact_on_any_world(tmp_path, layout, packing, order, new):
     spec, kw, _ = write_chat(tmp_path / layout, layout)
-    make = lambda: sd.TokenDataset(spec, seq_len=10, batch_size=2, shuffle=True, seed=9, packing=packing,  # noqa: E731
-                                   eos_id=EOS, partial="pad", pad_id=PAD, **kw)
+    make = lambda: sd.TokenDataset(spec, seq_len=10, batch_size=2, seed=9, packing=packing,  # noqa: E731
+                                   eos_id=EOS, partial="pad", pad_id=PAD, **order, **kw)
     row = labelled
     everything = collections.Counter(r for b in make() for r in row(b))
     before, states = [], []
