@@ -32,7 +32,7 @@ from streamdata.epoch.buffer import shuffled
 from streamdata.epoch.plan import SampleSlice, Segment, Skip, Span, batch_sizes
 from streamdata.epoch.resume import Stage, resume_span, resume_units
 from streamdata.epoch.rewind import Rewind, dropped, placeholder_items, rewind_point, skipped, undelivered
-from streamdata.epoch.sharding import assign, reader_seed
+from streamdata.epoch.sharding import assign
 from streamdata.epoch.state import (
     STATE_FORMAT,
     Loaded,
@@ -410,14 +410,9 @@ class ShardedDataset(torch.utils.data.IterableDataset):
         segments: Sequence[Segment] = span.segments
         windows = None
         if window:  # BLOCK-SHUFFLE: the whole span's windows, from the one the position is in
-            d, full = 0, span
-            if stages and stages[-1].same_shape(world):
-                last = stages[-1]
-                d = last.delivered[world.slot] or 0
-                full = span_of([*stages[:-1], Stage(last.world_size, last.num_workers, [
-                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])])
-            segments, windows = blocks.block_reads(full, d, window, split, reader_seed(world, seed=self.seed,
-                                            epoch=epoch), self.records_are_tables)
+            segments, windows = blocks.resumed_reads(span, span_of, stages or [], world, window, split,
+                                                     seed=self.seed, epoch=epoch,
+                                                     tables=self.records_are_tables)
         reads = [Read(units[s.unit], SampleSlice(s.start, s.stop, int(counts[s.unit]))) for s in segments]
         return ReaderPass(world, epoch, reads, span, windows)
 

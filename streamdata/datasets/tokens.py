@@ -46,7 +46,6 @@ from streamdata.datasets.token_layouts import FlatBin, MegatronIdx, ParquetColum
 from streamdata.epoch import blocks
 from streamdata.epoch.plan import SampleSlice, Segment, Span
 from streamdata.epoch.resume import Stage, resume_span
-from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.state import fingerprint
 from streamdata.epoch.tokens import (
     SequencePlan,
@@ -369,16 +368,11 @@ class TokenDataset(ShardedDataset):
         span = span_of(stages or [])
         segments, windows = tuple(span.segments), None
         if window:  # the sequence shuffle's windows (BLOCK-SHUFFLE), from the one the position is in
-            d, full = 0, span
-            if stages and stages[-1].same_shape(world):
-                last = stages[-1]
-                d = last.delivered[world.slot] or 0
-                full = span_of([*stages[:-1], Stage(last.world_size, last.num_workers, [
-                    0 if i == world.slot else x for i, x in enumerate(last.delivered)])])
             # pieces of one block each (the span's segments are cut at the blocks' edges): a window
             # gathers ``window_blocks`` blocks of the reader's span, each one ranged read
-            cut, windows = blocks.block_reads(full, d, window, False, reader_seed(world, seed=self.seed,
-                                              epoch=epoch), False, self.window_blocks)
+            cut, windows = blocks.resumed_reads(span, span_of, stages or [], world, window, False,
+                                                seed=self.seed, epoch=epoch, tables=False,
+                                                pieces=self.window_blocks)
             segments = tuple(cut)
         reads = [Read(self.units_[r.unit], SampleSlice(r.start, r.stop, int(self._tokens[r.unit])))
                  for r in token_reads(sp, segments)]

@@ -32,13 +32,14 @@ block shuffle carries ``"shuffle": "block:<window>"``; a pass that shuffles othe
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from streamdata.epoch.plan import Segment, Span
+from streamdata.epoch.resume import Stage
 from streamdata.epoch.sharding import reader_seed
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError
@@ -240,6 +241,22 @@ def block_reads(full: Span, d: int, window: int, split: bool, material: Sequence
                    tuple(sum(spans[k][1] - spans[k][0] for k in g) for g in groups[j:]),
                    tuple(range(j, len(groups))), r, tables)
     return reads, plan
+
+
+def resumed_reads(span: Span, span_of: Callable[[list[Stage]], Span], stages: Sequence[Stage], world: World,
+                  window: int, split: bool, *, seed: int, epoch: int, tables: bool,
+                  pieces: int = PIECES) -> tuple[list[Segment], Windows]:
+    """:func:`block_reads` for a reader of ``world`` whose span (after ``stages``) is ``span``: on
+    the world the last stage ran on, its whole span (``span_of`` with its own count undone) and
+    what it had put out, so that it goes on from the window its position is in; else ``span``
+    from its start."""
+    d, full = 0, span
+    if stages and stages[-1].same_shape(world):
+        last = stages[-1]
+        d = last.delivered[world.slot] or 0
+        full = span_of([*stages[:-1], Stage(last.world_size, last.num_workers, [
+            0 if i == world.slot else x for i, x in enumerate(last.delivered)])])
+    return block_reads(full, d, window, split, reader_seed(world, seed=seed, epoch=epoch), tables, pieces)
 
 
 # ---- putting a window out --------------------------------------------------------------------
