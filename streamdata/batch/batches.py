@@ -25,23 +25,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamdata.batch.collate import NUMERIC_KINDS, collate, collate_column, empty_tensor, prepare_shared
+from streamdata.batch.collate import (
+    NUMERIC_KINDS,
+    collate,
+    collate_column,
+    empty_tensor,
+    empty_tensors,
+    prepare_shared,
+)
 from streamdata.errors import DecodeError
 
 __all__ = ["BatchBuilder", "batches"]
 
 
 class _Rows:
-    """One array field: rows written into a preallocated (shared-memory) tensor."""
+    """One array field: rows written into a preallocated (shared-memory) tensor, ``out``: the
+    batch's array fields share one storage (:func:`streamdata.batch.collate.empty_tensors`)."""
 
-    def __init__(self, first: Any, capacity: int, shared: bool) -> None:
+    def __init__(self, first: Any) -> None:
         self.shape = tuple(first.shape)
         self.np_dtype = first.dtype if isinstance(first, np.ndarray) else None  # None: tensors
         self.dtype = (first.dtype if self.np_dtype is None else
                       torch.from_numpy(np.empty(0, dtype=first.dtype.newbyteorder("="))).dtype)
-        self.out = empty_tensor((capacity, *self.shape), self.dtype, shared)
-        self.view = self.out.numpy() if self.np_dtype is not None else None
+        self.out = torch.empty(0)
+        self.view: np.ndarray | None = None
         self.n = 0
+
+    def into(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.view = out.numpy() if self.np_dtype is not None else None
 
     def fits(self, leaf: Any) -> bool:
         if self.np_dtype is not None:
@@ -109,12 +121,12 @@ class BatchBuilder:
         self._shared = prepare_shared(sample, self.in_flight, copies_all=True,
                                          times=self.capacity)
         for leaf in leaves:
-            if _is_array(leaf):
-                rows = _Rows(leaf, self.capacity, self._shared)
-                rows.add(leaf)
-                self._fields.append(rows)
-            else:
-                self._fields.append([leaf])
+            self._fields.append(_Rows(leaf) if _is_array(leaf) else [leaf])
+        arrays = [(index, field) for index, field in enumerate(self._fields) if isinstance(field, _Rows)]
+        outs = empty_tensors([((self.capacity, *rows.shape), rows.dtype) for _, rows in arrays], self._shared)
+        for (index, rows), out in zip(arrays, outs, strict=True):
+            rows.into(out)
+            rows.add(leaves[index])
 
     def _add_leaf(self, index: int, leaf: Any) -> None:
         field = self._fields[index]

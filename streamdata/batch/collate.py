@@ -38,6 +38,7 @@ __all__ = [
     "collate",
     "collate_column",
     "empty_tensor",
+    "empty_tensors",
     "prepare_shared",
     "shared_memory_space",
     "to_tensors",
@@ -121,6 +122,28 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, shared: bool) -> torc
     pool = recycle.active_pool()  # sd.loader's workers reuse storages the main process freed
     storage = pool.storage(nbytes, _new_shared) if pool is not None else _new_shared(nbytes)
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))  # type: ignore[call-overload]  # stride optional at run time
+
+
+_ALIGN = 64  # bytes: where each tensor of a shared block starts
+
+
+def empty_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], shared: bool) -> list[torch.Tensor]:
+    """Uninitialised CPU tensors of the ``(shape, dtype)`` given; when ``shared``, all views of one
+    shared-memory storage (from the worker's pool where there is one), each at a 64-byte boundary:
+    a batch's array fields cross to the main process as one storage (one pool slot, one
+    descriptor, one release), whatever their number."""
+    if not shared or len(specs) < 2:
+        return [empty_tensor(shape, dtype, shared) for shape, dtype in specs]
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        end += -(-nbytes // _ALIGN) * _ALIGN
+    pool = recycle.active_pool()
+    storage = pool.storage(end, _new_shared) if pool is not None else _new_shared(end)
+    return [torch.empty(0, dtype=dtype).set_(  # type: ignore[call-overload]  # stride optional at run time
+                storage, offset // torch.empty((), dtype=dtype).element_size(), tuple(shape))
+            for (shape, dtype), offset in zip(specs, offsets, strict=True)]
 
 
 def _new_shared(nbytes: int) -> torch.UntypedStorage:

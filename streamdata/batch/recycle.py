@@ -20,7 +20,8 @@ MAPPED-ONCE: a pooled storage crosses to the main process by descriptor once per
 (torch's fd hand-over: a round trip to the worker's resource-sharer thread and an ``mmap``,
 per storage and batch); the main process keeps that mapping on the board (``Board.mapped``,
 by worker, slot and the storage's generation), and a later batch in the same storage carries
-only its slot, generation and each tensor's view (``_Ref``), rebuilt there on the mapping. So
+only its slot, generation and each tensor's view (``_Ref``), rebuilt there on the mapping by the
+unpickler itself (no walk over the batch: its tickets say which slots came so). So
 (b) above reads: nothing in the main process but that mapping holds the storage. A worker
 that lets a storage go tells the main process in its next batch (``forget``), which drops the
 mapping.
@@ -35,7 +36,7 @@ import random
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -46,7 +47,7 @@ from streamdata.batch.tree import iter_tensors, map_kinds, map_tensors, pin_batc
 __all__ = ["Board", "BufferPool", "active_pool", "install", "lend", "lent_count", "reclaim", "unwrap"]
 
 FREE = 0
-SLOTS_PER_WORKER = 64  # storages a worker keeps; a batch of k tensor fields uses k slots
+SLOTS_PER_WORKER = 64  # storages a worker keeps; a batch's array fields share one (``empty_tensors``)
 _REUSE_SLACK = 2  # a free storage serves a request of at least 1/_REUSE_SLACK of its size
 # A free storage not reused in this many requests is dropped: the pool keeps what the
 # batches in flight need, not the peak of a moment when the loop held many batches, nor
@@ -61,16 +62,17 @@ class Board:
     def __init__(self, num_workers: int, slots: int = SLOTS_PER_WORKER) -> None:
         self.id = random.getrandbits(62)
         self.states = torch.zeros((max(1, num_workers), slots), dtype=torch.int64).share_memory_()
+        self._view = self.states.numpy()  # the same memory: a slot read or written without torch's indexing
         # MAPPED-ONCE, main process: (worker, slot) -> (generation, the storage's mapping here)
         self.mapped: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
         _BOARDS[self.id] = self  # the main process's registry, found by id when batches arrive
 
     def release(self, worker: int, slot: int, token: int) -> bool:
         """Main process: mark the slot free if it still carries ``token`` (RECYCLE-HANDOFF)."""
-        row = self.states[worker]
-        if int(row[slot]) != token:
+        view = self._view
+        if view[worker, slot] != token:
             return False
-        row[slot] = FREE
+        view[worker, slot] = FREE
         return True
 
     def close(self) -> None:
@@ -79,7 +81,11 @@ class Board:
             self.mapped.clear()
 
     def __getstate__(self) -> dict:  # a spawned worker needs the states, not the mappings
-        return {**self.__dict__, "mapped": {}}
+        return {**self.__dict__, "mapped": {}, "_view": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._view = self.states.numpy()
 
 
 class _Slot:
@@ -93,16 +99,22 @@ class _Slot:
 
 
 class _Ref:
-    """A tensor in a storage the main process has mapped already (MAPPED-ONCE): its view."""
+    """A tensor in a storage the main process has mapped already (MAPPED-ONCE): its view.
 
-    __slots__ = ("dtype", "gen", "offset", "size", "slot", "stride")
+    Pickled, it is rebuilt by the unpickler itself as that view (:func:`_ref_tensor`), so the
+    main process does not walk the batch to find it. (A ``_Ref`` set up from a state of its
+    own, ``__setstate__``, is rebuilt by the walk of :func:`_register`.)"""
 
-    def __init__(self, slot: _Slot, tensor: torch.Tensor) -> None:
+    __slots__ = ("board_id", "dtype", "gen", "offset", "size", "slot", "stride", "worker")
+
+    def __init__(self, slot: _Slot, tensor: torch.Tensor, board_id: int = 0, worker: int = 0) -> None:
         self.slot, self.gen, self.dtype = slot.index, slot.gen, tensor.dtype
         self.size, self.stride, self.offset = tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+        self.board_id, self.worker = board_id, worker
 
-    def __getstate__(self) -> tuple:
-        return self.slot, self.gen, self.dtype, self.size, self.stride, self.offset
+    def __reduce__(self) -> tuple:
+        return _ref_tensor, (self.board_id, self.worker, self.slot, self.gen, self.dtype, self.size,
+                             self.stride, self.offset)
 
     def __setstate__(self, state: tuple) -> None:
         self.slot, self.gen, self.dtype, self.size, self.stride, self.offset = state
@@ -229,6 +241,10 @@ class _Lent:
     from then on. Unpickling it in the main process rebuilds the tensors, keeps new mappings
     and registers the slots for release; :func:`unwrap` returns the batch itself. The
     DataLoader's pinning thread calls :meth:`pin_memory`.
+
+    Its state names the tickets whose tensors went as ``_Ref`` (``refs``): the unpickler rebuilt
+    those on the board's mappings already, so registering them reads no tensor; only a batch
+    with a storage that came by descriptor is walked (once per allocation of a slot).
     """
 
     __slots__ = ("_slots", "batch", "board_id", "forget", "tickets", "worker")
@@ -240,18 +256,22 @@ class _Lent:
 
     def __getstate__(self) -> tuple[Any, ...]:
         batch = self.batch
+        refs: tuple[int, ...] = ()
         if self._slots:  # in the worker, as the batch is pickled to be sent: MAPPED-ONCE
             mapped = {slot.storage.data_ptr(): slot for slot in self._slots if slot.sent}
             if mapped:
-                batch = map_tensors(lambda t: _as_ref(mapped, t), batch)
+                board_id, worker = self.board_id, self.worker
+                batch = map_tensors(lambda t: _as_ref(mapped, t, board_id, worker), batch)
+                sent = {slot.index for slot in mapped.values()}
+                refs = tuple(i for i, (_, slot, _, _) in enumerate(self.tickets) if slot in sent)
             for slot in self._slots:
                 slot.sent = True
-        return batch, self.board_id, self.worker, self.tickets, self.forget
+        return batch, self.board_id, self.worker, self.tickets, self.forget, refs
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.batch, self.board_id, self.worker, self.tickets, self.forget = state
+        self.batch, self.board_id, self.worker, self.tickets, self.forget = state[:5]
         self._slots = []
-        _register(self)
+        _register(self, state[5] if len(state) > 5 else None)
 
     def pin_memory(self) -> Any:
         return pin_batch(self.batch)  # the shared-memory storages are dropped after the copy
@@ -296,58 +316,98 @@ _LOCK = threading.Lock()  # the pinning thread registers while the main thread r
 _OUT: dict[tuple[int, int, int, int], tuple[Any, Board]] = {}
 # _register reclaims when _OUT has grown to _prune_at (nobody calls reclaim when the batches
 # are read from ``loader.dataloader``): a pool lends at most SLOTS_PER_WORKER slots, and a batch
-# of k tensor fields takes k of them, so the trigger comes _PRUNE_MIN entries after what was
+# takes one for its array fields and one per field collated at its end (labels), so the trigger
+# comes _PRUNE_MIN entries after what was
 # still live at the last reclaim (a walk over at most the slots lent, every _PRUNE_MIN batches)
 _PRUNE_MIN = 16
 _prune_at = _PRUNE_MIN
 
 
-def _as_ref(mapped: dict[int, _Slot], tensor: torch.Tensor) -> Any:
+def _as_ref(mapped: dict[int, _Slot], tensor: torch.Tensor, board_id: int, worker: int) -> Any:
     """Worker side: ``tensor`` as a ``_Ref`` if it lives in a slot the main process has mapped."""
     if tensor.device.type != "cpu":
         return tensor
     slot = mapped.get(tensor.untyped_storage().data_ptr())
-    return tensor if slot is None else _Ref(slot, tensor)
+    return tensor if slot is None else _Ref(slot, tensor, board_id, worker)
+
+
+def _ref_tensor(board_id: int, worker: int, slot: int, gen: int, dtype: torch.dtype, size: tuple,
+                stride: tuple, offset: int) -> torch.Tensor:
+    """Main process, as a batch is unpickled: the tensor a pickled ``_Ref`` stands for."""
+    board = _BOARDS.get(board_id)
+    held = board.mapped.get((worker, slot)) if board is not None else None
+    if held is None or held[0] != gen:
+        _refused(worker, slot)
+    return torch.empty(0, dtype=dtype).set_(held[1], offset, size, stride)
 
 
 def _rebuilt(board: Board | None, worker: int, ref: _Ref) -> torch.Tensor:
     """Main process: the tensor a ``_Ref`` stands for, on the board's mapping of its slot."""
     held = board.mapped.get((worker, ref.slot)) if board is not None else None
     if held is None or held[0] != ref.gen:
-        from streamdata.errors import StreamDataError
-
-        raise StreamDataError(
-            f"a batch from DataLoader worker {worker} refers to a shared-memory buffer (slot "
-            f"{ref.slot}) that this process has not received: batches of a recycling loader can "
-            "be unpickled only by the process that runs it; pass recycle_buffers=False to "
-            "sd.loader to send them elsewhere")
+        _refused(worker, ref.slot)
     return torch.empty(0, dtype=ref.dtype).set_(held[1], ref.offset, ref.size, ref.stride)
 
 
-def _register(lent: _Lent) -> None:
+def _refused(worker: int, slot: int) -> NoReturn:
+    from streamdata.errors import StreamDataError
+
+    raise StreamDataError(
+        f"a batch from DataLoader worker {worker} refers to a shared-memory buffer (slot "
+        f"{slot}) that this process has not received: batches of a recycling loader can "
+        "be unpickled only by the process that runs it; pass recycle_buffers=False to "
+        "sd.loader to send them elsewhere")
+
+
+def _register(lent: _Lent, refs: tuple[int, ...] | None = None) -> None:
+    """Main process, as ``lent`` is unpickled: keep the mappings of the storages that came by
+    descriptor, drop those the worker let go, and record every lent slot as out. The tickets in
+    ``refs`` came as ``_Ref``, rebuilt on the board's mappings by the unpickler: recorded from
+    the board without reading the batch; the batch is walked only when some other ticket (or a
+    ``_Ref`` not rebuilt yet: ``refs`` None) is left."""
     board = _BOARDS.get(lent.board_id)
+    worker = lent.worker
     with _LOCK:
-        lent.batch = map_kinds(lambda ref: _rebuilt(board, lent.worker, ref), lent.batch, (_Ref,))
+        if refs is None:
+            lent.batch = map_kinds(lambda ref: _rebuilt(board, worker, ref), lent.batch, (_Ref,))
         if board is None:  # not unpickled by the loader that owns the board: never released
             return
+        mapped = board.mapped
         for slot, gen in lent.forget:  # storages the worker let go: their mappings here too
-            if board.mapped.get((lent.worker, slot), (None,))[0] == gen:
-                del board.mapped[(lent.worker, slot)]
-        positions = {position: (slot, token, gen) for position, slot, token, gen in lent.tickets}
-        for position, tensor in enumerate(iter_tensors(lent.batch)):
-            if position not in positions or not tensor.is_shared():
-                # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
-                # the batch that really lives in the slot may hold it out of the pool
-                continue
-            slot, token, gen = positions[position]
-            held = board.mapped.get((lent.worker, slot))
-            if held is None or held[0] != gen:  # it came by descriptor: keep the mapping (MAPPED-ONCE)
-                held = board.mapped[(lent.worker, slot)] = (gen, tensor.untyped_storage())
-            # the same batch unpickled twice: one record is enough
-            _OUT.setdefault((board.id, lent.worker, slot, token), (held[1], board))
+            if mapped.get((worker, slot), (None,))[0] == gen:
+                del mapped[(worker, slot)]
+        tickets = lent.tickets
+        if refs:
+            for i in refs:
+                _, slot, token, _ = tickets[i]
+                held = mapped.get((worker, slot))  # its tensors were rebuilt on it (generation checked)
+                if held is not None:  # the same batch unpickled twice: one record is enough
+                    _OUT.setdefault((board.id, worker, slot, token), (held[1], board))
+            if len(refs) < len(tickets):
+                tickets = [t for i, t in enumerate(tickets) if i not in refs]
+            else:
+                tickets = []
+        if tickets:
+            _register_walked(lent, board, tickets)
         grown = len(_OUT) >= _prune_at
     if grown:
         reclaim()
+
+
+def _register_walked(lent: _Lent, board: Board, tickets: list[tuple[int, int, int, int]]) -> None:
+    """``_register`` for the tickets found by walking the batch (under ``_LOCK``)."""
+    positions = {position: (slot, token, gen) for position, slot, token, gen in tickets}
+    for position, tensor in enumerate(iter_tensors(lent.batch)):
+        if position not in positions or not tensor.is_shared():
+            # a copy (``copy.deepcopy``, a plain pickle round trip) has private storage: only
+            # the batch that really lives in the slot may hold it out of the pool
+            continue
+        slot, token, gen = positions[position]
+        held = board.mapped.get((lent.worker, slot))
+        if held is None or held[0] != gen:  # it came by descriptor: keep the mapping (MAPPED-ONCE)
+            held = board.mapped[(lent.worker, slot)] = (gen, tensor.untyped_storage())
+        # the same batch unpickled twice: one record is enough
+        _OUT.setdefault((board.id, lent.worker, slot, token), (held[1], board))
 
 
 def lent_count() -> int:
