@@ -178,6 +178,7 @@ def test_a_loader_drop_last_that_the_batching_dataset_would_not_keep_is_refused(
         sd.loader(ds, num_workers=0, drop_last=True)
 
 
+@pytest.mark.slow  # (a torchrun job: the slow suite, run in CI too)
 def test_torchrun_without_an_index_full_batches_and_equal_steps(tmp_path):
     """Real ranks (2 x 2 workers, gloo) over tar shards without an index, sd.loader with
     drop_last=True: END-TOGETHER ends every rank's epoch at the same step, every batch is full,

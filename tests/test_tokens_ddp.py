@@ -136,6 +136,7 @@ COUNT_JOB = Path(__file__).parent / "jobs" / "token_count_job.py"
 COUNT_SHARDS = [[300], [5, 7, 9], [1000, 20], [64] * 6, [3], [250, 250], [17, 33, 80]]  # tokens per sample
 
 
+@pytest.mark.slow  # (a torchrun job: the slow suite, run in CI too)
 def test_torchrun_a_tar_corpus_without_counts_is_counted_in_shares(s3_bucket, tmp_path):
     """COUNT-SHARED: 2 ranks build a TokenDataset over tar shards of .npy without kept counts,
     each rank through a counting proxy of its own: each reads only its share of the shards (its
