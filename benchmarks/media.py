@@ -11,11 +11,19 @@ method reads all of them once, 2 workers, batch 4, in interleaved rounds, at eac
   then takes the same 16 frames and scales them the same way.
 
 ``clips/s`` counts the whole run; ``CPU ms/clip`` is the CPU time of the process and its workers
-over the clips. Then ``--object-seconds`` of video stored as one object is read by
-``sd.ObjectDataset(decode=sd.video.RandomClip(25, stride=2), ranged=True)`` (a 2-second clip)
-and fetched whole, at each delay: bytes read against the object's size, and the time per clip.
+over the clips. Then ``--object-seconds`` of video stored as one object, a 2-second clip of
+it (``sd.ObjectDataset(decode=sd.video.RandomClip(25, stride=2))``), at each delay, in
+interleaved rounds:
+
+- ``ahead``: ``ranged=True``, a sequential run's requests sent together (``read_ahead``, 2 MiB);
+- ``serial``: ``ranged=True, read_ahead=0``, one request at a time;
+- ``whole``: the object fetched whole.
+
+The time of ``ds[0]`` (the dataset made and its object listed before), requests, bytes read
+against the object's size; ratios ahead / serial and ahead / whole per round.
 
     python -m benchmarks.media                # 3 rounds, 0 and 100 ms (~5 min on 2 cores)
+    python -m benchmarks.media --objects-only # the standalone object's part only
     python -m benchmarks.media --quick        # smoke run
 """
 
@@ -97,11 +105,17 @@ def _run(method: str, spec: str, options: dict, workers: int) -> dict:
     return {"clips": n, "clips_per_s": n / elapsed, "cpu_ms_per_clip": 1e3 * cpu / max(n, 1)}
 
 
-def _object(url: str, options: dict, ranged: bool) -> dict:
-    start = time.perf_counter()
+OBJECT_MODES = ("ahead", "serial", "whole")
+
+
+def _object(url: str, options: dict, mode: str) -> dict:
+    kw: dict[str, Any] = {"ranged": mode != "whole"}
+    if mode == "serial":
+        kw["read_ahead"] = 0
     ds = sd.ObjectDataset(url, storage_options=options, decode=sd.video.RandomClip(25, stride=2, seed=5),
-                          ranged=ranged)
+                          **kw)
     try:
+        start = time.perf_counter()  # the clip: its client's first connection, requests, decoding
         out = ds[0]
         stats = ds.reader_stats()
     finally:
@@ -120,22 +134,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="each video's length in the shards")
     p.add_argument("--object-seconds", type=float, default=120.0, help="the standalone video's length")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--objects-only", action="store_true", help="only the standalone object's part")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.videos, args.seconds, args.object_seconds = 1, 8, 4.0, 20.0
+    if args.objects_only:
+        args.videos = 0
     delays = [float(d) for d in args.delays.split(",") if d.strip()]
-    methods = ["clip", "whole"]
+    methods = [] if args.objects_only else ["clip", "whole"]
     fps = 25
     made = time.perf_counter()
     frames = int(args.seconds * fps)
     videos = [video_bytes(frames, fps=fps, gop=fps, size=128, noise=1) for _ in range(args.videos)]
     big = video_bytes(int(args.object_seconds * fps), fps=fps, gop=fps, size=256, noise=1)
     per_shard = 4
-    mean_mb = statistics.fmean(map(len, videos)) / 1e6
+    mean_mb = statistics.fmean(map(len, videos)) / 1e6 if videos else 0.0
     print(f"{args.videos} videos of {args.seconds:g} s ({mean_mb:.2f} MB each), a {args.object_seconds:g} s "
           f"object of {len(big) / 1e6:.1f} MB; made in {time.perf_counter() - made:.0f} s", flush=True)
     results: dict[tuple[str, float], list[dict]] = {}
-    objects: dict[tuple[bool, float], list[dict]] = {}
+    objects: dict[tuple[str, float], list[dict]] = {}
     with S3Server() as server:
         server.create_bucket("bench")
         client = server.boto3_client()
@@ -155,17 +172,19 @@ def main(argv: list[str] | None = None) -> None:
                     for method in order:
                         row = _run(method, spec, options, args.workers)
                         results.setdefault((method, delay), []).append(row)
-                    for ranged in ([True, False] if r % 2 == 0 else [False, True]):
-                        objects.setdefault((ranged, delay), []).append(
-                            _object("s3://bench/big/movie.mp4", options, ranged))
+                    turn = OBJECT_MODES[r % 3:] + OBJECT_MODES[:r % 3]  # interleaved, each first in turn
+                    for mode in turn:
+                        objects.setdefault((mode, delay), []).append(
+                            _object("s3://bench/big/movie.mp4", options, mode))
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(row[key] for row in rows)
 
-    print(f"\nTar shards, {args.workers} workers, batch 4, {args.rounds} rounds "
-          "(medians; ratios clip / whole)")
-    print(f"{'delay ms':>8} {'method':6} {'clips/s':>8} {'CPU ms/clip':>12}")
-    for delay in delays:
+    if methods:
+        print(f"\nTar shards, {args.workers} workers, batch 4, {args.rounds} rounds "
+              "(medians; ratios clip / whole)")
+        print(f"{'delay ms':>8} {'method':6} {'clips/s':>8} {'CPU ms/clip':>12}")
+    for delay in delays if methods else []:
         for method in methods:
             rows = results[(method, delay)]
             rate, cpu = med(rows, "clips_per_s"), med(rows, "cpu_ms_per_clip")
@@ -176,13 +195,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{delay:8g} clip / whole: clips/s x{statistics.median(rate):.2f}, CPU per clip "
               f"x{statistics.median(cpu):.2f} (rounds: {', '.join(f'{x:.2f}' for x in rate)})")
     print(f"\nA 2-second clip (25 frames, stride 2) of one {args.object_seconds:g} s object "
-          f"({len(big) / 1e6:.1f} MB), sd.ObjectDataset")
+          f"({len(big) / 1e6:.1f} MB), sd.ObjectDataset, {args.rounds} rounds (medians)")
+    print(f"{'delay ms':>8} {'mode':6} {'s':>6} {'requests':>8} {'MB':>6} {'of object':>9}")
     for delay in delays:
-        rng, whole = objects[(True, delay)], objects[(False, delay)]
-        print(f"{delay:8g} ms ranged: {med(rng, 'bytes') / 1e6:.2f} MB in {med(rng, 'requests'):.0f} "
-              "requests "
-              f"({med(rng, 'bytes') / len(big):.1%} of the object), {med(rng, 's'):.2f} s; whole: "
-              f"{med(whole, 'bytes') / 1e6:.2f} MB, {med(whole, 's'):.2f} s")
+        for mode in OBJECT_MODES:
+            rows = objects[(mode, delay)]
+            print(f"{delay:8g} {mode:6} {med(rows, 's'):6.2f} {med(rows, 'requests'):8.0f} "
+                  f"{med(rows, 'bytes') / 1e6:6.2f} {med(rows, 'bytes') / len(big):9.1%}")
+        ahead, serial, whole = (objects[(m, delay)] for m in OBJECT_MODES)
+        for name, other in (("serial", serial), ("whole", whole)):
+            ratio = [a["s"] / b["s"] for a, b in zip(ahead, other, strict=True)]
+            print(f"{delay:8g} ahead / {name}: time x{statistics.median(ratio):.2f} "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratio)})")
 
 
 if __name__ == "__main__":

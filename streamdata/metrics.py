@@ -13,14 +13,16 @@ counts may then be short, never over. Reading sums the rows.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CACHE_EVENTS", "COUNTERS", "KNOBS", "READER_STATS", "RESIGN_REASONS", "RETRY_REASONS",
-           "SKIP_REASONS", "STAGES", "Counters", "StageClock", "batch_len"]
+__all__ = ["CACHE_EVENTS", "COUNTERS", "KNOBS", "MODALITIES", "READER_STATS", "RESIGN_REASONS",
+           "RETRY_REASONS", "SKIP_REASONS", "STAGES", "Counters", "StageClock", "batch_len", "decode_timing",
+           "modality_acc"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -57,16 +59,21 @@ COUNTERS = (*(f"skipped.{r}" for r in SKIP_REASONS), *(f"retried.{r}" for r in R
 # decoding (``prepare``: fields by extension, Arrow -> tensors), the dataset's ``map``, and
 # collating: the rest of the reader's work (batching, the shuffle buffer, positions)
 STAGES = ("wait_bytes", "parse", "decode", "map", "collate")
+# what ``decode`` holds per kind of field (parts of it, not stages of their own: their sum is at
+# most ``decode``): images (an image transform, or ``decode=True``'s image fields), video and audio
+# (``sd.video`` / ``sd.audio`` transforms); the rest of ``decode`` is the other fields
+MODALITIES = ("image", "video", "audio")
 # a table of its own beside COUNTERS (ONE-WRITER-PER-ROW too), in integer nanoseconds and counts:
 # per reader, samples and batches yielded; wall_ns, time from each pass's start to its last
 # flush; busy_ns, time inside the pass's ``next()`` of a batch or sample (the stages add up to
-# it); the
+# it); decode_<modality>_ns, the parts of decode_ns spent on each kind of field (MODALITIES); the
 # prefetcher's parts fetched (``requests``, written by the reader's I/O thread), their bytes
 # and first-byte latency (summed over ``first_bytes`` parts whose backend tells it); knob.*: the
 # reader's prefetcher's knobs now (AUTOTUNE, streamdata.fetch.tune; written as changes by its I/O
 # thread, taken back when it closes: 0 between passes)
 KNOBS = ("window", "max_requests", "byte_budget", "part_size")  # a prefetcher's (AUTOTUNE)
 READER_STATS = ("samples", "batches", "wall_ns", "busy_ns", *(f"{s}_ns" for s in STAGES),
+                *(f"decode_{m}_ns" for m in MODALITIES),
                 "requests", "bytes", "first_byte_ns", "first_bytes",
                 *(f"knob.{k}" for k in KNOBS))
 
@@ -141,21 +148,24 @@ class StageClock:
     Only the reader's thread touches ``acc``. The prefetcher adds its waits for bytes (``WAIT``,
     exact); ``ErrorPolicy.each`` adds the pull of each record less the waits within it
     (``PARSE``), its ``prepare`` (``DECODE``) and its ``map`` (``MAP``); the pass's iterator
-    adds each batch's or sample's whole ``next()`` (``BUSY``).
+    adds each batch's or sample's whole ``next()`` (``BUSY``). Within ``DECODE``, the decoder
+    adds each field's time to its modality's slot (``IMAGE``, ``VIDEO``, ``AUDIO``;
+    :func:`decode_timing`).
 
     Each flush takes nested times apart: collating is what ``BUSY`` holds beyond the waits,
     parsing, decoding and ``map``; where the stages' sum exceeds a batch's measured busy time
-    (each is read on its own clock), they are scaled to it.
+    (each is read on its own clock), they are scaled to it, the modalities with ``decode``.
     """
 
-    WAIT, PARSE, DECODE, MAP, BUSY, SAMPLES, BATCHES = range(7)
+    WAIT, PARSE, DECODE, MAP, BUSY, SAMPLES, BATCHES, IMAGE, VIDEO, AUDIO = range(10)
+    MODALITY = {"image": IMAGE, "video": VIDEO, "audio": AUDIO}  # MODALITIES' slots in ``acc``
     FLUSH_NS = 20_000_000
 
     __slots__ = ("_last", "acc", "table")
 
     def __init__(self, table: Counters) -> None:
         self.table = table
-        self.acc = [0] * 7
+        self.acc = [0] * 10
         self._last = time.perf_counter_ns()  # the pass's start, then the last flush
 
     def due(self, now: int) -> bool:
@@ -164,18 +174,42 @@ class StageClock:
     def flush(self, now: int | None = None) -> None:
         """What the pass did since the last flush, into this reader's row of the table."""
         now = time.perf_counter_ns() if now is None else now
-        wait, parse, decode, mapped, busy, samples, nbatches = self.acc
-        self.acc[:] = [0] * 7
+        wait, parse, decode, mapped, busy, samples, nbatches, *kinds = self.acc
+        self.acc[:] = [0] * 10
         wall = now - self._last
         estimated, room = parse + decode + mapped, max(0, busy - wait)
         if estimated > room:  # the stages, each on its own clock, over what was measured: scaled to it
+            kinds = [k * room // estimated for k in kinds]
             parse, decode, mapped = (parse * room // estimated, decode * room // estimated,
                                      mapped * room // estimated)
+        within = sum(kinds)
+        if within > decode:  # each field's time is read inside decode's: never more than it
+            kinds = [k * decode // within for k in kinds]
         self.table.add_many({
             "samples": samples, "batches": nbatches, "wall_ns": wall, "busy_ns": busy,
             "wait_bytes_ns": wait, "parse_ns": parse, "decode_ns": decode, "map_ns": mapped,
-            "collate_ns": max(0, busy - wait - parse - decode - mapped)})
+            "collate_ns": max(0, busy - wait - parse - decode - mapped),
+            **{f"decode_{m}_ns": k for m, k in zip(MODALITIES, kinds, strict=True)}})
         self._last = now
+
+
+_decoding = threading.local()  # .acc: a pass's clock's, while this thread decodes (``decode_timing``)
+
+
+def decode_timing(acc: list[int] | None) -> list[int] | None:
+    """Set the ``acc`` that a decoder on this thread adds its per-field times to (a pass's
+    clock's, or None), giving back the one set before (to set again after). The reader's thread
+    sets it around its ``prepare`` only, so a decode thread (``decode_threads > 1``) finds none
+    and times nothing: ``acc`` keeps its one writer (ONE-WRITER-PER-ROW)."""
+    before = getattr(_decoding, "acc", None)
+    _decoding.acc = acc
+    return before
+
+
+def modality_acc() -> list[int] | None:
+    """The ``acc`` a decoder on this thread adds its per-field times to (``StageClock.IMAGE``,
+    ``VIDEO``, ``AUDIO``), or None where nothing is timed."""
+    return getattr(_decoding, "acc", None)
 
 
 def batch_len(batch: Any) -> int:

@@ -23,7 +23,7 @@ from streamdata.errors import (
     SpecError,
     StreamDataError,
 )
-from streamdata.metrics import Counters, StageClock
+from streamdata.metrics import Counters, StageClock, decode_timing
 from streamdata.redact import RedactFilter, redact
 
 __all__ = ["ErrorPolicy", "skip_reason"]
@@ -170,8 +170,10 @@ class ErrorPolicy:
     def _timed(self, items: Iterable[T], fn: Callable[[T], R], acc: list[int], pull: int | None,
                run: int) -> Iterator[R]:
         """:meth:`_each`, each record timed: its pull less the waits for bytes within it adds to
-        ``pull`` (None: not timed), its ``fn`` to ``run``."""
+        ``pull`` (None: not timed), its ``fn`` to ``run``; a decoder's fields (``run`` is
+        ``DECODE``) to their modalities' slots (``metrics.decode_timing``)."""
         clock, it, waits = time.perf_counter_ns, iter(items), StageClock.WAIT
+        decoding = run == StageClock.DECODE
         while True:
             start, waited = clock(), acc[waits]
             try:
@@ -183,6 +185,7 @@ class ErrorPolicy:
             pulled = clock()
             if pull is not None:
                 acc[pull] += pulled - start - (acc[waits] - waited)
+            before = decode_timing(acc) if decoding else None  # the fields' times per modality
             try:
                 result = fn(item)
             except StreamDataError as exc:
@@ -190,5 +193,7 @@ class ErrorPolicy:
                 continue
             finally:
                 acc[run] += clock() - pulled
+                if decoding:
+                    decode_timing(before)
             del item
             yield result

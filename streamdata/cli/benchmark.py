@@ -29,7 +29,7 @@ from streamdata.cli.common import (
     write_out,
 )
 from streamdata.config import Fetch
-from streamdata.metrics import STAGES
+from streamdata.metrics import MODALITIES, STAGES
 
 __all__ = ["add_parsers"]
 
@@ -132,7 +132,8 @@ def _one(fmt: str, shards: list, args: argparse.Namespace, workers: int, window:
     return {"workers": workers, "window": window, "samples": samples, "bytes": nbytes,
             "seconds": elapsed, "samples_per_s": samples / elapsed, "mb_per_s": nbytes / elapsed / 1e6,
             "first_batch_s": first, "stall_fraction": m["stall_fraction"],
-            "stages": {stage: m.get(f"stage.{stage}_s", 0.0) for stage in STAGES}}
+            "stages": {stage: m.get(f"stage.{stage}_s", 0.0) for stage in STAGES},
+            "decode": {kind: m.get(f"stage.decode_{kind}_s", 0.0) for kind in MODALITIES}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         write_out(f"{r['workers']:>7}  {r['window']:>6}  {r['stall_fraction']:>6.1%}  "
                   + "  ".join(f"{r['stages'][s]:>10.3f}" for s in STAGES))
+    if any(any(r["decode"].values()) for r in results):  # decode's parts, per kind of field
+        write_out("decode seconds per kind of field (parts of decode)")
+        write_out(f"{'workers':>7}  {'window':>6}  " + "  ".join(f"{k:>10}" for k in MODALITIES))
+        for r in results:
+            write_out(f"{r['workers']:>7}  {r['window']:>6}  "
+                      + "  ".join(f"{r['decode'][k]:>10.3f}" for k in MODALITIES))
     if args.png:
         _chart(results, args.png, f"{' '.join(args.spec)} ({fmt}, batch {args.batch_size})")
         write_out(f"chart     {args.png}")

@@ -38,6 +38,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 # video and audio files, kept as members as they are (sd.video / sd.audio decode them)
 MEDIA_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".wav", ".flac", ".ogg", ".opus", ".mp3",
                   ".m4a")
+_VIDEO_SUFFIXES = MEDIA_SUFFIXES[:6]  # the rest are audio
 _MEMBER_SUFFIXES = IMAGE_SUFFIXES + MEDIA_SUFFIXES
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
@@ -87,6 +88,7 @@ class Source:
     classes: list[str]
     total_bytes: int
     skipped: list[str] = dataclasses.field(default_factory=list)  # files that are not images
+    what: str = ""  # what the summary line calls the samples (default: ``kind``)
 
 
 def _open_source(src: str, options: dict) -> tuple[Any, Source]:
@@ -141,8 +143,27 @@ def _images(fs: Any, root: str, src: str) -> Source:
         return sample
 
     items = [(name, rel) for (name, _), rel in zip(images, relative, strict=True)]
-    return Source("imagefolder" if classes else "images", items, len(items), load, classes,
-                  sum(s for _, s in images), others)
+    what = _files_named(relative)
+    if what == "images":  # torchvision's layout, or a flat folder of images
+        return Source("imagefolder" if classes else "images", items, len(items), load, classes,
+                      sum(s for _, s in images), others)
+    return Source("mediafolder" if classes else "media", items, len(items), load, classes,
+                  sum(s for _, s in images), others, what=what)
+
+
+def _files_named(relative: list[str]) -> str:
+    """What a folder's files are: ``images`` where all are, else each kind counted (``3 videos,
+    2 audio files, 1 image``)."""
+    kinds = {"video": 0, "audio": 0, "image": 0}
+    for rel in relative:
+        low = rel.lower()
+        kinds["video" if low.endswith(_VIDEO_SUFFIXES) else
+              "audio" if low.endswith(MEDIA_SUFFIXES) else "image"] += 1
+    if kinds["image"] == len(relative):
+        return "images"
+    nouns = {"video": ("video", "videos"), "audio": ("audio file", "audio files"),
+             "image": ("image", "images")}
+    return ", ".join(f"{n} {nouns[k][n != 1]}" for k, n in kinds.items() if n)
 
 
 class _Lines:
@@ -239,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     if source.classes:
         _write_classes(pattern, source.classes, options)
     n = source.count
-    what = source.kind + (f", {len(source.classes)} classes" if source.classes else "")
+    what = (source.what or source.kind) + (f", {len(source.classes)} classes" if source.classes else "")
     write_out(f"wrote {n} samples ({what}, {human(source.total_bytes)} of source) to {len(urls)} "
               f"{args.format} shards in {elapsed:.1f} s ({n / max(elapsed, 1e-9):.0f} samples/s)")
     if source.skipped:

@@ -18,8 +18,9 @@ from streamdata.errors import SpecError
 from streamdata.fetch.cache import Cache, cached_object
 from streamdata.formats.decode import DecodeSpec, make_decoder
 from streamdata.formats.media import MediaTransform
-from streamdata.formats.ranged import RangedFile
-from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock
+from streamdata.formats.ranged import IN_FLIGHT, READ_AHEAD, RangedFile
+from streamdata.formats.seeding import for_pass
+from streamdata.metrics import COUNTERS, READER_STATS, Counters, StageClock, decode_timing
 from streamdata.ranks import from_rank0
 from streamdata.redact import redact_url
 from streamdata.store.urls import split_url
@@ -40,14 +41,25 @@ class ObjectDataset(torch.utils.data.Dataset):
     holding one): the objects it takes are not fetched whole; the transform gets a seekable file
     over ranged GETs of the object (``formats.ranged.RangedFile``), so a clip of a large video
     reads its index and the clip's byte ranges only (docs/media.md). The reads count in the
-    reader's ``requests`` and ``bytes``; their waits in its ``decode`` time.
+    reader's ``requests`` and ``bytes``; their waits in its ``decode`` time. A sequential run of
+    reads (a clip's frames) fetches ahead by requests sent together, up to ``read_ahead`` bytes
+    a round (0: one request at a time).
+
+    ``seed`` and :meth:`set_epoch` seed what ``decode`` and ``map`` draw per sample (an image's
+    crop, a video's clip: IMAGE-SEED, ``formats.seeding``), as a sharded dataset's pass does: a
+    transform without its own seed draws from ``(seed, epoch, key)``. The epoch lives in shared
+    memory, so persistent DataLoader workers see ``set_epoch`` (call it before the epoch's
+    first batch, as ``sd.loader``'s ``set_epoch`` is called).
     """
 
     fetch_defaults = {"max_requests": OBJECT_MAX_REQUESTS}
 
     def __init__(self, urls: Spec, *, storage_options: dict | None = None, decode: DecodeSpec = True,
                  map: Callable[[Any], Any] | None = None, fetch_config: FetchConfig | None = None,
-                 ranged: bool = False, **fetch_options: Any) -> None:
+                 ranged: bool = False, read_ahead: int = READ_AHEAD, seed: int = 0,
+                 **fetch_options: Any) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise SpecError(f"seed must be an int, got {seed!r}")
         self.storage_options = dict(storage_options or {})
         self.fetch_config = FetchConfig.resolve(fetch_config, self, defaults=self.fetch_defaults,
                                                 **fetch_options)
@@ -57,7 +69,15 @@ class ObjectDataset(torch.utils.data.Dataset):
         self.decode = decode
         self._decoder = make_decoder(decode)
         self.map = map
+        self.seed = seed
+        # the epoch (``set_epoch``), written by the process that owns the dataset only, read by
+        # every worker as a batch starts; the decoder and map bound to it (``_for_epoch``)
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._bound: tuple[int, Any, Any] = (0, for_pass(self._decoder, seed, 0), for_pass(map, seed, 0))
         self.ranged = bool(ranged)
+        if not isinstance(read_ahead, int) or read_ahead < 0:
+            raise SpecError(f"read_ahead must be an int >= 0 (bytes), got {read_ahead!r}")
+        self.read_ahead = read_ahead
         self._ranged_by = _media_transforms(decode) if ranged else ()
         if ranged and not self._ranged_by:
             raise SpecError("ranged=True reads media by ranged requests for a media transform: give "
@@ -84,6 +104,25 @@ class ObjectDataset(torch.utils.data.Dataset):
     def counts(self) -> dict[str, int]:
         """Every counter (``retried.*``, ``cache.*``), over every worker."""
         return self._counters.snapshot()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the transforms draw for (``set_epoch``; 0 until set)."""
+        return int(self._epoch[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next batches' clips and crops for ``epoch`` (IMAGE-SEED), in every worker."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise SpecError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch[0] = epoch
+
+    def _for_epoch(self) -> tuple[Any, Any]:
+        """The decoder and ``map`` bound to the current epoch (bound again when it changed)."""
+        epoch = int(self._epoch[0])
+        if self._bound[0] != epoch:
+            self._bound = (epoch, for_pass(self._decoder, self.seed, epoch),
+                           for_pass(self.map, self.seed, epoch))
+        return self._bound[1], self._bound[2]
 
     def reader_stats(self) -> list[dict[str, int]]:
         """Each reader's ``metrics.READER_STATS`` so far: a batch's wait for its objects
@@ -168,7 +207,9 @@ class ObjectDataset(torch.utils.data.Dataset):
                 size = client.io.run(client.size(url), cfg.wait_limit(),
                                      what=f"the size of {redact_url(url)}")
             file = RangedFile(functools.partial(self._read_range, client, url), int(size or 0),
-                              name=redact_url(url) or "")
+                              name=redact_url(url) or "",
+                              read_ranges=functools.partial(self._read_ranges, client, url),
+                              read_ahead=self.read_ahead, in_flight=min(IN_FLIGHT, cfg.max_requests))
             files.append(file)
             try:
                 out.append(self._sample(url, file, None if clock is None else clock.acc))
@@ -187,19 +228,36 @@ class ObjectDataset(torch.utils.data.Dataset):
                              what=f"bytes {start}..{end} of {redact_url(url)}")
         return bytes(data)
 
+    def _read_ranges(self, client: Any, url: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """``ranges`` of the object by requests sent together (a sequential run's read-ahead)."""
+        import asyncio
+
+        async def all_of() -> list[Any]:
+            return await asyncio.gather(*(client.get(url, start, end) for start, end in ranges))
+
+        datas = client.io.run(all_of(), self.fetch_config.wait_limit(),
+                              what=f"bytes {ranges[0][0]}..{ranges[-1][1]} of {redact_url(url)}")
+        return [bytes(d) for d in datas]
+
     def _sample(self, url: str, data: Any, acc: list[int] | None = None) -> Any:
         name = posixpath.basename(split_url(url)[1])
         key, dot, ext = name.partition(".")
         sample = {"__key__": key, "__url__": redact_url(url), (ext.lower() if dot else "data"): data}
-        if self._decoder is not None:
-            began = time.perf_counter_ns() if acc is not None else 0
-            sample = self._decoder(sample)
-            if acc is not None:
-                acc[StageClock.DECODE] += time.perf_counter_ns() - began
-        if self.map is None:
+        decoder, mapper = self._for_epoch()
+        if decoder is not None:
+            if acc is None:
+                sample = decoder(sample)
+            else:
+                began, before = time.perf_counter_ns(), decode_timing(acc)  # per modality too
+                try:
+                    sample = decoder(sample)
+                finally:
+                    decode_timing(before)
+                    acc[StageClock.DECODE] += time.perf_counter_ns() - began
+        if mapper is None:
             return sample
         began = time.perf_counter_ns() if acc is not None else 0
-        sample = self.map(sample)
+        sample = mapper(sample)
         if acc is not None:
             acc[StageClock.MAP] += time.perf_counter_ns() - began
         return sample

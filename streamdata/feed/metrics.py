@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from streamdata.metrics import KNOBS, STAGES
+from streamdata.metrics import KNOBS, MODALITIES, STAGES
 from streamdata.ranks import gloo_group, multi_rank
 
 __all__ = ["STALLED", "Stopwatch", "Timed", "gather_ranks", "summary", "verdict"]
@@ -106,6 +106,8 @@ def summary(watch: Stopwatch, dataset: Any = None, feed: Any = None) -> Metrics:
         out["readers.busy_s"] = total["busy_ns"] * _NS
         for stage in STAGES:
             out[f"stage.{stage}_s"] = total[f"{stage}_ns"] * _NS
+        for kind in MODALITIES:  # parts of stage.decode_s: their sum is at most it
+            out[f"stage.decode_{kind}_s"] = total[f"decode_{kind}_ns"] * _NS
         for knob in KNOBS:  # AUTOTUNE: the largest of the readers' knobs now (0 between passes)
             out[f"knob.{knob}"] = max(row[f"knob.{knob}"] for row in rows)
     counts = getattr(dataset, "counts", None)

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamdata.errors import DecodeError
 from streamdata.formats.images import ImageTransform
 from streamdata.formats.media import MediaTransform
+from streamdata.metrics import StageClock, modality_acc
 
 __all__ = ["IMAGE_EXTENSIONS", "DecodeSpec", "fast_basic", "fast_image", "fast_json", "fast_npy",
            "make_decoder"]
@@ -139,6 +141,7 @@ class _Default:
 
     def __call__(self, sample: dict) -> dict:
         out = {}
+        acc = modality_acc()  # a pass's clock while its reader's thread decodes: each field timed
         for field, value in sample.items():
             if field[:2] == "__":  # __key__, __url__...: text, as webdataset gives them
                 if isinstance(value, bytes):
@@ -149,20 +152,32 @@ class _Default:
                 out[field] = value
                 continue
             transform = next((t for t in self._transforms if t.takes(field)), None)
-            if transform is not None and isinstance(value, (bytes, io.IOBase)):  # a file: ranged reads
-                if isinstance(transform, MediaTransform):  # names its own errors (a FormatError when corrupt)
-                    out[field] = transform.sample_value(value, sample, field)
-                    continue
-                try:
-                    out[field] = transform.sample_image(value, sample)
-                except Exception as exc:
-                    raise _decode_error(sample, field, exc) from exc
+            if acc is None:
+                out[field] = self._one(field, value, sample, transform)
                 continue
+            slot = _slot(field, transform)
+            if slot is None:
+                out[field] = self._one(field, value, sample, transform)
+                continue
+            began = time.perf_counter_ns()
             try:
-                out[field] = self._field(field, value)
+                out[field] = self._one(field, value, sample, transform)
+            finally:
+                acc[slot] += time.perf_counter_ns() - began
+        return out
+
+    def _one(self, field: str, value: Any, sample: dict, transform: FieldTransform | None) -> Any:
+        if transform is not None and isinstance(value, (bytes, io.IOBase)):  # a file: ranged reads
+            if isinstance(transform, MediaTransform):  # names its own errors (a FormatError when corrupt)
+                return transform.sample_value(value, sample, field)
+            try:
+                return transform.sample_image(value, sample)
             except Exception as exc:
                 raise _decode_error(sample, field, exc) from exc
-        return out
+        try:
+            return self._field(field, value)
+        except Exception as exc:
+            raise _decode_error(sample, field, exc) from exc
 
     def _field(self, field: str, value: Any) -> Any:
         if not isinstance(value, bytes):
@@ -179,6 +194,15 @@ class _Default:
             image = autodecode.ImageHandler(DEFAULT_IMAGE_SPEC)
             self._rest = autodecode.Decoder([fast_npy, fast_basic, image])
         return self._rest.decode1(field, value)
+
+
+def _slot(field: str, transform: FieldTransform | None) -> int | None:
+    """The clock's slot a field's decoding time adds to (``metrics.MODALITIES``), or None."""
+    if isinstance(transform, MediaTransform):
+        return StageClock.MODALITY.get(transform.KIND)
+    if transform is not None or field[field.rfind(".") + 1:].lower() in IMAGE_EXTENSIONS:
+        return StageClock.IMAGE
+    return None
 
 
 def _decode_error(sample: dict, field: Any, cause: BaseException) -> DecodeError:

@@ -22,7 +22,7 @@ import torch
 
 import streamdata as sd
 from streamdata.feed.metrics import verdict
-from streamdata.metrics import STAGES
+from streamdata.metrics import MODALITIES, STAGES
 from tests.helpers import torchrun, write_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -259,6 +259,6 @@ def test_the_tensorboard_example_writes_events_read_back(tmp_path):
     runs.Reload()
     scalars = {run: runs.Scalars(run, tags["scalars"][0]) for run, tags in runs.Runs().items()
                if tags["scalars"]}
-    assert len(scalars) == 2 + len(STAGES)  # add_scalars: one run per name
+    assert len(scalars) == 2 + len(STAGES) + len(MODALITIES)  # add_scalars: one run per name
     for events in scalars.values():
         assert [e.step for e in events] == [3, 6, 9, 12]

@@ -108,20 +108,30 @@ def test_a_flush_fits_the_estimates_into_what_was_measured(clock):
     sc = StageClock(table)
     start = clock.now
     # samples put out one by one: each next() is busy time, the stages inside it
-    sc.acc[:] = [1_000, 2_000, 3_000, 4_000, 12_000, 16, 0]
+    sc.acc[:] = [1_000, 2_000, 3_000, 4_000, 12_000, 16, 0, 1_000, 0, 500]
     clock.now = start + 100_000
     sc.flush()
     row = table.rows[-1]
     assert row["busy_ns"] == 12_000 and row["collate_ns"] == 2_000 and row["wall_ns"] == 100_000
+    # decode's parts per modality, as measured
+    assert (row["decode_image_ns"], row["decode_video_ns"], row["decode_audio_ns"]) == (1_000, 0, 500)
     # batches: estimates over a batch's measured busy time are scaled into it, waits kept whole
-    sc.acc[:] = [1_000, 4_000, 4_000, 0, 5_000, 32, 2]
+    sc.acc[:] = [1_000, 4_000, 4_000, 0, 5_000, 32, 2, 2_000, 2_000, 0]
     clock.now += 100_000
     sc.flush()
     row = table.rows[-1]
     assert row["wait_bytes_ns"] == 1_000 and row["parse_ns"] == 2_000 and row["decode_ns"] == 2_000
     assert row["busy_ns"] == 5_000 and row["collate_ns"] == 0
+    # decode's parts scaled with it
+    assert (row["decode_image_ns"], row["decode_video_ns"], row["decode_audio_ns"]) == (1_000, 1_000, 0)
+    # parts over their decode time (each on its own clock) are fitted into it
+    sc.acc[:] = [0, 0, 1_000, 0, 10_000, 1, 0, 0, 1_500, 500]
+    clock.now += 100_000
+    sc.flush()
+    row = table.rows[-1]
+    assert row["decode_ns"] == 1_000 and (row["decode_video_ns"], row["decode_audio_ns"]) == (750, 250)
     # estimates under it: the rest is collating
-    sc.acc[:] = [1_000, 1_000, 1_000, 1_000, 9_000, 32, 2]
+    sc.acc[:] = [1_000, 1_000, 1_000, 1_000, 9_000, 32, 2, 0, 0, 0]
     clock.now += 100_000
     sc.flush()
     assert table.rows[-1]["collate_ns"] == 5_000

@@ -123,7 +123,7 @@ def test_a_large_video_object_read_by_ranges(media_bucket):
     assert numbers == list(range(numbers[0], numbers[0] + 50, 2))
     stats = ranged.reader_stats()
     read = sum(r["bytes"] for r in stats)
-    assert 0 < read < len(data) / 5, (read, len(data))  # ~15%: 2 s, the keyframe before, read-ahead
+    assert 0 < read < len(data) / 5, (read, len(data))  # ~17%: 2 s, the keyframe before, a round read ahead
     ranged.close()
     whole.close()
     with pytest.raises(sd.SpecError, match="ranged=True"):
@@ -143,10 +143,11 @@ def test_media_members_are_kept_as_they_are(media_bucket, tmp_path, capsys):
     src.mkdir()
     (src / "one.mp4").write_bytes(video)
     (src / "two.wav").write_bytes(wav)
+    capsys.readouterr()
     assert main(["convert", str(src), str(tmp_path / "out"), "--shuffle", "0"]) == 0
+    assert capsys.readouterr().out.startswith("wrote 2 samples (1 video, 1 audio file, ")  # named as they are
     samples = list(sd.TarDataset(str(tmp_path / "out/"), decode=False))
     assert [s.get("mp4") or s.get("wav") for s in samples] == [video, wav]  # by path: one.mp4, two.wav
-    capsys.readouterr()
 
     assert main(["inspect", f"s3://{bucket}/w/", "-o", json.dumps(server.storage_options)]) == 0
     out = capsys.readouterr().out
