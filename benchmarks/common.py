@@ -34,6 +34,7 @@ __all__ = [
     "tar_shard",
     "upload_shards",
     "upstream",
+    "write_report",
 ]
 
 KiB = 1024
@@ -190,6 +191,13 @@ def replace_in_options(options: Any, old: str, new: str) -> Any:
     if isinstance(options, list):
         return [replace_in_options(v, old, new) for v in options]
     return new if options == old else options
+
+
+def write_report(path: Path, report: Mapping[str, Any]) -> None:
+    """Write a benchmark's ``report`` to ``path`` as indented JSON (its folder made) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -35,7 +34,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import mean_std, upstream  # noqa: E402
+from benchmarks.common import mean_std, upstream, write_report  # noqa: E402
 from benchmarks.proxy import LatencyProxy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,9 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = run(args)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print()
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

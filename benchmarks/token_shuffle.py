@@ -16,7 +16,6 @@ per round, so a noisy machine moves both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import upstream  # noqa: E402
+from benchmarks.common import upstream, write_report  # noqa: E402
 from benchmarks.proxy import LatencyProxy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -124,9 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import upstream  # noqa: E402
+from benchmarks.common import upstream, write_report  # noqa: E402
 from benchmarks.proxy import LatencyProxy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -254,9 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = parse_args(argv)
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Shared test helpers: build WebDataset shards, read datasets through a DataLoader, and take
-the code blocks a docs page gives."""
+"""Shared test helpers: build WebDataset shards, read datasets through a DataLoader, stop and
+resume them on simulated ranks, start and run the torchrun jobs (tests/jobs/), and take the code
+blocks a docs page gives."""
 
 from __future__ import annotations
 
@@ -164,6 +165,138 @@ def take(it, n: int) -> list:
     return out
 
 
+def saved_state(make, stop: int, rows, world_size: int = 2, num_workers: int = 2) -> tuple[list, dict]:
+    """Simulated ranks (``world_size``, each ``sd.loader(make(), num_workers=...)``) each take
+    ``stop`` batches: the rows (``rows(batch)``, a list per batch) they delivered, and their states
+    merged and passed through JSON, as a checkpoint stores them."""
+    import json
+
+    import streamdata as sd
+    from streamdata.epoch.state import merge_states
+
+    before, states = [], []
+    for rank in range(world_size):
+        with rank_env(rank, world_size), sd.loader(make(), num_workers=num_workers) as loader:
+            it = iter(loader)
+            before += [r for b in take(it, stop) for r in rows(b)]
+            states.append(loader.state_dict())
+            del it
+    return before, json.loads(json.dumps(merge_states(states)))
+
+
+def resumed_rows(make, state: dict, world_size: int, num_workers: int, rows) -> tuple[list, list[int]]:
+    """``state`` loaded on ``world_size`` simulated ranks x ``num_workers`` workers: the rows they
+    delivered to the epoch's end, and each rank's steps."""
+    import streamdata as sd
+
+    after, steps = [], []
+    for rank in range(world_size):
+        with rank_env(rank, world_size), sd.loader(make(), num_workers=num_workers) as loader:
+            loader.load_state_dict(state)
+            batches = [rows(b) for b in loader]
+            steps.append(len(batches))
+            after += [r for b in batches for r in b]
+    return after, steps
+
+
+def stopped_state(make, world_size: int, stop: int) -> dict:
+    """Simulated ranks (``world_size``) each iterate ``make()`` for ``stop`` items and stop: their
+    states merged."""
+    from streamdata.epoch.state import merge_states
+
+    states = []
+    for rank in range(world_size):
+        with rank_env(rank, world_size):
+            ds = make()
+            it = iter(ds)
+            take(it, stop)
+            states.append(ds.state_dict())
+            it.close()
+    return merge_states(states)
+
+
+def stop_and_resume(make_loader, stop: int, rows) -> list:
+    """A loader from ``make_loader()`` stops after ``stop`` batches; its state (through JSON)
+    loaded into a fresh one, which runs to the end: the rows (``rows(batch)``) of both, in order."""
+    import json
+
+    loader = make_loader()
+    it = iter(loader)
+    before = [r for b in take(it, stop) for r in rows(b)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    resumed = make_loader()
+    resumed.load_state_dict(state)
+    return before + [r for b in resumed for r in rows(b)]
+
+
+def check_one_corrupt(ds, policy: str, keys: list[str], bad: str, error: type, shard: str,
+                      counter: str) -> None:
+    """``ds`` over shards of ``keys`` whose sample ``bad`` (in the shard whose URL ends with
+    ``shard``) is corrupt: with ``on_error="raise"`` an ``error`` naming both; with ``"skip"``
+    every other key in order, the one skipped counted under ``counter``."""
+    import pytest
+
+    if policy == "raise":
+        with pytest.raises(error) as info:
+            list(ds)
+        assert info.value.key == bad and info.value.url.endswith(shard)
+        return
+    got = [k for batch in ds for k in batch["__key__"]]
+    assert got == [k for k in keys if k != bad]
+    assert ds.skipped[counter] == 1 and sum(ds.skipped.values()) == 1
+
+
+def s3_tar_shards(s3_server, folder: str, counts: list[int], sample) -> tuple[str, list[str]]:
+    """Tar shards ``folder/shard-000.tar``... in a fresh bucket of the test S3 server, ``counts``
+    samples each, ``sample(n)`` the n-th (with its ``__key__``), indexed (an exact epoch, an exact
+    resume): their brace spec and the keys in order."""
+    import uuid
+
+    import s3fs
+
+    from streamdata.catalog.index import build_index
+
+    bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
+    keys, n = [], 0
+    for s, count in enumerate(counts):
+        samples = [sample(n + i) for i in range(count)]
+        fs.pipe_file(f"{bucket}/{folder}/shard-{s:03d}.tar", tar_bytes(samples))
+        keys += [x["__key__"] for x in samples]
+        n += count
+    spec = f"s3://{bucket}/{folder}/shard-{{000..{len(counts) - 1:03d}}}.tar"
+    build_index(spec, s3_server.storage_options, progress=False)
+    return spec, keys
+
+
+def npy_tar(docs: list, dtype, name: str) -> bytes:
+    """A tar shard of one sample per document, its tokens (as ``dtype``) a .npy field: members
+    ``{name}0000.npy``..."""
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for k, doc in enumerate(docs):
+            npy = io.BytesIO()
+            np.save(npy, doc.astype(dtype))
+            info = tarfile.TarInfo(f"{name}{k:04d}.npy")
+            info.size = len(npy.getvalue())
+            tar.addfile(info, io.BytesIO(npy.getvalue()))
+    return out.getvalue()
+
+
+def random_documents(rng, longest: int, widest: int) -> tuple[list, int, int, list[int]]:
+    """A pure token plan's input drawn from ``rng``: 1-5 documents (each 1..``longest``-1 values
+    in 0..14), a sequence width in 4..``widest``-1 and 0-2 special tokens per document:
+    ``(docs, width, specials, tokens)``, ``tokens`` each document's count with its specials."""
+    docs = [rng.integers(0, 15, rng.integers(1, longest)) for _ in range(rng.integers(1, 6))]
+    width, specials = int(rng.integers(4, widest)), int(rng.integers(0, 3))
+    tokens = [int(d.sum()) + specials * len(d) for d in docs]
+    return docs, width, specials, tokens
+
+
 def write_tables(fs, prefix: str, groups: list[list[int]], suffix: str = "parquet") -> list[int]:
     """``prefix/part-{i}.{suffix}``: Parquet files (one row group per entry) or Arrow IPC files
     (one record batch per entry) of a column ``id`` numbering the rows; returns the ids."""
@@ -211,6 +344,45 @@ def torchrun(job, tmp_path, nproc: int, cfg: dict, time_limit_s: float = 240,
         pytest.fail(f"the {launcher} job hung (no end within {time_limit_s} s): {exc.stderr!s:.2000}")
     assert done.returncode == 0, done.stderr[-12000:]  # a stopped rank's stacks too (``jobs._leave``)
     return [json.loads((Path(tmp_path) / f"{cfg['tag']}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def once_after_a_resume(job, tmp_path, base: dict, keys: list[str], field: str, rest_ranks: int,
+                        rest: dict) -> list[dict]:
+    """Torchrun runs of ``job`` with ``base``: a whole epoch on 2 ranks, each of ``keys`` once in
+    the ranks' ``field`` (a dict per key), equal steps; then 2 ranks that stop after 2 steps and
+    save, and ``rest_ranks`` ranks that resume (``rest`` over ``base``): each key once over both,
+    with the value the whole epoch gave it. The whole epoch's results."""
+    import collections
+
+    state = str(tmp_path / "state.json")
+    whole = torchrun(job, tmp_path, 2, {**base, "tag": "whole"})
+    values = {k: v for r in whole for k, v in r[field].items()}
+    assert sorted(values) == keys and sum(len(r[field]) for r in whole) == len(keys)  # exactly once
+    assert whole[0]["steps"] == whole[1]["steps"]
+
+    first = torchrun(job, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
+    after = torchrun(job, tmp_path, rest_ranks, {**base, "tag": "rest", "load": state, **rest})
+    got = collections.Counter(k for r in first + after for k in r[field])
+    assert sorted(got) == keys and max(got.values()) == 1
+    assert all(values[k] == v for r in first + after for k, v in r[field].items())
+    return whole
+
+
+def ddp_job(config_json: str, features: int = 8):
+    """A torchrun job's start: its config, the gloo process group (60 s timeout), and a tiny seeded
+    DDP model (``features`` inputs) with its SGD optimizer: ``(cfg, rank, model, optimizer)``."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    cfg = json.loads(config_json)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(features, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return cfg, rank, model, optimizer
 
 
 def ddp_steps(loader, model, optimizer, features, cfg: dict, rank: int):

@@ -5,7 +5,6 @@ Hugging Face-style Parquet export decoded by its image column's type, with a cor
 
 from __future__ import annotations
 
-import collections
 import io
 import uuid
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import tar_bytes, torchrun
+from tests.helpers import once_after_a_resume, s3_tar_shards
 
 JOB = Path(__file__).parent / "jobs" / "images_job.py"
 COUNTS = [9, 4, 12, 7, 6, 10]  # 48 images
@@ -30,34 +29,10 @@ def _jpeg(n: int) -> bytes:
 
 @pytest.mark.slow
 def test_torchrun_every_image_once_and_the_same_crops_after_a_resume(s3_server, tmp_path):
-    import s3fs
-
-    from streamdata.catalog.index import build_index
-
-    bucket = f"sd-test-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(bucket)
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
-    keys, n = [], 0
-    for s, count in enumerate(COUNTS):
-        samples = [{"__key__": f"img{n + i:04d}", "jpg": _jpeg(n + i), "cls": b"1"} for i in range(count)]
-        fs.pipe_file(f"{bucket}/img/shard-{s:03d}.tar", tar_bytes(samples))
-        keys += [x["__key__"] for x in samples]
-        n += count
-    spec = f"s3://{bucket}/img/shard-{{000..{len(COUNTS) - 1:03d}}}.tar"
-    build_index(spec, s3_server.storage_options, progress=False)  # an exact epoch, an exact resume
+    spec, keys = s3_tar_shards(s3_server, "img", COUNTS,
+                               lambda n: {"__key__": f"img{n:04d}", "jpg": _jpeg(n), "cls": b"1"})
     base = {"spec": spec, "storage_options": s3_server.storage_options, "workers": 1, "threads": 2}
-    state = str(tmp_path / "state.json")
-
-    whole = torchrun(JOB, tmp_path, 2, {**base, "tag": "whole"})
-    crops = {k: v for r in whole for k, v in r["images"].items()}
-    assert sorted(crops) == keys and sum(len(r["images"]) for r in whole) == len(keys)  # exactly once
-    assert whole[0]["steps"] == whole[1]["steps"]
-
-    first = torchrun(JOB, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
-    rest = torchrun(JOB, tmp_path, 2, {**base, "tag": "rest", "load": state, "workers": 2, "threads": 1})
-    got = collections.Counter(k for r in first + rest for k in r["images"])
-    assert sorted(got) == keys and max(got.values()) == 1
-    assert all(crops[k] == v for r in first + rest for k, v in r["images"].items())
+    once_after_a_resume(JOB, tmp_path, base, keys, "images", 2, {"workers": 2, "threads": 1})
 
 
 @pytest.mark.slow
@@ -87,16 +62,5 @@ def test_torchrun_hugging_face_parquet_images_once_equal_steps_and_a_counted_bad
     spec = f"s3://{bucket}/hub/train-{{00000..{len(COUNTS) - 1:05d}}}.parquet"
     base = {"spec": spec, "storage_options": s3_server.storage_options, "workers": 1, "threads": 1,
             "parquet": True, "on_error": "skip"}
-    state = str(tmp_path / "state.json")
-
-    whole = torchrun(JOB, tmp_path, 2, {**base, "tag": "whole"})
-    crops = {k: v for r in whole for k, v in r["images"].items()}
-    assert sorted(crops) == keys and sum(len(r["images"]) for r in whole) == len(keys)
-    assert whole[0]["steps"] == whole[1]["steps"]
+    whole = once_after_a_resume(JOB, tmp_path, base, keys, "images", 2, {"workers": 2})
     assert sum(r["skipped"].get("decode", 0) for r in whole) == 1
-
-    first = torchrun(JOB, tmp_path, 2, {**base, "tag": "first", "stop": 2, "save": state})
-    rest = torchrun(JOB, tmp_path, 2, {**base, "tag": "rest", "load": state, "workers": 2})
-    got = collections.Counter(k for r in first + rest for k in r["images"])
-    assert sorted(got) == keys and max(got.values()) == 1
-    assert all(crops[k] == v for r in first + rest for k, v in r["images"].items())

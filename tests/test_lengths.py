@@ -13,7 +13,7 @@ import torch
 
 import streamdata as sd
 from tests.datasets.test_mix import make, make_data
-from tests.helpers import rank_env, take
+from tests.helpers import rank_env, stopped_state
 from tests.test_static_shapes import WORLDS, B, _dataset, make_corpora
 
 KINDS = ["tar", "parquet", "tokens", "tokens-tar"]
@@ -150,18 +150,8 @@ def test_a_mix_s_len_is_the_batches_every_rank_yields(data, end, drop_last, worl
 def test_a_resumed_mix_counts_the_steps_before_with_those_left(data, end, old, new):
     """Simulated ranks stopped after 4 batches, resumed on ``new`` ranks: ``len()`` there is the
     steps before plus those each rank then delivers, where that is at least a whole epoch's."""
-    from streamdata.epoch.state import merge_states
-
     kw = dict(weights=(3, 1), batch_size=3, **end)
-    states = []
-    for rank in range(old):
-        with rank_env(rank, old):
-            mix = make(data, **kw)
-            it = iter(mix)
-            take(it, 4)
-            states.append(mix.state_dict())
-            it.close()
-    state = merge_states(states)
+    state = stopped_state(lambda: make(data, **kw), old, 4)
     for rank in range(new):
         with rank_env(rank, new):
             whole = len(make(data, **kw))

@@ -18,26 +18,13 @@ import numpy as np
 import pytest
 
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import torchrun
+from tests.helpers import npy_tar, torchrun
 
 JOB = Path(__file__).parent / "jobs" / "tokens_job.py"
 TIME_LIMIT_S = 300
 WORLDS = (("same", 2, 2), ("three", 3, 1), ("one", 1, 0))  # tag, ranks, workers
 LENGTHS = [[30, 0, 75, 12], [160], [9, 14, 3, 40, 21], [55, 66]]  # documents per file: 485 tokens
 WHOLE = [(name, tag, workers) for name in ("bin", "tar") for tag in ("one", "three") for workers in (0, 2)]
-
-
-def _tar(docs: list) -> bytes:
-    """A tar shard of one sample per document, its tokens a .npy field."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for k, doc in enumerate(docs):
-            npy = io.BytesIO()
-            np.save(npy, doc.astype(np.uint16))
-            info = tarfile.TarInfo(f"doc{k:04d}.npy")
-            info.size = len(npy.getvalue())
-            tar.addfile(info, io.BytesIO(npy.getvalue()))
-    return out.getvalue()
 
 
 def _write(fs, bucket: str) -> dict:
@@ -52,7 +39,7 @@ def _write(fs, bucket: str) -> dict:
         fs.pipe_file(f"{bucket}/bin/part-{i}.bin", flat.tobytes())
         fs.pipe_file(f"{bucket}/idx/part-{i}.bin", flat.tobytes())
         fs.pipe_file(f"{bucket}/idx/part-{i}.idx", idx_bytes(lengths, np.uint16))
-        fs.pipe_file(f"{bucket}/tar/part-{i}.tar", _tar(docs))
+        fs.pipe_file(f"{bucket}/tar/part-{i}.tar", npy_tar(docs, np.uint16, "doc"))
         with fs.open(f"{bucket}/parquet/part-{i}.parquet", "wb") as f:
             pq.write_table(pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32()))}),
                            f, row_group_size=2)
@@ -157,8 +144,8 @@ def test_torchrun_a_tar_corpus_without_counts_is_counted_in_shares(s3_bucket, tm
         for n in lengths:
             docs.append(np.arange(at, at + n))
             at += n
-        fs.pipe_file(f"{bucket}/npy/part-{i}.tar", _tar(docs))
-        fs.pipe_file(f"{bucket}/bad/part-{i}.tar", _tar(docs))
+        fs.pipe_file(f"{bucket}/npy/part-{i}.tar", npy_tar(docs, np.uint16, "doc"))
+        fs.pipe_file(f"{bucket}/bad/part-{i}.tar", npy_tar(docs, np.uint16, "doc"))
     out = io.BytesIO()  # a 2-D .npy: no token array
     np.save(out, np.zeros((2, 2), np.uint16))
     bad = io.BytesIO()

@@ -29,7 +29,7 @@ from typing import Any
 from streamdata.errors import SpecError
 from streamdata.redact import redact
 from streamdata.store.network import Network
-from streamdata.store.presigned import Body, _status_error, content_total
+from streamdata.store.presigned import Body, answer_error, content_total
 from streamdata.store.session import AiohttpSession, Session
 
 __all__ = ["HUB_REQUESTS_PER_S", "PARQUET_REVISION", "HubFiles", "canonical_path", "hub_filesystem_class",
@@ -153,15 +153,9 @@ class HubFiles:
             body.keep(data[start:end], wire=len(data))
             return len(data)
         detail = redact(data[:300].decode("utf-8", "replace"))
-        if status == 404:
-            raise FileNotFoundError(f"{url}: HTTP 404 {detail}")
-        if status in (401, 403):
-            raise PermissionError(f"{url}: HTTP {status} {detail} (a gated or private repository needs "
-                                  "a token: HF_TOKEN, `hf auth login`, or storage_options={'token': ...})")
-        if status == 416:
-            raise _status_error(f"{url}: HTTP 416: bytes {start}..{end} lie past the file's end; it is "
-                                "shorter than listed or changed", status, None)
-        raise _status_error(f"{url}: HTTP {status} {detail}", status, wait)
+        raise answer_error(url, status, detail, start, end, wait, denied=status in (401, 403), what="file",
+                           hint=" (a gated or private repository needs a token: HF_TOKEN, "
+                                "`hf auth login`, or storage_options={'token': ...})")
 
     async def close(self) -> None:
         await self.session.close()

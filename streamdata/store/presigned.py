@@ -43,7 +43,7 @@ from streamdata.store.network import Network
 from streamdata.store.retry import parse_retry_after
 from streamdata.store.session import AiohttpSession, Session
 
-__all__ = ["Body", "PresignedS3", "content_total", "http_probe"]
+__all__ = ["Body", "PresignedS3", "answer_error", "content_total", "http_probe"]
 
 
 class Body:
@@ -240,14 +240,8 @@ class PresignedS3:
             body.keep(data[start:end], wire=len(data))
             return len(data)
         detail = data[:300].decode("utf-8", "replace")
-        if status == 404:
-            raise FileNotFoundError(f"{path}: HTTP 404 {detail}")
-        if status == 403 or stale is not None:  # S3 says ExpiredToken with a 400
-            raise PermissionError(f"{path}: HTTP {status} {detail}")
-        if status == 416:
-            raise _status_error(f"{path}: HTTP 416: bytes {start}..{end} lie past the object's end; it "
-                                "is shorter than listed or changed", status, None)
-        raise _status_error(f"{path}: HTTP {status} {detail}", status, wait)
+        denied = status == 403 or stale is not None  # S3 says ExpiredToken with a 400
+        raise answer_error(path, status, detail, start, end, wait, denied=denied)
 
     async def close(self) -> None:
         await self.session.close()
@@ -255,6 +249,23 @@ class PresignedS3:
     def forget(self) -> None:
         """FORK-RESET in a child: drop the inherited connections without closing them."""
         self.session.forget()
+
+
+def answer_error(where: str, status: int, detail: str, start: int, end: int | None, wait: str | None, *,
+                 denied: bool, hint: str = "", what: str = "object") -> OSError:
+    """The typed error of a ranged GET of bytes ``[start, end)`` of ``where`` answered with
+    ``status`` (no 2xx), ``detail`` the start of its body: 404 a ``FileNotFoundError``;
+    ``denied`` (the caller's reading of the answer: 403, an expired signature) a
+    ``PermissionError``, ``hint`` after it; 416 the range past the ``what``'s end; any other
+    status an ``OSError`` carrying it and its ``Retry-After`` ``wait`` (``_status_error``)."""
+    if status == 404:
+        return FileNotFoundError(f"{where}: HTTP 404 {detail}")
+    if denied:
+        return PermissionError(f"{where}: HTTP {status} {detail}{hint}")
+    if status == 416:
+        return _status_error(f"{where}: HTTP 416: bytes {start}..{end} lie past the {what}'s end; it is "
+                             "shorter than listed or changed", status, None)
+    return _status_error(f"{where}: HTTP {status} {detail}", status, wait)
 
 
 def _status_error(text: str, status: int, wait: str | None) -> OSError:

@@ -22,7 +22,7 @@ import streamdata as sd
 from streamdata.catalog import index as sdx
 from streamdata.epoch.mix import choices, counts_before
 from streamdata.epoch.state import merge_states
-from tests.helpers import rank_env, take, write_shards, write_tables
+from tests.helpers import rank_env, stop_and_resume, take, write_shards, write_tables
 
 COUNTS = [5, 1, 9, 3, 0, 7, 2, 20, 11]  # 58 tar samples
 ROW_GROUPS = [[5, 1, 9], [3], [7, 2], [13, 4, 4], [1], [6, 6, 3, 1]]  # 65 rows
@@ -381,14 +381,7 @@ def test_a_source_without_counts_ends_when_it_runs_out_and_resumes(data, stop):
         else:
             assert set(ids) == set(range(total))
             assert sum(ids.values()) == total + mix.counts[f"mix.cycled.{k}"]
-    loader = _stateful(make(data, **kw), 2)
-    it = iter(loader)
-    before = [p for b in take(it, 8) for p in pairs(b)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    del it
-    resumed = _stateful(make(data, **kw), 2)
-    resumed.load_state_dict(state)
-    assert before + [p for b in resumed for p in pairs(b)] == full
+    assert stop_and_resume(lambda: _stateful(make(data, **kw), 2), 8, pairs) == full
 
 
 def test_persistent_workers_follow_set_epoch(data):

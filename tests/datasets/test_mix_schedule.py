@@ -30,7 +30,7 @@ from tests.datasets.test_mix import (
     pq_row,
     tar_row,
 )
-from tests.helpers import doc_blocks, rank_env, take
+from tests.helpers import doc_blocks, rank_env, stop_and_resume, stopped_state
 
 ROOT = Path(__file__).resolve().parents[2]
 ANNEAL = [(0.0, [0.9, 0.1]), (1.0, [0.5, 0.5])]  # source 1's share from 10% to 50% over the epoch
@@ -166,14 +166,7 @@ SCHEDULES = {"fraction": sd.Schedule(ANNEAL),
 def test_stateful_dataloader_resumes_mid_schedule_in_the_same_order(data, end, by):
     kw = dict(weights=SCHEDULES[by], batch_size=5, buffer=6, **end)
     full = [p for b in _stateful(make(data, **kw), 2) for p in pairs(b)]
-    loader = _stateful(make(data, **kw), 2)
-    it = iter(loader)
-    before = [p for b in take(it, 9) for p in pairs(b)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    del it
-    resumed = _stateful(make(data, **kw), 2)
-    resumed.load_state_dict(state)
-    assert before + [p for b in resumed for p in pairs(b)] == full
+    assert stop_and_resume(lambda: _stateful(make(data, **kw), 2), 9, pairs) == full
 
 
 @pytest.mark.parametrize("end", ENDS, ids=["first", "all", "samples"])
@@ -200,18 +193,8 @@ def test_a_scheduled_mix_s_len_is_the_batches_every_rank_yields(data, end, world
 
 @pytest.mark.parametrize("end", ENDS, ids=["first", "all", "samples"])
 def test_a_resumed_scheduled_mix_counts_the_steps_before_with_those_left(data, end):
-    from streamdata.epoch.state import merge_states
-
     kw = dict(weights=sd.Schedule(ANNEAL), batch_size=3, **end)
-    states = []
-    for rank in range(2):
-        with rank_env(rank, 2):
-            mix = make(data, **kw)
-            it = iter(mix)
-            take(it, 4)
-            states.append(mix.state_dict())
-            it.close()
-    state = merge_states(states)
+    state = stopped_state(lambda: make(data, **kw), 2, 4)
     for rank in range(3):
         with rank_env(rank, 3):
             whole = len(make(data, **kw))

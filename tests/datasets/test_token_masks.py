@@ -18,9 +18,8 @@ import pytest
 import torch
 
 import streamdata as sd
-from streamdata.epoch.state import merge_states
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import rank_env, take
+from tests.helpers import random_documents, rank_env, resumed_rows, saved_state
 
 BOS, EOS, PAD = 900_001, 900_002, 900_003
 IGNORE = -100
@@ -223,22 +222,8 @@ def test_resume_is_exact_on_any_world(tmp_path, layout, packing, order, new):
                                    eos_id=EOS, partial="pad", pad_id=PAD, **order, **kw)
     row = labelled
     everything = collections.Counter(r for b in make() for r in row(b))
-    before, states = [], []
-    for rank in range(2):
-        with rank_env(rank, 2), sd.loader(make(), num_workers=2) as loader:
-            it = iter(loader)
-            before += [r for b in take(it, 2) for r in row(b)]
-            states.append(loader.state_dict())
-            del it
-    state = json.loads(json.dumps(merge_states(states)))
-    after, steps = [], []
-    world_size, workers = new
-    for rank in range(world_size):
-        with rank_env(rank, world_size), sd.loader(make(), num_workers=workers) as loader:
-            loader.load_state_dict(state)
-            batches = [row(b) for b in loader]
-            steps.append(len(batches))
-            after += [r for b in batches for r in b]
+    before, state = saved_state(make, 2, row)
+    after, steps = resumed_rows(make, state, *new, row)
     assert len(set(steps)) == 1, steps
     assert collections.Counter(before + after) == everything
 
@@ -337,9 +322,7 @@ def test_best_fit_plan_keeps_every_document_whole_once(seed):
     from streamdata.epoch.tokens import best_fit_plan, fit_plan
 
     rng = np.random.default_rng(seed)
-    docs = [rng.integers(0, 15, rng.integers(1, 30)) for _ in range(rng.integers(1, 6))]
-    width, specials = int(rng.integers(4, 16)), int(rng.integers(0, 3))
-    tokens = [int(d.sum()) + specials * len(d) for d in docs]
+    docs, width, specials, tokens = random_documents(rng, 30, 16)
     window = int(rng.integers(1, 4))
     plan = best_fit_plan(tokens, docs, width, specials, seed=seed, epoch=1, shuffle=True, window=window)
     again = best_fit_plan(tokens, docs, width, specials, seed=seed, epoch=1, shuffle=True, window=window)

@@ -8,9 +8,7 @@ every token in exactly one sequence per epoch over simulated ranks x real DataLo
 from __future__ import annotations
 
 import collections
-import io
 import json
-import tarfile
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import pytest
 import streamdata as sd
 from streamdata.epoch.state import merge_states
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import rank_env, take
+from tests.helpers import npy_tar, rank_env, saved_state, take
 
 SEQ_LEN = 15  # width 16 with targets=True
 LENGTHS = [[700, 3, 0, 1200], [2500], [90, 40, 410, 5, 5, 300], [1800, 260]]  # documents per file
@@ -34,13 +32,7 @@ def _files(tmp_path, layout: str) -> tuple[str, dict]:
         docs = [np.arange(at + sum(lengths[:k]), at + sum(lengths[:k + 1])) for k in range(len(lengths))]
         at += sum(lengths)
         if layout == "tar":
-            with tarfile.open(root / f"part-{i}.tar", "w") as tar:
-                for k, doc in enumerate(docs):
-                    npy = io.BytesIO()
-                    np.save(npy, doc.astype(np.uint32))
-                    info = tarfile.TarInfo(f"d{k:04d}.npy")
-                    info.size = len(npy.getvalue())
-                    tar.addfile(info, io.BytesIO(npy.getvalue()))
+            (root / f"part-{i}.tar").write_bytes(npy_tar(docs, np.uint32, "d"))
             continue
         dtype = np.int32 if layout == "idx" else np.uint32  # (Megatron's types: int32 past 65500)
         np.concatenate(docs).astype(dtype).tofile(root / f"part-{i}.bin")
@@ -163,14 +155,7 @@ def test_resume_from_2x2_is_exact_to_the_token(tmp_path, new):
     spec = _one_bin(tmp_path, 8_011)
     everything = _rows(_make(spec))
     stop = int(np.random.default_rng(11).integers(5, 30))
-    before, states = [], []
-    for rank in range(2):
-        with rank_env(rank, 2), sd.loader(_make(spec), num_workers=2) as loader:
-            it = iter(loader)
-            before += _rows(take(it, stop))
-            states.append(loader.state_dict())
-            del it
-    state = json.loads(json.dumps(merge_states(states)))
+    before, state = saved_state(lambda: _make(spec), stop, lambda b: _rows([b]))
     after, steps = [], []
     world_size, workers = new
     for rank in range(world_size):

@@ -20,7 +20,7 @@ import streamdata as sd
 from streamdata.batch.tokens import varlen_cu_seqlens
 from streamdata.epoch.state import merge_states
 from streamdata.formats.tokens import idx_bytes
-from tests.helpers import rank_env, take
+from tests.helpers import rank_env, resumed_rows, saved_state, take
 
 # documents' lengths per file: uneven, with empty documents and an empty file
 DOCS = [[5, 0, 17, 3], [40], [], [1, 2, 3, 4, 5, 6, 7], [23, 9], [11]]
@@ -195,22 +195,8 @@ def test_resume_is_exact_to_the_token_on_any_world(tmp_path, layout, new):
                                    bos_id=BOS, eos_id=EOS, partial="pad", pad_id=PAD, **kw)
     everything = [s for b in make() for s in _delivered(b)]
     stop = int(np.random.default_rng(11).integers(1, 6))
-    before, states = [], []
-    for rank in range(2):
-        with rank_env(rank, 2), sd.loader(make(), num_workers=2) as loader:
-            it = iter(loader)
-            before += [s for b in take(it, stop) for s in _delivered(b)]
-            states.append(loader.state_dict())
-            del it
-    state = json.loads(json.dumps(merge_states(states)))
-    after, steps = [], []
-    world_size, workers = new
-    for rank in range(world_size):
-        with rank_env(rank, world_size), sd.loader(make(), num_workers=workers) as loader:
-            loader.load_state_dict(state)
-            batches = [_delivered(b) for b in loader]
-            steps.append(len(batches))
-            after += [s for b in batches for s in b]
+    before, state = saved_state(make, stop, _delivered)
+    after, steps = resumed_rows(make, state, *new, _delivered)
     assert len(set(steps)) == 1, steps
     # (sequences of inserted tokens only, e.g. an empty document's bos-eos, may repeat: a multiset)
     got, want = collections.Counter(before + after), collections.Counter(everything)

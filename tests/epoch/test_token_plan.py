@@ -10,6 +10,7 @@ import pytest
 from streamdata.epoch.plan import reader_span
 from streamdata.epoch.tokens import augmented, raw_range, sequence_plan, token_reads
 from streamdata.epoch.world import World
+from tests.helpers import random_documents
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -62,10 +63,7 @@ def test_raw_range_and_augmented_agree_with_a_built_stream():
 def test_fit_plan_cuts_only_documents_longer_than_a_sequence(seed):
     from streamdata.epoch.tokens import fit_plan
 
-    rng = np.random.default_rng(seed)
-    docs = [rng.integers(0, 15, rng.integers(1, 6)) for _ in range(rng.integers(1, 6))]
-    width, specials = int(rng.integers(4, 12)), int(rng.integers(0, 3))
-    tokens = [int(d.sum()) + specials * len(d) for d in docs]
+    docs, width, specials, tokens = random_documents(np.random.default_rng(seed), 6, 12)
     plan = fit_plan(tokens, docs, width, specials, seed=seed, epoch=0, shuffle=True)
     bounds = plan.bounds.tolist()
     assert bounds[0] == 0 and bounds[-1] == sum(tokens) and plan.dropped == 0

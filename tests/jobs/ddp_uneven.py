@@ -15,7 +15,6 @@ had batches would hang in DDP's all-reduce: the test's time limit catches that.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import sys
 
@@ -23,16 +22,12 @@ import torch
 import torch.distributed as dist
 
 import streamdata as sd
+from tests.helpers import ddp_job
 from tests.jobs._leave import leave
 
 
 def main(out_dir: str, config_json: str) -> None:
-    cfg = json.loads(config_json)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg, rank, model, optimizer = ddp_job(config_json)
     results: dict[str, list[dict]] = {}
     for name, case in cfg["cases"].items():
         plain, drop_last = case.get("loader", "sd") == "plain", case.get("drop_last", False)

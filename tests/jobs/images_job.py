@@ -14,16 +14,14 @@ delivered, a digest of the image it got.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 import streamdata as sd
-from tests.helpers import ddp_steps
+from tests.helpers import ddp_job, ddp_steps
 from tests.jobs._leave import leave
 
 
@@ -45,12 +43,7 @@ def _dataset(cfg: dict):
 
 
 def main(out_dir: str, config_json: str) -> None:
-    cfg = json.loads(config_json)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg, rank, model, optimizer = ddp_job(config_json)
     ds = _dataset(cfg)
     images: dict[str, str] = {}
     steps = 0

@@ -11,15 +11,13 @@ resume from). Each rank trains a tiny DDP model (gloo, CPU) on the clips of epoc
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 import streamdata as sd
-from tests.helpers import ddp_steps
+from tests.helpers import ddp_job, ddp_steps
 from tests.jobs._leave import leave
 
 
@@ -28,12 +26,7 @@ def _features(batch) -> torch.Tensor:
 
 
 def main(out_dir: str, config_json: str) -> None:
-    cfg = json.loads(config_json)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg, rank, model, optimizer = ddp_job(config_json)
     ds = sd.TarDataset(cfg["spec"], storage_options=cfg["storage_options"], seed=3, shuffle=True,
                        decode=sd.video.RandomClip(frames=3, stride=2, size=16))
     clips: dict[str, list[float]] = {}

@@ -12,7 +12,6 @@ every rank's steps, the (source, id) pairs it delivered and its mix counters.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import streamdata as sd
-from tests.helpers import ddp_steps
+from tests.helpers import ddp_job, ddp_steps
 from tests.jobs._leave import leave
 
 SCHEDULE = [(0.0, [2.0, 1.0]), (1.0, [1.0, 3.0])]  # the Parquet source from 1/3 to 3/4 over the epoch
@@ -35,12 +34,7 @@ def pq_row(row):
 
 
 def main(out_dir: str, config_json: str) -> None:
-    cfg = json.loads(config_json)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg, rank, model, optimizer = ddp_job(config_json, 4)
     options = cfg["storage_options"]
     mix = sd.Mix([sd.TarDataset(cfg["tar"], storage_options=options, shuffle=True, seed=3, map=tar_row),
                   sd.ParquetDataset(cfg["parquet"], storage_options=options, shuffle=True, seed=4,
