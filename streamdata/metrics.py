@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 __all__ = ["CACHE_EVENTS", "COUNTERS", "KNOBS", "MODALITIES", "READER_STATS", "RESIGN_REASONS",
-           "RETRY_REASONS", "SKIP_REASONS", "STAGES", "Counters", "StageClock", "batch_len", "decode_timing",
-           "modality_acc"]
+           "RETRY_REASONS", "SKIP_REASONS", "STAGES", "Consumed", "Counters", "StageClock", "batch_len",
+           "decode_timing", "modality_acc"]
 
 # why a record or unit was skipped under on_error (policy.skip_reason)
 SKIP_REASONS = ("fetch", "timeout", "format", "decode", "other")
@@ -134,6 +134,48 @@ class Counters:
 
     def __repr__(self) -> str:
         return f"Counters({self.snapshot()})"
+
+
+class Consumed:
+    """Counters of a table as of the batches the loop received (CONSUMED-POSITION in
+    ``feed/checkpoint``): each batch carries its reader's row as it left the reader (:meth:`tag`,
+    in the reader); ``sd.loader`` hands that to :meth:`deliver` when the step consumes the batch,
+    and :meth:`end` takes in what the readers counted after their last batch once the epoch's
+    iteration has ended. What readers counted ahead of the loop (prefetched batches, a pass
+    ended in a worker) is not counted until delivered, and not at all where the iteration is left
+    before (a resume reads it again). Only the main process calls :meth:`begin`, :meth:`deliver`,
+    :meth:`end` and reads the totals."""
+
+    def __init__(self, table: Counters) -> None:
+        self.table = table
+        self.totals = table._table.sum(dim=0).tolist()  # (what was counted before, as it stands)
+        self._seen = table._table.tolist()  # per row: what is counted already, or passed over
+
+    def tag(self) -> tuple[int, list[int]]:
+        """This reader's row and its counts now (in the reader: ONE-WRITER-PER-ROW)."""
+        from torch.utils.data import get_worker_info
+
+        row = _row(get_worker_info())
+        return row, self.table._table[row].tolist()
+
+    def begin(self) -> None:
+        """An iteration starts its readers: what they counted before it (a pass left early, its
+        batches never received) is passed over."""
+        self._seen = self.table._table.tolist()
+
+    def deliver(self, row: int, counts: Sequence[int]) -> None:
+        """A batch whose reader's row read ``counts`` when it left the reader was received."""
+        seen = self._seen[row]
+        self.totals = [t + max(c - s, 0) for t, c, s in zip(self.totals, counts, seen, strict=True)]
+        self._seen[row] = [max(c, s) for c, s in zip(counts, seen, strict=True)]
+
+    def end(self) -> None:
+        """The epoch's iteration ended: every reader's pass, to its end, was received."""
+        for row, counts in enumerate(self.table._table.tolist()):
+            self.deliver(row, counts)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(zip(self.table.names, self.totals, strict=True))
 
 
 def _row(info: Any) -> int:

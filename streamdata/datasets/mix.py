@@ -55,7 +55,7 @@ from streamdata.epoch.resume import Stage
 from streamdata.epoch.state import STATE_FORMAT, Loaded, check_header, stages_json, start_state
 from streamdata.epoch.world import World
 from streamdata.errors import SpecError, StreamDataError
-from streamdata.metrics import Counters
+from streamdata.metrics import Consumed, Counters
 from streamdata.ranks import DataParallel, data_parallel
 
 __all__ = ["Mix"]
@@ -125,6 +125,7 @@ class Mix(torch.utils.data.IterableDataset):
         k = range(len(self.sources))
         self._counters = Counters([*(f"mix.taken.{i}" for i in k), *(f"mix.cycled.{i}" for i in k),
                                    *(f"mix.undelivered.{i}" for i in k), "mix.left_out"])
+        self._consumed: Consumed | None = None  # (``consumed_counts``)
         self._epoch, self._passes = 0, 0
         self._resume: Loaded | None = None
         self._live: _Run | None = None
@@ -197,12 +198,25 @@ class Mix(torch.utils.data.IterableDataset):
     @property
     def counts(self) -> dict[str, int]:
         """The mix's counters (``mix.taken.K``, ``mix.cycled.K``, ``mix.undelivered.K``,
-        ``mix.left_out``) and every source counter summed over the sources, over every worker."""
-        out = self._counters.snapshot()
+        ``mix.left_out``) and every source counter summed over the sources, over every worker.
+        Read through ``sd.loader``, the mix's own follow the batches the loop received, as its
+        state does (``consumed_counts``)."""
+        out = self._consumed.snapshot() if self._consumed is not None else self._counters.snapshot()
         for source in self.sources:
             for name, n in source.counts.items():
                 out[name] = out.get(name, 0) + n
         return out
+
+    @property
+    def consumed_counts(self) -> Consumed:
+        """The mix's counters as of the batches the loop received (CONSUMED-POSITION): what
+        ``sd.loader`` keeps, so that the counts agree with the state it saves. Readers prefetch
+        ahead of the loop; a reader whose pass ended in a DataLoader worker has counted what it
+        left (``mix.undelivered``), but the state taken before its last batches reach the loop
+        resumes them, and re-divides what that reader left."""
+        if self._consumed is None:
+            self._consumed = Consumed(self._counters)
+        return self._consumed
 
     def reader_stats(self) -> list[dict[str, int]]:
         """Each reader's ``metrics.READER_STATS``, its sources' rows summed (``loader.metrics()``);
@@ -374,14 +388,17 @@ class Mix(torch.utils.data.IterableDataset):
         """The reader's samples: choose, take (cycling as ``stop`` says), until the epoch ends. The
         end is known before the last sample goes (the next choice is drawn first), so the state
         taken after the last batch says it (``end``: a restart on another world then hands that
-        reader's leftovers to no one; they were counted as undelivered)."""
+        reader's leftovers to no one), and the counters with it have counted them as undelivered
+        (a reader that ends at its first choice too: it yields nothing, what it holds is left)."""
         chosen = choices(run.probs, self.seed, run.epoch, len(run.before), run.world.worker, run.t)
         k = next(chosen)
-        started_ended = run.ended = run.ended or run.over(k)
+        if not run.ended and run.over(k):  # (a saved entry that had ended was counted where it ended)
+            run.end()
         try:
             while not run.ended:
                 sample = run.take(k)
                 if sample is _END:
+                    run.end()
                     break
                 run.t += 1
                 run.chosen[k] += 1
@@ -389,11 +406,9 @@ class Mix(torch.utils.data.IterableDataset):
                 if run.cycles[k]:
                     self._counters.add(f"mix.cycled.{k}")
                 k = next(chosen)
-                run.ended = run.over(k)
+                if run.over(k):
+                    run.end()  # before the last sample goes: its state says end, its counts the rest
                 yield sample
-            run.ended = True
-            if not started_ended:
-                run.finish()
         finally:
             run.close()
 
@@ -476,8 +491,10 @@ class _Run:
         positions = [s.state_dict()["stages"][-1]["delivered"][self.world.slot] for s in self.mix.sources]
         return entry_of(self.t, self.cycles, positions, self.ended)
 
-    def finish(self) -> None:
-        """Count what ``stop="first"`` left undelivered of this reader's share of each source."""
+    def end(self) -> None:
+        """The pass ends: count what ``stop="first"`` left undelivered of this reader's share of
+        each source (once per reader and stage: a state that says ``end`` has counted it)."""
+        self.ended = True
         if self.mix.stop != "first" or self.own is None:
             return
         for k, (own, chosen) in enumerate(zip(self.own, self.chosen, strict=True)):

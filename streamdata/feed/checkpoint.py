@@ -16,6 +16,9 @@ one) holds them when it saves; with ``held_ahead=k`` the last ``k`` batches hand
 of the state until the epoch's iteration has ended (then the framework holds none: it met the end
 while taking ahead), so a resume reads them again. Once an epoch's iteration has ended, the state
 is the next epoch's start: a checkpoint taken at an epoch's end resumes with the next epoch.
+A dataset with ``consumed_counts`` (``sd.Mix``: its epoch's accounting) has its counters follow the
+same batches: each tag carries its reader's counters (``metrics.Consumed``), taken in as the tag
+is recorded, and what readers counted after their last batches once the iteration has ended.
 
 HELD-AHEAD-DETECTED: without a ``held_ahead`` given, each iteration takes it from whoever asks for
 its first batch (:func:`held_ahead_of`, once per iteration, not per batch): Lightning's data
@@ -50,6 +53,7 @@ class Tagged(NamedTuple):
     batch: Any
     worker: int
     state: dict | None
+    counts: tuple[int, list[int]] | None = None  # the reader's row of counters that follow the loop
 
 
 class Positioned:
@@ -64,7 +68,9 @@ class Positioned:
         batch = self.collate_fn(samples)
         info = get_worker_info()
         dataset: Any = info.dataset if info is not None else self.dataset
-        return Tagged(batch, 0 if info is None else info.id, dataset.state_dict())
+        consumed = getattr(dataset, "consumed_counts", None)
+        counts = consumed.tag() if consumed is not None else None
+        return Tagged(batch, 0 if info is None else info.id, dataset.state_dict(), counts)
 
 
 class Positions:
@@ -75,6 +81,7 @@ class Positions:
         self.dataset, self.num_workers = dataset, max(num_workers, 1)
         self.held_ahead = held_ahead
         self.latest: dict[int, dict] = {}
+        self.consumed = getattr(dataset, "consumed_counts", None)  # counters kept as the state is
         self.delivered = 0  # batches handed out since the loader was made
         self.ended = False  # the last iteration ran to its end: the state is the next epoch's start
         self._held: collections.deque[Tagged | None] = collections.deque()  # handed out, maybe held
@@ -108,14 +115,23 @@ class Positions:
         while len(self._held) > self.held_ahead:  # consumed: a framework holds only held_ahead
             self._commit(self._held.popleft())
 
+    def begin(self) -> None:
+        """An iteration is about to start the readers (before they read: ``Consumed.begin``)."""
+        if self.consumed is not None:
+            self.consumed.begin()
+
     def _commit(self, tag: Tagged | None) -> None:
         if tag is not None and tag.state is not None:
             self.latest[tag.worker] = tag.state
+            if self.consumed is not None and tag.counts is not None:
+                self.consumed.deliver(*tag.counts)
 
     def end(self) -> None:
         """The epoch's iteration ran to its end: every batch handed out is consumed."""
         while self._held:
             self._commit(self._held.popleft())
+        if self.consumed is not None:  # what the readers counted after their last batches
+            self.consumed.end()
         self.ended = True
 
     def state_dict(self) -> dict:

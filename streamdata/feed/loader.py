@@ -218,6 +218,8 @@ class Loader:
         install()  # FORK-RESET and INHERITED-HEAP for the workers this may start (``_fork``)
         self._running += 1
         try:
+            if self._positions is not None:
+                self._positions.begin()  # (before the workers start)
             source = iter(self._source)
             if self._positions is not None:
                 source = self._positions.deliver(source)

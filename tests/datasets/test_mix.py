@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
 
 import fsspec
 import numpy as np
@@ -242,6 +243,15 @@ def test_three_worlds_in_one_epoch(data, end):
     check_sources(got, mixes, kw)
 
 
+@pytest.mark.parametrize("weights,old,new,at", [((2, 1), 2, 3, 15), ((1, 1), 2, 1, 20)])
+def test_a_reader_that_ends_at_its_first_choice_counts_what_it_holds(data, weights, old, new, at):
+    """stop="first" on another world: a new reader whose first choice falls on a source whose
+    re-divided quota is 0 yields nothing; what it holds of the others is counted undelivered."""
+    kw = dict(weights=weights, batch_size=3, stop="first")
+    got, mixes, _ = legs(data, kw, [old, new], at)
+    check_sources(got, mixes, kw)
+
+
 def _dataset_states(loader_state):
     """The dataset states in a StatefulDataLoader's state (torchdata 0.11's layout)."""
     if "_snapshot" not in loader_state:
@@ -302,6 +312,55 @@ def test_sd_loader_state_restarts_any_number_of_workers(data, workers, new_worke
         assert set(got) == set(full)
     for k, total in enumerate(TOTAL):
         assert sum(1 for s, _ in got if s == k) + mix.counts[f"mix.undelivered.{k}"] == total
+
+
+MIX_COUNTERS = ("mix.taken.", "mix.cycled.", "mix.undelivered.", "mix.left_out")
+
+
+def _own(counts):
+    return {name: n for name, n in counts.items() if name.startswith(MIX_COUNTERS)}
+
+
+@pytest.mark.parametrize("end,schedule", [({"stop": "first"}, False), ({"stop": "first"}, True),
+                                          ({"stop": "all"}, False), ({"samples": 241}, True)],
+                         ids=["first", "first-schedule", "all", "samples-schedule"])
+def test_counts_saved_near_the_epoch_s_end_follow_the_batches_received(data, end, schedule):
+    """CONSUMED-POSITION for the mix's counters: 2 simulated ranks x 2 workers through sd.loader
+    save one step before the epoch's end, once every worker has run its pass to its end (its
+    counters say so: they match an uninterrupted run's); restarted on 3 ranks x 1 worker, each
+    source once and the counts over both runs exact (what the workers had counted ahead of the
+    loop is counted where it was received: not twice)."""
+    from tests.datasets.test_mix_schedule import ANNEAL
+
+    kw = dict(weights=sd.Schedule(ANNEAL) if schedule else (2, 1), **end)
+    got, mixes, states = [], [], []
+    for rank in range(2):
+        with rank_env(rank, 2):
+            whole = make(data, **kw)
+            with sd.loader(whole, batch_size=3, num_workers=2) as loader:
+                steps = sum(1 for _ in loader)
+            mixes.append(make(data, **kw))
+            with sd.loader(mixes[-1], batch_size=3, num_workers=2) as loader:
+                it = iter(loader)
+                got += [p for b in take(it, steps - 1) for p in pairs(b)]
+                deadline = time.monotonic() + 60  # the workers run to their passes' ends
+                while _own(mixes[-1]._counters.snapshot()) != _own(whole.counts):
+                    assert time.monotonic() < deadline, "the workers did not end their passes"
+                    time.sleep(0.02)
+                assert _own(mixes[-1].counts) != _own(whole.counts)  # the last step not received
+                states.append(loader.state_dict())
+                del it
+    state = json.loads(json.dumps(merge_states(states)))
+    for rank in range(3):
+        with rank_env(rank, 3):
+            mixes.append(make(data, **kw))
+            with sd.loader(mixes[-1], batch_size=3, num_workers=1) as loader:
+                loader.load_state_dict(state)
+                got += [p for b in loader for p in pairs(b)]
+    check_sources(got, mixes, kw)
+    for k in range(2):
+        taken = sum(m.counts[f"mix.taken.{k}"] for m in mixes)
+        assert taken == sum(1 for s, _ in got if s == k), f"source {k}: taken {taken}"
 
 
 # ---- refused -----------------------------------------------------------------------------------
